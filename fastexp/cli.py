@@ -1,0 +1,121 @@
+"""The ``fastexp`` command: ``serve generator|scorer|experience``, ``up``, ``demo``.
+
+Settings come from flags, then ``FASTEXP_<SERVICE>_<FIELD>`` environment variables, then a YAML file
+(``--config``, one section per service), then defaults; they are validated once, here at the edge.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="RLHF experiences over gRPC.")
+
+ConfigOption = Annotated[Path | None, typer.Option("--config", exists=True, dir_okay=False, help="YAML settings")]
+HostOption = Annotated[str | None, typer.Option(help="interface to bind")]
+PortOption = Annotated[int | None, typer.Option(help="TCP port (0: any free port)")]
+
+
+class Service(str, Enum):
+    generator = "generator"
+    scorer = "scorer"
+    experience = "experience"
+
+
+class Backend(str, Enum):
+    auto = "auto"
+    vllm = "vllm"
+    hf = "hf"
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def serve(
+    service: Annotated[Service, typer.Argument(help="which service to run")],
+    config: ConfigOption = None,
+    host: HostOption = None,
+    port: PortOption = None,
+    model: Annotated[str | None, typer.Option(help="generator: policy model folder or alias")] = None,
+    backend: Annotated[Backend | None, typer.Option(help="generator: engine backend")] = None,
+    generator_address: Annotated[str | None, typer.Option(help="experience: generator host:port")] = None,
+    scorer_address: Annotated[str | None, typer.Option(help="experience: scorer host:port")] = None,
+) -> None:
+    """Run one service until SIGTERM/SIGINT."""
+    from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
+
+    common = {"host": host, "port": port}
+    if service is Service.generator:
+        from services.generator.server import serve as run
+
+        settings = GeneratorSettings.load(config, **common, model=model, backend=backend and backend.value)
+    elif service is Service.scorer:
+        from services.scorer.server import serve as run
+
+        settings = ScorerSettings.load(config, **common)
+    else:
+        from services.experience.server import serve as run
+
+        settings = ExperienceSettings.load(
+            config, **common, generator_address=generator_address, scorer_address=scorer_address
+        )
+    _logging(settings.log_level)
+    run(settings)
+
+
+@app.command()
+def up(
+    config: ConfigOption = None,
+    backend: Annotated[Backend, typer.Option(help="generator engine backend")] = Backend.auto,
+    base_port: Annotated[int, typer.Option(help="generator port; scorer +1, experience +2")] = 50051,
+) -> None:
+    """Run generator, scorer and experience as local processes until Ctrl-C."""
+    import signal
+
+    from fastexp.launcher import SERVICES, LocalCluster
+
+    _logging("INFO")
+    ports = {name: base_port + i for i, name in enumerate(SERVICES)}
+    with LocalCluster(ports=ports, config_file=config, overrides={"generator": {"backend": backend.value}}) as c:
+        typer.echo(f"experience service ready at {c.address('experience')} (Ctrl-C stops)")
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+
+
+@app.command()
+def demo(
+    num_prompts: Annotated[int, typer.Option(min=1, help="prompts (reasoning-gym problems)")] = 16,
+    n_samples_per_prompt: Annotated[int, typer.Option(min=2, help="samples per prompt")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    task: Annotated[str, typer.Option(help="reasoning-gym task")] = "gsm_symbolic",
+    advantage_estimator: Annotated[str, typer.Option(help="group_norm, rloo, reinforce, ...")] = "group_norm",
+    backend: Annotated[Backend, typer.Option(help="generator engine backend")] = Backend.auto,
+    model: Annotated[str, typer.Option(help="policy/reference model folder or alias")] = "smollm2-135m-instruct",
+    out: Annotated[Path, typer.Option(help="output folder")] = Path("out/demo"),
+    seed: Annotated[int, typer.Option(help="problem-generation seed")] = 0,
+) -> None:
+    """Start the three services on the embedded default and stream real experiences (see README)."""
+    from fastexp.demo import DemoOptions, run_demo
+
+    _logging("INFO")
+    run_demo(
+        DemoOptions(
+            num_prompts=num_prompts, n_samples_per_prompt=n_samples_per_prompt, max_new_tokens=max_new_tokens,
+            task=task, advantage_estimator=advantage_estimator, backend=backend.value, model=model, out=out,
+            seed=seed,
+        )
+    )
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

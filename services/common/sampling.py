@@ -1,0 +1,83 @@
+"""Sampling options as a validated domain record, shared by the generator and the experience service."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fastexp.v1 import generation_pb2
+from services.common.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling parameters for every sample of a request.
+
+    ``temperature == 0`` means greedy decoding; ``top_k == 0`` disables top-k. Sample ``j`` of a prompt uses
+    ``seed + j`` when ``seed`` is set (vLLM); the HF backend seeds the whole request once.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+    seed: int | None = None
+
+    @classmethod
+    def from_pb(
+        cls,
+        message: generation_pb2.SamplingParams,
+        *,
+        default_max_new_tokens: int,
+        max_new_tokens_limit: int,
+        field: str = "sampling",
+    ) -> SamplingOptions:
+        """Validate ``message``; unset fields take the defaults above.
+
+        Raises:
+            InvalidRequest: naming the first invalid field, e.g. ``sampling.temperature``.
+        """
+        temperature = message.temperature if message.HasField("temperature") else 1.0
+        if not math.isfinite(temperature) or temperature < 0:
+            raise InvalidRequest(f"{field}.temperature", f"must be finite and >= 0, got {temperature}")
+        top_p = message.top_p if message.HasField("top_p") else 1.0
+        if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+            raise InvalidRequest(f"{field}.top_p", f"must be in (0, 1], got {top_p}")
+        top_k = message.top_k if message.HasField("top_k") else 0
+        if top_k < 0:
+            raise InvalidRequest(f"{field}.top_k", f"must be >= 0 (0 disables), got {top_k}")
+        max_new_tokens = message.max_new_tokens or default_max_new_tokens
+        if max_new_tokens > max_new_tokens_limit:
+            raise InvalidRequest(
+                f"{field}.max_new_tokens", f"at most {max_new_tokens_limit} allowed, got {max_new_tokens}"
+            )
+        if message.min_new_tokens > max_new_tokens:
+            raise InvalidRequest(
+                f"{field}.min_new_tokens",
+                f"must not exceed max_new_tokens ({max_new_tokens}), got {message.min_new_tokens}",
+            )
+        return cls(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=message.min_new_tokens,
+            skip_special_tokens=message.skip_special_tokens,
+            seed=message.seed if message.HasField("seed") else None,
+        )
+
+    def to_pb(self) -> generation_pb2.SamplingParams:
+        """The same options as a ``SamplingParams`` message (for forwarding to the generator)."""
+        message = generation_pb2.SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        if self.seed is not None:
+            message.seed = self.seed
+        return message

@@ -1,0 +1,107 @@
+"""Server bootstrap shared by the three services: create, serve, and stop in order.
+
+``create_server`` builds a ``grpc.aio`` server with the error-mapping interceptor, gRPC health checking and
+server reflection, bound to ``host:port`` (port 0 picks a free port, as tests do). ``serve_until_signalled``
+runs it until SIGTERM/SIGINT, then: health NOT_SERVING -> ``server.stop(grace)`` -> the service's own cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import ErrorMappingInterceptor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningServer:
+    """A started server, its bound port and its health servicer."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING for the overall server ("") and each service."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        """NOT_SERVING, then let in-flight calls finish for up to ``grace_s`` seconds."""
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Channel/server options shared by servers and clients."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+async def create_server(
+    *,
+    host: str,
+    port: int,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+    max_message_bytes: int,
+) -> RunningServer:
+    """Build, bind and start a server; health reports NOT_SERVING until :meth:`RunningServer.set_serving`.
+
+    Args:
+        register: adds the service's servicers to the server.
+        service_names: full names (``fastexp.v1.GenerationService``) for health and reflection.
+
+    Raises:
+        RuntimeError: the address could not be bound.
+    """
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=grpc_options(max_message_bytes))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind {host}:{port}")
+    await server.start()
+    running = RunningServer(server, bound, health_servicer, tuple(service_names))
+    await running.set_serving(False)
+    return running
+
+
+async def serve_until_signalled(
+    running: RunningServer, grace_s: float, cleanup: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT or termination, then stop in order (see module docs)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(running.server.wait_for_termination())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    logger.info("stopping: draining in-flight calls for up to %.1f s", grace_s)
+    await running.stop(grace_s)
+    waiter.cancel()
+    stopper.cancel()
+    if cleanup is not None:
+        await cleanup()
+    logger.info("stopped")

@@ -1,0 +1,132 @@
+"""Typed settings for the three services, parsed once at the edge.
+
+Precedence, highest first: explicit overrides (CLI flags) > environment (``FASTEXP_<SERVICE>_<FIELD>``) > the
+service's section of a YAML file (``generator:``, ``scorer:``, ``experience:``) > defaults. Validation reports
+every bad field at once (pydantic). Nothing here is read at import time.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self
+
+import yaml
+from pydantic import Field
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from services.common.models import SMOLLM2_ALIAS
+
+_yaml_section: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_yaml_section", default={})
+
+
+class _YamlSectionSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return _yaml_section.get().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_yaml_section.get())
+
+
+class ServiceSettings(BaseSettings):
+    """Fields every gRPC server has."""
+
+    section: ClassVar[str] = ""
+
+    host: str = Field("127.0.0.1", description="interface to bind")
+    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    grace_period_s: float = Field(10.0, ge=0, description="SIGTERM: time in-flight calls get to finish")
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC message in or out")
+    log_level: str = Field("INFO", description="Python logging level")
+
+    model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _YamlSectionSource(settings_cls)
+
+    @classmethod
+    def load(cls, config_file: Path | None = None, **overrides: Any) -> Self:
+        """Build the settings from ``overrides`` (``None`` values ignored), the environment and ``config_file``.
+
+        Raises:
+            pydantic.ValidationError: listing every invalid field.
+            FileNotFoundError: ``config_file`` does not exist.
+        """
+        section: dict[str, Any] = {}
+        if config_file is not None:
+            document = yaml.safe_load(Path(config_file).read_text()) or {}
+            section = document.get(cls.section) or {}
+        token = _yaml_section.set(section)
+        try:
+            return cls(**{k: v for k, v in overrides.items() if v is not None})
+        finally:
+            _yaml_section.reset(token)
+
+
+class GeneratorSettings(ServiceSettings):
+    """The generator service: which model, which engine, and request limits."""
+
+    section: ClassVar[str] = "generator"
+    model_config = SettingsConfigDict(env_prefix="FASTEXP_GENERATOR_", extra="forbid")
+
+    port: int = Field(50051, ge=0, le=65535)
+    model: str = Field(SMOLLM2_ALIAS, description="model folder, hub id, or the embedded default's alias")
+    backend: Literal["auto", "vllm", "hf"] = Field("auto", description="auto: vLLM when importable, else HF")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: int = Field(2048, ge=16, description="most prompt + response tokens per sequence")
+    seed: int = Field(0, description="engine seed")
+    kv_cache_memory_bytes: int | None = Field(
+        2 * 1024**3, ge=1, description="vLLM KV-cache size; on CPU this is host memory. None: use the utilization"
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM memory fraction if no KV size")
+    enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (faster start, slower steps)")
+    hf_max_batch_size: int = Field(32, ge=1, description="HF backend: sequences per generate() call")
+    max_prompts_per_request: int = Field(4096, ge=1)
+    max_samples_per_prompt: int = Field(256, ge=1)
+    max_new_tokens_limit: int = Field(8192, ge=1, description="largest max_new_tokens a request may ask for")
+    default_max_new_tokens: int = Field(256, ge=1)
+
+
+class ScorerSettings(ServiceSettings):
+    """The scorer service: which reward function and its limits."""
+
+    section: ClassVar[str] = "scorer"
+    model_config = SettingsConfigDict(env_prefix="FASTEXP_SCORER_", extra="forbid")
+
+    port: int = Field(50052, ge=0, le=65535)
+    reward_fn: Literal["math_verify"] = Field("math_verify", description="rule-based reward function")
+    verifier_timeout_s: float = Field(5.0, gt=0, description="hard limit per item; a timed-out item scores 0")
+    verifier_workers: int = Field(2, ge=1, description="processes that run the verifier")
+    max_queries_per_request: int = Field(65536, ge=1)
+
+
+class ExperienceSettings(ServiceSettings):
+    """The experience service: where the generator and scorer are, and the models it runs itself."""
+
+    section: ClassVar[str] = "experience"
+    model_config = SettingsConfigDict(env_prefix="FASTEXP_EXPERIENCE_", extra="forbid")
+
+    port: int = Field(50053, ge=0, le=65535)
+    generator_address: str = Field("127.0.0.1:50051", description="host:port of the generator service")
+    scorer_address: str = Field("127.0.0.1:50052", description="host:port of the scorer service")
+    actor_model: str = Field(SMOLLM2_ALIAS, description="actor replica for action_log_probs (same as policy)")
+    reference_model: str = Field(SMOLLM2_ALIAS, description="frozen reference for base_action_log_probs")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = Field("cpu", description="torch device for actor/reference forward passes")
+    forward_micro_batch_size: int = Field(8, ge=1, description="rows per actor/reference forward pass")
+    generate_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Generate stream")
+    score_timeout_s: float = Field(120.0, gt=0, description="deadline of one Score call")
+    connect_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the generator at start")
+    max_prompts_per_request: int = Field(4096, ge=1)
+    max_samples_per_prompt: int = Field(256, ge=1)
+    max_new_tokens_limit: int = Field(8192, ge=1)
+    default_max_new_tokens: int = Field(256, ge=1)

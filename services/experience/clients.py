@@ -1,0 +1,122 @@
+"""gRPC adapters the experience pipeline calls: the generator and the scorer.
+
+Each call carries a deadline (``Deadline.timeout``), and gRPC failures become domain errors naming the service:
+UNAVAILABLE -> NotReady, DEADLINE_EXCEEDED -> UpstreamTimeout, RESOURCE_EXHAUSTED -> Overloaded, and a peer's
+INVALID_ARGUMENT -> InvalidRequest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import torch
+
+from fastexp.v1 import generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
+from services.common.deadlines import Deadline
+from services.common.errors import FastexpError, InvalidRequest, NotReady, Overloaded, UpstreamTimeout
+from services.common.server import grpc_options
+from services.common.tensor_codec import to_numpy, to_torch
+from services.experience.pipeline import Scores
+from services.generator.engine import CompletionRecord, GenerationRequest
+
+_FINISH = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+def translate_rpc_error(service: str, error: grpc.aio.AioRpcError) -> FastexpError:
+    """The domain error for a failed call to ``service``."""
+    code, details = error.code(), error.details()
+    message = f"{service}: {code.name}: {details}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return UpstreamTimeout(message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(message)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(service, details or "rejected")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return NotReady(message)
+    return FastexpError(message)
+
+
+def open_channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
+    """An insecure channel with fastexp's message limits."""
+    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_bytes))
+
+
+class GeneratorClient:
+    """Calls ``GenerationService`` (implements :class:`services.experience.pipeline.Generator`)."""
+
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+        self._stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        self._timeout_s = timeout_s
+
+    async def model_info(self, timeout_s: float) -> generation_pb2.ModelInfo:
+        """The generator's ``ModelInfo``, waiting up to ``timeout_s`` for it to come up.
+
+        Raises:
+            NotReady: the generator did not answer in time.
+        """
+        try:
+            return await self._stub.GetModelInfo(
+                generation_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as error:
+            raise NotReady(f"generator: {error.code().name}: {error.details()}") from error
+
+    async def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]:
+        message = generation_pb2.GenerateRequest(
+            request_id=request.request_id,
+            prompts=[generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=p)) for p in request.prompts],
+            sampling=request.sampling.to_pb(),
+            n_samples_per_prompt=request.n_samples_per_prompt,
+        )
+        call = self._stub.Generate(message, timeout=deadline.timeout(self._timeout_s))
+        try:
+            async for response in call:
+                for c in response.completions:
+                    yield CompletionRecord(
+                        prompt_index=c.prompt_index,
+                        sample_index=c.sample_index,
+                        prompt_token_ids=tuple(c.prompt_token_ids),
+                        output_token_ids=tuple(c.output_token_ids),
+                        output_log_probs=to_numpy(c.output_log_probs),
+                        finish_reason=_FINISH.get(c.finish_reason, "length"),
+                        text=c.text,
+                        policy_version=c.policy_version,
+                    )
+        except grpc.aio.AioRpcError as error:
+            raise translate_rpc_error("generator", error) from error
+        finally:
+            call.cancel()
+
+
+class ScorerClient:
+    """Calls ``ScoringService`` (implements :class:`services.experience.pipeline.Scorer`)."""
+
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+        self._stub = scoring_pb2_grpc.ScoringServiceStub(channel)
+        self._timeout_s = timeout_s
+
+    async def score(
+        self,
+        queries: Sequence[str],
+        prompts: Sequence[str],
+        labels: Sequence[str],
+        references: Sequence[str],
+        deadline: Deadline,
+    ) -> Scores:
+        message = scoring_pb2.ScoreRequest(queries=queries, prompts=prompts, labels=labels, references=references)
+        try:
+            response = await self._stub.Score(
+                message, timeout=deadline.timeout(self._timeout_s), wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as error:
+            raise translate_rpc_error("scorer", error) from error
+        return Scores(
+            rewards=to_torch(response.rewards),
+            metrics={name: to_torch(values) for name, values in response.metrics.items()},
+        )

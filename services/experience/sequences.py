@@ -1,0 +1,53 @@
+"""Build padded sequences and masks from finished completions (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.experience.request import PromptSpec
+from services.experience.types import Rollout
+from services.generator.engine import CompletionRecord
+
+
+def build_rollout(
+    completions: Sequence[CompletionRecord], prompts: Sequence[PromptSpec], pad_token_id: int
+) -> Rollout:
+    """Left-pad prompts and right-pad responses into one (B, S) batch, as the seed lays out experiences.
+
+    ``action_mask`` is built from each response's length, not from token ids: the embedded model's pad token
+    equals its EOS token, so the seed's ``sequences != eos & sequences != pad`` test would drop the final EOS.
+
+    Shape:
+        completions: B records; ``S = max prompt length + A``, ``A = max response length`` (>= 1).
+    """
+    prompt_width = max(len(c.prompt_token_ids) for c in completions)
+    num_actions = max(1, max(len(c.output_token_ids) for c in completions))
+    batch = len(completions)
+    sequences = torch.full((batch, prompt_width + num_actions), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros_like(sequences)
+    action_mask = torch.zeros((batch, num_actions), dtype=torch.bool)
+    rollout_log_probs = torch.zeros((batch, num_actions), dtype=torch.float32)
+    for row, c in enumerate(completions):
+        p, t = len(c.prompt_token_ids), len(c.output_token_ids)
+        sequences[row, prompt_width - p : prompt_width] = torch.tensor(c.prompt_token_ids)
+        attention_mask[row, prompt_width - p : prompt_width + t] = 1
+        if t:
+            sequences[row, prompt_width : prompt_width + t] = torch.tensor(c.output_token_ids)
+            rollout_log_probs[row, :t] = torch.tensor(c.output_log_probs, dtype=torch.float32)
+        action_mask[row, :t] = True
+    response_length = action_mask.sum(dim=1)
+    return Rollout(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        action_mask=action_mask,
+        response_length=response_length,
+        total_length=attention_mask.sum(dim=1),
+        prompt_index=tuple(c.prompt_index for c in completions),
+        sample_index=tuple(c.sample_index for c in completions),
+        prompt_texts=tuple(prompts[c.prompt_index].text for c in completions),
+        response_texts=tuple(c.text for c in completions),
+        policy_version=tuple(c.policy_version for c in completions),
+        rollout_log_probs=rollout_log_probs,
+    )

@@ -1,0 +1,93 @@
+"""Experience service entry: connect to the generator and scorer, load actor/reference, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from fastexp.v1 import experience_pb2, experience_pb2_grpc
+from services.common.models import resolve_model
+from services.common.server import RunningServer, create_server, serve_until_signalled
+from services.common.settings import ExperienceSettings
+from services.experience.clients import GeneratorClient, ScorerClient, open_channel
+from services.experience.logprobs import LogProbModel
+from services.experience.pipeline import ExperienceMaker
+from services.experience.request import RequestLimits
+from services.experience.servicer import ExperienceServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].full_name
+
+
+@dataclass
+class ExperienceService:
+    """A running experience server and what it must close."""
+
+    running: RunningServer
+    channels: tuple[grpc.aio.Channel, ...]
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+
+async def start_experience(settings: ExperienceSettings) -> ExperienceService:
+    """Load the actor and reference, wait for the generator, and serve; SERVING once all of that is done.
+
+    Raises:
+        NotReady: the generator did not answer within ``connect_timeout_s``.
+    """
+    from transformers import AutoTokenizer
+
+    generator_channel = open_channel(settings.generator_address, settings.max_message_bytes)
+    scorer_channel = open_channel(settings.scorer_address, settings.max_message_bytes)
+    generator = GeneratorClient(generator_channel, settings.generate_timeout_s)
+    scorer = ScorerClient(scorer_channel, settings.score_timeout_s)
+    actor_path = resolve_model(settings.actor_model)
+    reference_path = resolve_model(settings.reference_model)
+    actor = LogProbModel.load(
+        actor_path, dtype=settings.dtype, device=settings.device, micro_batch_size=settings.forward_micro_batch_size
+    )
+    reference = LogProbModel.load(
+        reference_path, dtype=settings.dtype, device=settings.device,
+        micro_batch_size=settings.forward_micro_batch_size,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(actor_path)
+    info = await generator.model_info(settings.connect_timeout_s)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    maker = ExperienceMaker(generator, scorer, actor, reference, pad_token_id=pad)
+    limits = RequestLimits(
+        max_model_len=info.max_model_len,
+        max_prompts_per_request=settings.max_prompts_per_request,
+        max_samples_per_prompt=settings.max_samples_per_prompt,
+        max_new_tokens_limit=settings.max_new_tokens_limit,
+        default_max_new_tokens=settings.default_max_new_tokens,
+    )
+    servicer = ExperienceServicer(maker, tokenizer, limits)
+    running = await create_server(
+        host=settings.host,
+        port=settings.port,
+        register=lambda server: experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server),
+        service_names=[SERVICE_NAME],
+        max_message_bytes=settings.max_message_bytes,
+    )
+    await running.set_serving(True)
+    logger.info(
+        "experience serving on %s:%d (generator %s: %s, %s backend)",
+        settings.host, running.port, settings.generator_address, info.model_name, info.backend,
+    )
+    return ExperienceService(running, (generator_channel, scorer_channel))
+
+
+def serve(settings: ExperienceSettings) -> None:
+    """Run the experience service until SIGTERM/SIGINT (blocking)."""
+
+    async def main() -> None:
+        service = await start_experience(settings)
+        await serve_until_signalled(service.running, settings.grace_period_s, cleanup=service.close)
+
+    asyncio.run(main())

@@ -1,0 +1,31 @@
+"""gRPC adapter of the experience service: decode the request, run the pipeline, encode each batch."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from fastexp.v1 import experience_pb2, experience_pb2_grpc
+from services.common.deadlines import Deadline
+from services.experience.pipeline import ExperienceMaker
+from services.experience.request import RequestLimits, decode_request
+from services.experience.wire import experience_to_pb
+
+
+class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
+    """``fastexp.v1.ExperienceService`` over an :class:`ExperienceMaker`."""
+
+    def __init__(self, maker: ExperienceMaker, tokenizer: Any, limits: RequestLimits) -> None:
+        self._maker = maker
+        self._tokenizer = tokenizer
+        self._limits = limits
+
+    async def MakeExperiences(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
+        decoded = decode_request(request, self._tokenizer, self._limits)
+        deadline = Deadline.from_remaining(context.time_remaining())
+        async for experience in self._maker.make_experiences(decoded, deadline):
+            yield experience_to_pb(experience)

@@ -1,0 +1,53 @@
+"""Immutable records passed between the experience stages, and to trainers through the SDK.
+
+Field names follow the seed's (LightRFT/OpenRLHF) ``Experience``; the seed's ``info`` dict is replaced by typed
+fields. B rows, S padded sequence length, A padded response (action) length, ``S = max prompt length + A``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Rollout(NamedTuple):
+    """Sampled sequences of whole prompt groups, padded: prompts on the left, responses on the right."""
+
+    sequences: torch.Tensor  # (B, S) int64 token ids
+    attention_mask: torch.Tensor  # (B, S) int64, 1 on real tokens
+    action_mask: torch.Tensor  # (B, A) bool, true on sampled tokens (EOS included)
+    response_length: torch.Tensor  # (B,) int64, tokens
+    total_length: torch.Tensor  # (B,) int64, tokens
+    prompt_index: tuple[int, ...]  # (B,) index into the request's prompts
+    sample_index: tuple[int, ...]  # (B,) sample within the prompt's group
+    prompt_texts: tuple[str, ...]  # (B,) prompts as fed to the policy
+    response_texts: tuple[str, ...]  # (B,) detokenized responses
+    policy_version: tuple[int, ...]  # (B,) weights version that sampled each row
+    rollout_log_probs: torch.Tensor  # (B, A) float32, the generator's log-probs of the sampled tokens
+
+
+class Experience(NamedTuple):
+    """One batch of RL experience, ready for a policy-gradient step."""
+
+    sequences: torch.Tensor  # (B, S) int64
+    attention_mask: torch.Tensor  # (B, S) int64
+    action_mask: torch.Tensor  # (B, A) bool
+    action_log_probs: torch.Tensor  # (B, A) float32, actor log-probs (nats)
+    base_action_log_probs: torch.Tensor  # (B, A) float32, reference log-probs (nats)
+    values: torch.Tensor | None  # (B, A) float32 critic values, None without a critic
+    returns: torch.Tensor  # (B, A) float32
+    advantages: torch.Tensor  # (B, A) float32
+    kl: torch.Tensor  # (B, A) float32, per-token KL estimate (nats), 0 on padding
+    reward: torch.Tensor  # (B,) float32, scorer reward before shaping
+    response_length: torch.Tensor  # (B,) int64
+    total_length: torch.Tensor  # (B,) int64
+    prompt_index: tuple[int, ...]
+    sample_index: tuple[int, ...]
+    prompt_texts: tuple[str, ...]
+    response_texts: tuple[str, ...]
+    policy_version: tuple[int, ...]
+    reward_metrics: dict[str, torch.Tensor]  # name -> (B,) float32
+    kl_coef: float  # beta used in this batch's rewards
+    batch_index: int  # 0, 1, ... in stream order
+    rollout_log_probs: torch.Tensor  # (B, A) float32, the generator's log-probs of the sampled tokens

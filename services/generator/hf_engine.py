@@ -1,0 +1,185 @@
+"""HF transformers backend: ``model.generate`` in a worker thread, the fallback where vLLM is not installed.
+
+Requests run one at a time (a lock), in chunks of at most ``max_batch_size`` sequences, left-padded. There is no
+continuous batching: a chunk's completions are yielded when the whole chunk finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.generator.engine import CompletionRecord, GenerationRequest, ModelDescription
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class _RawLogProbRecorder:
+    """A logits processor, run first, that records the raw (untempered) log-prob of each sampled token.
+
+    At step t it sees the token sampled at step t-1 as the last input id, so it only keeps the previous step's
+    ``log_softmax`` (B, V) in memory; :meth:`finish` reads the last step's log-probs after ``generate`` returns.
+    """
+
+    def __init__(self) -> None:
+        self._previous: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []  # each (B,) float32
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._previous is not None:
+            self.steps.append(self._previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self._previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) float32 log-probs, given the (B,) tokens sampled at the last step."""
+        if self._previous is not None:
+            self.steps.append(self._previous.gather(-1, last_tokens.unsqueeze(-1)).squeeze(-1))
+            self._previous = None
+        return torch.stack(self.steps, dim=1)
+
+
+class _AbortCriteria:
+    def __init__(self, event: threading.Event) -> None:
+        self._event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self._event.is_set(), dtype=torch.bool)
+
+
+class HFEngine:
+    """A :class:`~services.generator.engine.GenerationEngine` on transformers' ``generate``."""
+
+    def __init__(self, model: Any, tokenizer: Any, description: ModelDescription, max_batch_size: int) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self.description = description
+        self._max_batch_size = max_batch_size
+        self._lock = threading.Lock()
+        self._policy_version = 0
+
+    @classmethod
+    def start(
+        cls, model: str, *, dtype: str = "bfloat16", max_model_len: int = 2048, max_batch_size: int = 32,
+        device: str = "cpu",
+    ) -> HFEngine:
+        """Load ``model`` (a folder, or a hub id where a hub is reachable) onto ``device``."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        network = AutoModelForCausalLM.from_pretrained(model, dtype=_DTYPES[dtype]).to(device).eval()
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        limit = min(max_model_len, getattr(network.config, "max_position_embeddings", max_model_len))
+        description = ModelDescription(
+            model_name=model, tokenizer=model, max_model_len=limit, backend="hf", eos_token_id=int(eos),
+            pad_token_id=int(pad),
+        )
+        return cls(network, tokenizer, description, max_batch_size)
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[CompletionRecord]:
+        jobs = [(p, s) for p in range(len(request.prompts)) for s in range(request.n_samples_per_prompt)]
+        abort = threading.Event()
+        try:
+            for start in range(0, len(jobs), self._max_batch_size):
+                chunk = jobs[start : start + self._max_batch_size]
+                records = await asyncio.to_thread(self._generate_chunk, request, chunk, abort, start == 0)
+                for record in records:
+                    yield record
+        finally:
+            abort.set()
+
+    def _generate_chunk(
+        self, request: GenerationRequest, chunk: list[tuple[int, int]], abort: threading.Event, first: bool
+    ) -> list[CompletionRecord]:
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+        from transformers.generation.logits_process import (
+            MinNewTokensLengthLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        options = request.sampling
+        prompts = [request.prompts[p] for p, _ in chunk]
+        width = max(len(p) for p in prompts)
+        pad = self.description.pad_token_id
+        eos = self.description.eos_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        # The recorder must see raw logits, so generate()'s own warpers are switched off (temperature 1,
+        # top_k 0, top_p 1) and ours run after the recorder, in the order generate() would use.
+        recorder = _RawLogProbRecorder()
+        processors: list[Any] = [recorder]
+        if options.min_new_tokens:
+            processors.append(
+                MinNewTokensLengthLogitsProcessor(width, options.min_new_tokens, eos, device=str(self._model.device))
+            )
+        if options.temperature > 0:
+            if options.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(options.temperature))
+            if options.top_k:
+                processors.append(TopKLogitsWarper(options.top_k))
+            if options.top_p < 1.0:
+                processors.append(TopPLogitsWarper(options.top_p))
+        with self._lock:
+            if options.seed is not None and first:
+                torch.manual_seed(options.seed)
+            version = self._policy_version
+            with torch.inference_mode():
+                output = self._model.generate(
+                    input_ids=input_ids.to(self._model.device),
+                    attention_mask=attention_mask.to(self._model.device),
+                    max_new_tokens=options.max_new_tokens,
+                    do_sample=options.temperature > 0,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                    logits_processor=LogitsProcessorList(processors),
+                    stopping_criteria=StoppingCriteriaList([_AbortCriteria(abort)]),
+                )
+        new_tokens = output[:, width:].cpu()
+        log_probs = recorder.finish(output[:, -1]).cpu().numpy()
+        records = []
+        for row, (prompt_index, sample_index) in enumerate(chunk):
+            tokens = new_tokens[row].tolist()
+            finish = "abort" if abort.is_set() else "length"
+            if eos in tokens:
+                tokens = tokens[: tokens.index(eos) + 1]
+                finish = "stop"
+            records.append(
+                CompletionRecord(
+                    prompt_index=prompt_index,
+                    sample_index=sample_index,
+                    prompt_token_ids=tuple(request.prompts[prompt_index]),
+                    output_token_ids=tuple(tokens),
+                    output_log_probs=np.ascontiguousarray(log_probs[row, : len(tokens)], dtype=np.float32),
+                    finish_reason=finish,
+                    text=self._tokenizer.decode(tokens, skip_special_tokens=options.skip_special_tokens),
+                    policy_version=version,
+                )
+            )
+        return records
+
+    async def check_health(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        self._model = None

@@ -1,0 +1,70 @@
+"""Generator service entry: build the engine from settings, serve ``fastexp.v1.GenerationService``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastexp.v1 import generation_pb2, generation_pb2_grpc
+from services.common.models import resolve_model
+from services.common.server import RunningServer, create_server, serve_until_signalled
+from services.common.settings import GeneratorSettings
+from services.generator.engine import GenerationEngine
+from services.generator.servicer import GenerationServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+def build_engine(settings: GeneratorSettings) -> GenerationEngine:
+    """Start the configured backend (``auto``: vLLM when importable, else HF) on the resolved model."""
+    from services.generator.vllm_engine import VLLMEngine, vllm_available
+
+    model = resolve_model(settings.model)
+    backend = settings.backend
+    if backend == "auto":
+        backend = "vllm" if vllm_available() else "hf"
+    logger.info("starting the %s engine on %s", backend, model)
+    if backend == "vllm":
+        return VLLMEngine.start(
+            model,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            seed=settings.seed,
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enforce_eager=settings.enforce_eager,
+        )
+    from services.generator.hf_engine import HFEngine
+
+    return HFEngine.start(
+        model, dtype=settings.dtype, max_model_len=settings.max_model_len, max_batch_size=settings.hf_max_batch_size
+    )
+
+
+async def start_generator(settings: GeneratorSettings, engine: GenerationEngine) -> RunningServer:
+    """Serve ``engine`` on ``settings.host:settings.port``; health is SERVING once the engine is healthy."""
+    servicer = GenerationServicer(engine, settings)
+    running = await create_server(
+        host=settings.host,
+        port=settings.port,
+        register=lambda server: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server),
+        service_names=[SERVICE_NAME],
+        max_message_bytes=settings.max_message_bytes,
+    )
+    await engine.check_health()
+    await running.set_serving(True)
+    logger.info("generator serving on %s:%d (%s backend)", settings.host, running.port, engine.description.backend)
+    return running
+
+
+def serve(settings: GeneratorSettings) -> None:
+    """Run the generator until SIGTERM/SIGINT (blocking)."""
+
+    async def main() -> None:
+        engine = build_engine(settings)
+        running = await start_generator(settings, engine)
+        await serve_until_signalled(running, settings.grace_period_s, cleanup=engine.close)
+
+    asyncio.run(main())

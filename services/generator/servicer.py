@@ -1,0 +1,105 @@
+"""gRPC adapter of the generator: decode, call the engine, encode. No sampling logic lives here."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from fastexp.v1 import generation_pb2, generation_pb2_grpc
+from services.common.errors import InvalidRequest
+from services.common.sampling import SamplingOptions
+from services.common.settings import GeneratorSettings
+from services.common.tensor_codec import from_numpy
+from services.generator.engine import CompletionRecord, GenerationEngine, GenerationRequest
+
+_FINISH = {
+    "stop": generation_pb2.FINISH_REASON_STOP,
+    "length": generation_pb2.FINISH_REASON_LENGTH,
+    "abort": generation_pb2.FINISH_REASON_ABORT,
+}
+
+
+def decode_request(
+    message: generation_pb2.GenerateRequest, engine: GenerationEngine, settings: GeneratorSettings
+) -> GenerationRequest:
+    """Validate a ``GenerateRequest`` and tokenize text prompts.
+
+    Raises:
+        InvalidRequest: naming the field (``prompts``, ``prompts[3]``, ``sampling.top_p``, ...).
+    """
+    if not message.prompts:
+        raise InvalidRequest("prompts", "at least one prompt is required")
+    if len(message.prompts) > settings.max_prompts_per_request:
+        raise InvalidRequest("prompts", f"at most {settings.max_prompts_per_request} prompts per request")
+    n = message.n_samples_per_prompt or 1
+    if n > settings.max_samples_per_prompt:
+        raise InvalidRequest("n_samples_per_prompt", f"at most {settings.max_samples_per_prompt} allowed")
+    sampling = SamplingOptions.from_pb(
+        message.sampling,
+        default_max_new_tokens=settings.default_max_new_tokens,
+        max_new_tokens_limit=settings.max_new_tokens_limit,
+    )
+    limit = engine.description.max_model_len
+    vocab_guard = 1 << 31
+    prompts = []
+    for i, prompt in enumerate(message.prompts):
+        kind = prompt.WhichOneof("input")
+        ids = engine.tokenize(prompt.text) if kind == "text" else list(prompt.token_ids.ids)
+        if not ids:
+            raise InvalidRequest(f"prompts[{i}]", "prompt is empty")
+        if any(t < 0 or t >= vocab_guard for t in ids):
+            raise InvalidRequest(f"prompts[{i}].token_ids", "token ids must be non-negative")
+        if len(ids) >= limit:
+            raise InvalidRequest(f"prompts[{i}]", f"{len(ids)} tokens; the model's limit is {limit}")
+        prompts.append(tuple(ids))
+    return GenerationRequest(
+        request_id=message.request_id or uuid.uuid4().hex,
+        prompts=tuple(prompts),
+        sampling=sampling,
+        n_samples_per_prompt=n,
+    )
+
+
+def encode_completion(record: CompletionRecord) -> generation_pb2.Completion:
+    """A ``Completion`` message for one finished sample."""
+    return generation_pb2.Completion(
+        prompt_index=record.prompt_index,
+        sample_index=record.sample_index,
+        prompt_token_ids=record.prompt_token_ids,
+        output_token_ids=record.output_token_ids,
+        output_log_probs=from_numpy(record.output_log_probs),
+        finish_reason=_FINISH[record.finish_reason],
+        text=record.text,
+        policy_version=record.policy_version,
+    )
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    """``fastexp.v1.GenerationService`` over one engine."""
+
+    def __init__(self, engine: GenerationEngine, settings: GeneratorSettings) -> None:
+        self._engine = engine
+        self._settings = settings
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        decoded = decode_request(request, self._engine, self._settings)
+        async for record in self._engine.generate(decoded):
+            yield generation_pb2.GenerateResponse(completions=[encode_completion(record)])
+
+    async def GetModelInfo(  # noqa: N802 - gRPC method name
+        self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ModelInfo:
+        d = self._engine.description
+        return generation_pb2.ModelInfo(
+            model_name=d.model_name,
+            tokenizer=d.tokenizer,
+            max_model_len=d.max_model_len,
+            policy_version=self._engine.policy_version,
+            backend=d.backend,
+            eos_token_id=d.eos_token_id,
+            pad_token_id=d.pad_token_id,
+        )

@@ -1,0 +1,177 @@
+"""vLLM backend: ``AsyncLLM`` (vLLM v1's async engine) with continuous batching across requests.
+
+Each sample of each prompt is its own engine request (``n=1``) so that completions stream as soon as each one
+finishes, every sample gets its own seed (``seed + sample_index``; the CPU engine rejects a seeded ``n > 1``),
+and prefix caching shares the prompt's KV cache across the samples of a group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from services.common.errors import NotReady
+from services.generator.engine import CompletionRecord, GenerationRequest, ModelDescription
+
+logger = logging.getLogger(__name__)
+
+
+def vllm_available() -> bool:
+    """True when the ``vllm`` package (CPU or CUDA build) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMEngine:
+    """A :class:`~services.generator.engine.GenerationEngine` on vLLM's ``AsyncLLM``."""
+
+    def __init__(self, engine: Any, description: ModelDescription, tokenizer: Any) -> None:
+        self._engine = engine
+        self.description = description
+        self._tokenizer = tokenizer
+        self._policy_version = 0
+
+    @classmethod
+    def start(
+        cls,
+        model: str,
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int = 2048,
+        seed: int = 0,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = True,
+    ) -> VLLMEngine:
+        """Start the engine (spawns vLLM's engine-core process; call from a ``__main__``-guarded program).
+
+        Args:
+            model: model folder (or hub id where a hub is reachable).
+            kv_cache_memory_bytes: KV-cache size in bytes (host memory on CPU); ``None`` uses
+                ``gpu_memory_utilization`` of the device's memory instead.
+        """
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=True,
+            disable_log_stats=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+        )
+        engine = AsyncLLM.from_engine_args(args)
+        tokenizer = engine.get_tokenizer()
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        description = ModelDescription(
+            model_name=model,
+            tokenizer=model,
+            max_model_len=engine.model_config.max_model_len,
+            backend="vllm",
+            eos_token_id=int(eos),
+            pad_token_id=int(pad),
+        )
+        return cls(engine, description, tokenizer)
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[CompletionRecord]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._engine.errored:
+            raise NotReady("the vLLM engine has died")
+        options = request.sampling
+        version = self._policy_version
+        queue: asyncio.Queue[CompletionRecord | BaseException] = asyncio.Queue()
+
+        async def run_one(prompt_index: int, sample_index: int, engine_request_id: str) -> None:
+            params = SamplingParams(
+                n=1,
+                temperature=options.temperature,
+                top_p=options.top_p,
+                top_k=options.top_k,
+                max_tokens=options.max_new_tokens,
+                min_tokens=options.min_new_tokens,
+                skip_special_tokens=options.skip_special_tokens,
+                seed=None if options.seed is None else options.seed + sample_index,
+                logprobs=0,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            prompt_ids = request.prompts[prompt_index]
+            try:
+                final = None
+                async for final in self._engine.generate(
+                    TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=engine_request_id
+                ):
+                    pass
+                assert final is not None, "vLLM returned no output"
+                await queue.put(_to_record(final, prompt_index, sample_index, prompt_ids, version))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as error:  # surfaced to the consumer below
+                await queue.put(error)
+
+        ids = {
+            f"{request.request_id}-{p}-{s}": (p, s)
+            for p in range(len(request.prompts))
+            for s in range(request.n_samples_per_prompt)
+        }
+        tasks = {rid: asyncio.create_task(run_one(p, s, rid)) for rid, (p, s) in ids.items()}
+        try:
+            for _ in range(len(tasks)):
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            unfinished = [rid for rid, task in tasks.items() if not task.done()]
+            for task in tasks.values():
+                task.cancel()
+            if unfinished:
+                await self._engine.abort(unfinished)
+                logger.info("aborted %d unfinished samples of %s", len(unfinished), request.request_id)
+
+    async def check_health(self) -> None:
+        await self._engine.check_health()
+
+    async def close(self) -> None:
+        self._engine.shutdown()
+        self._engine = None  # so AsyncLLM.__del__ does not shut it down again at interpreter exit
+
+
+def _to_record(
+    output: Any, prompt_index: int, sample_index: int, prompt_ids: tuple[int, ...], version: int
+) -> CompletionRecord:
+    completion = output.outputs[0]
+    token_ids = tuple(int(t) for t in completion.token_ids)
+    log_probs = np.empty(len(token_ids), dtype=np.float32)
+    for i, (token, candidates) in enumerate(zip(token_ids, completion.logprobs or [], strict=True)):
+        log_probs[i] = candidates[token].logprob
+    reason = completion.finish_reason
+    return CompletionRecord(
+        prompt_index=prompt_index,
+        sample_index=sample_index,
+        prompt_token_ids=prompt_ids,
+        output_token_ids=token_ids,
+        output_log_probs=log_probs,
+        finish_reason="stop" if reason == "stop" else "abort" if reason == "abort" else "length",
+        text=completion.text,
+        policy_version=version,
+    )

@@ -1,0 +1,31 @@
+"""gRPC adapter of the scorer: decode, score, encode."""
+
+from __future__ import annotations
+
+import grpc
+
+from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
+from services.common.errors import InvalidRequest
+from services.common.settings import ScorerSettings
+from services.common.tensor_codec import from_numpy
+from services.scorer.scorer import RuleScorer, make_items
+
+
+class ScoringServicer(scoring_pb2_grpc.ScoringServiceServicer):
+    """``fastexp.v1.ScoringService`` over a :class:`RuleScorer`."""
+
+    def __init__(self, scorer: RuleScorer, settings: ScorerSettings) -> None:
+        self._scorer = scorer
+        self._settings = settings
+
+    async def Score(  # noqa: N802 - gRPC method name
+        self, request: scoring_pb2.ScoreRequest, context: grpc.aio.ServicerContext
+    ) -> scoring_pb2.ScoreResponse:
+        if len(request.queries) > self._settings.max_queries_per_request:
+            raise InvalidRequest("queries", f"at most {self._settings.max_queries_per_request} per request")
+        items = make_items(request.queries, request.prompts, request.labels, request.references)
+        result = await self._scorer.score(items)
+        return scoring_pb2.ScoreResponse(
+            rewards=from_numpy(result.rewards),
+            metrics={name: from_numpy(values) for name, values in result.metrics.items()},
+        )
