@@ -10,7 +10,7 @@ PROTO_SRC := $(wildcard proto/fastexp/v1/*.proto)
 PROTO_STAMP := fastexp/v1/.generated
 PYTEST_ARGS ?=
 
-.PHONY: venv proto test demo bench lint clean up
+.PHONY: venv proto test demo lint clean up
 
 venv: $(STAMP)
 
@@ -35,6 +35,9 @@ $(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
 
 test: $(PROTO_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 demo: $(PROTO_STAMP)
 	$(BIN)/fastexp demo

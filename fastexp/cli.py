@@ -7,7 +7,7 @@ Settings come from flags, then ``FASTEXP_<SERVICE>_<FIELD>`` environment variabl
 from __future__ import annotations
 
 import logging
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -20,13 +20,13 @@ HostOption = Annotated[str | None, typer.Option(help="interface to bind")]
 PortOption = Annotated[int | None, typer.Option(help="TCP port (0: any free port)")]
 
 
-class Service(str, Enum):
+class Service(StrEnum):
     generator = "generator"
     scorer = "scorer"
     experience = "experience"
 
 
-class Backend(str, Enum):
+class Backend(StrEnum):
     auto = "auto"
     vllm = "vllm"
     hf = "hf"

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -21,6 +22,7 @@ from tqdm import tqdm
 
 from fastexp.datasets import reasoning_gym_problems
 from fastexp.launcher import LocalCluster
+from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common.models import resolve_model
 from services.experience.sdk import ExperienceClient, Sampling
 from services.experience.types import Experience
@@ -53,9 +55,11 @@ def run_demo(options: DemoOptions) -> dict:
         "experience": {"actor_model": model, "reference_model": model},
     }
     with LocalCluster(overrides=overrides, log_dir=options.out / "logs") as cluster:
+        info = _model_info(cluster.address("generator"))
         with ExperienceClient(cluster.address("experience")) as client:
             summary = _stream(client, problems, options)
-    summary.update(model=options.model, backend=options.backend, task=options.task, cores=os.cpu_count())
+    summary.update(model=options.model, backend=info.backend, task=options.task, cores=os.cpu_count(),
+                   torch_threads=torch.get_num_threads())
     (options.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(summary)
     return summary
@@ -106,6 +110,13 @@ def _stream(client: ExperienceClient, problems, options: DemoOptions) -> dict:
         "time_to_first_experience_s": (first_at or time.monotonic()) - started,
         "wall_time_s": elapsed,
     }
+
+
+def _model_info(address: str) -> generation_pb2.ModelInfo:
+    with grpc.insecure_channel(address) as channel:
+        return generation_pb2_grpc.GenerationServiceStub(channel).GetModelInfo(
+            generation_pb2.GetModelInfoRequest(), timeout=30
+        )
 
 
 def _rows(experience: Experience) -> list[dict]:

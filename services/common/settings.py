@@ -18,15 +18,15 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from services.common.models import SMOLLM2_ALIAS
 
-_yaml_section: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_yaml_section", default={})
+_yaml_section: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_yaml_section", default=None)
 
 
 class _YamlSectionSource(PydanticBaseSettingsSource):
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return _yaml_section.get().get(field_name), field_name, False
+        return (_yaml_section.get() or {}).get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_yaml_section.get())
+        return dict(_yaml_section.get() or {})
 
 
 class ServiceSettings(BaseSettings):

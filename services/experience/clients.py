@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
-import torch
 
 from fastexp.v1 import generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline

@@ -33,7 +33,9 @@ def decode_request(
         raise InvalidRequest("prompts", "at least one prompt is required")
     if len(message.prompts) > settings.max_prompts_per_request:
         raise InvalidRequest("prompts", f"at most {settings.max_prompts_per_request} prompts per request")
-    n = message.n_samples_per_prompt or 1
+    n = message.n_samples_per_prompt
+    if n < 1:
+        raise InvalidRequest("n_samples_per_prompt", "must be >= 1")
     if n > settings.max_samples_per_prompt:
         raise InvalidRequest("n_samples_per_prompt", f"at most {settings.max_samples_per_prompt} allowed")
     sampling = SamplingOptions.from_pb(

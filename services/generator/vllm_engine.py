@@ -117,10 +117,10 @@ class VLLMEngine:
             prompt_ids = request.prompts[prompt_index]
             try:
                 final = None
-                async for final in self._engine.generate(
+                async for output in self._engine.generate(
                     TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=engine_request_id
                 ):
-                    pass
+                    final = output
                 assert final is not None, "vLLM returned no output"
                 await queue.put(_to_record(final, prompt_index, sample_index, prompt_ids, version))
             except asyncio.CancelledError:

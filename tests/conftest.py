@@ -1,0 +1,45 @@
+"""Shared fixtures: real models (the embedded SmolLM2 and a tiny Llama built here) and in-process services."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.models import SMOLLM2_ALIAS, resolve_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The embedded SmolLM2-135M-Instruct as a bf16 safetensors folder (converted from its GGUF once)."""
+    return resolve_model(SMOLLM2_ALIAS)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> str:
+    """A randomly initialised 2-layer Llama (head_dim 32, as vLLM's CPU attention needs >= 32) with SmolLM2's
+    real tokenizer and chat template, saved as float32 safetensors. Built, not downloaded."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    path: Path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,64 @@
+"""End to end through the real CLI processes and the real vLLM backend, on a tiny Llama built by the test.
+
+``fastexp serve generator|scorer|experience`` run as subprocesses (the CLI smoke test); the trainer SDK streams.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from fastexp.launcher import LocalCluster
+from services.experience.sdk import ExperienceClient, Sampling
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_path, tmp_path_factory):
+    overrides = {
+        "generator": {"model": tiny_model_path, "backend": "vllm", "max_model_len": 512,
+                      "kv_cache_memory_bytes": 256 * 1024**2},
+        "experience": {"actor_model": tiny_model_path, "reference_model": tiny_model_path, "dtype": "float32"},
+    }
+    with LocalCluster(overrides=overrides, log_dir=tmp_path_factory.mktemp("logs")) as running:
+        yield running
+
+
+def test_sdk_streams_experiences_from_vllm(cluster):
+    prompts = [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(4)]
+    with ExperienceClient(cluster.address("experience"), timeout_s=300) as client:
+        batches = list(client.make_experiences(
+            prompts, references=[str(2 * i) for i in range(4)], n_samples_per_prompt=4, micro_rollout_batch_size=8,
+            sampling=Sampling(max_new_tokens=16, seed=3), advantage_estimator="rloo",
+        ))
+    rows = sorted((p, s) for e in batches for p, s in zip(e.prompt_index, e.sample_index, strict=True))
+    assert rows == [(p, s) for p in range(4) for s in range(4)]
+    for e in batches:
+        mask = e.action_mask
+        assert e.sequences.shape[0] in (4, 8) and mask.any(1).all()
+        # vLLM (bf16) and the HF actor (fp32) score the same sampled tokens: close, not equal
+        assert (e.rollout_log_probs[mask] - e.action_log_probs[mask]).abs().mean() < 0.05
+        # rloo advantages of a group sum to zero at the first token when KL is zero (same weights)
+        first = e.advantages[:, 0].view(-1, 4)
+        assert torch.allclose(first.sum(1), torch.zeros(first.shape[0]), atol=1e-4)
+
+
+def test_cancelled_stream_leaves_the_services_healthy(cluster):
+    with ExperienceClient(cluster.address("experience"), timeout_s=300) as client:
+        stream = client.make_experiences(["a b c"] * 6, n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=64))
+        first = next(stream)
+        stream.close()  # cancels the RPC; the experience service aborts the engine requests
+        assert first.sequences.shape[0] == 2
+        again = list(client.make_experiences(["x"], n_samples_per_prompt=2, advantage_estimator="reinforce",
+                                             sampling=Sampling(max_new_tokens=4)))
+        assert sum(e.sequences.shape[0] for e in again) == 2
+
+
+def test_prompt_over_the_model_limit_is_invalid_argument(cluster):
+    with ExperienceClient(cluster.address("experience"), timeout_s=60) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.make_experiences(["word " * 600], n_samples_per_prompt=2))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompts[0]" in info.value.details() and "limit is 512" in info.value.details()

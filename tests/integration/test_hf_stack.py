@@ -1,0 +1,155 @@
+"""The three services in process on port 0, HF backend on a tiny Llama, real math-verify scorer.
+
+Float32 throughout, so the generator's sampled log-probs (HF ``generate``) and the experience service's actor
+forward pass must agree: this checks that sequences, masks and positions line up.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
+from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
+from services.common.tensor_codec import to_numpy
+from services.experience.advantages import get_estimator
+from services.experience.estimate import estimate_experience
+from services.experience.request import ExperienceConfig
+from services.experience.sdk import Sampling, build_request
+from services.experience.server import start_experience
+from services.experience.types import Rollout
+from services.experience.wire import experience_from_pb
+from services.generator.hf_engine import HFEngine
+from services.generator.server import start_generator
+from services.scorer.server import build_scorer, start_scorer
+
+PROMPTS = [
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    "Plain text prompt: count to three.",
+    [{"role": "user", "content": "Name a prime number."}],
+]
+
+
+@pytest.fixture(scope="module")
+async def stack(tiny_model_path):
+    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
+    generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
+    scorer_core = build_scorer(ScorerSettings(port=0, verifier_workers=1))
+    scorer = await start_scorer(ScorerSettings(port=0), scorer_core)
+    experience = await start_experience(
+        ExperienceSettings(
+            port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
+            actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
+            forward_micro_batch_size=3,
+        )
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
+    yield {
+        "experience": experience_pb2_grpc.ExperienceServiceStub(channel),
+        "health": health_pb2_grpc.HealthStub(channel),
+        "generator": generation_pb2_grpc.GenerationServiceStub(
+            grpc.aio.insecure_channel(f"127.0.0.1:{generator.port}")),
+        "scorer": scoring_pb2_grpc.ScoringServiceStub(grpc.aio.insecure_channel(f"127.0.0.1:{scorer.port}")),
+    }
+    await channel.close()
+    await experience.running.stop(1)
+    await experience.close()
+    await scorer.stop(1)
+    await scorer_core.close()
+    await generator.stop(1)
+    await engine.close()
+
+
+async def _collect(stub, request):
+    return [experience_from_pb(m) async for m in stub.MakeExperiences(request, timeout=300)]
+
+
+async def test_stream_delivers_each_group_once_with_consistent_tensors(stack):
+    n = 3
+    request = build_request(
+        PROMPTS, references=["5", "3", "7"], n_samples_per_prompt=n, micro_rollout_batch_size=6,
+        sampling=Sampling(max_new_tokens=12, min_new_tokens=2, seed=1), kl_coef=0.05,
+    )
+    batches = await _collect(stack["experience"], request)
+    rows = [(p, s) for e in batches for p, s in zip(e.prompt_index, e.sample_index, strict=True)]
+    assert sorted(rows) == [(p, s) for p in range(3) for s in range(n)]  # each sample exactly once
+    assert [e.batch_index for e in batches] == list(range(len(batches)))
+    for e in batches:
+        b, s = e.sequences.shape
+        a = e.action_mask.shape[1]
+        assert b % n == 0 and b <= 6  # whole groups, at most micro_rollout_batch_size rows
+        for name in ("action_log_probs", "base_action_log_probs", "returns", "advantages", "kl",
+                     "rollout_log_probs"):
+            assert getattr(e, name).shape == (b, a) and getattr(e, name).dtype == torch.float32
+        assert e.values is None and e.attention_mask.shape == (b, s)
+        assert torch.equal(e.response_length, e.action_mask.sum(1))
+        assert torch.equal(e.total_length, e.attention_mask.sum(1))
+        assert e.response_length.min() >= 2  # min_new_tokens
+        # responses are right-padded: the last A columns hold the response, starting at column S - A
+        assert torch.equal(e.attention_mask[:, s - a:].bool(), e.action_mask)
+        # actor (HF forward) agrees with the generator's sampled log-probs: masks and positions line up
+        mask = e.action_mask
+        assert torch.allclose(e.action_log_probs[mask], e.rollout_log_probs[mask], atol=2e-3)
+        # actor and reference are the same weights here, so KL is zero
+        assert torch.allclose(e.kl, torch.zeros_like(e.kl), atol=1e-5)
+        assert set(e.reward_metrics) >= {"correct", "answer_found", "verifier_timeout"}
+        # recompute the advantages from the streamed fields with the pure functions
+        config = ExperienceConfig(n, 6, get_estimator("group_norm"), 0.05, "k1", False, 1.0)
+        rollout = Rollout(e.sequences, e.attention_mask, mask, e.response_length, e.total_length, e.prompt_index,
+                          e.sample_index, e.prompt_texts, e.response_texts, e.policy_version, e.rollout_log_probs)
+        again = estimate_experience(rollout, e.reward, e.reward_metrics, e.action_log_probs,
+                                    e.base_action_log_probs, config, e.batch_index)
+        assert torch.allclose(again.advantages, e.advantages)
+        assert e.policy_version == (0,) * b and e.kl_coef == pytest.approx(0.05)
+
+
+async def test_bad_input_is_invalid_argument_and_the_service_keeps_serving(stack):
+    stub = stack["experience"]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(stub, build_request(PROMPTS, n_samples_per_prompt=1, advantage_estimator="group_norm"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "n_samples_per_prompt" in info.value.details() and "group std" in info.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(stub, build_request(PROMPTS, n_samples_per_prompt=2, sampling=Sampling(top_p=2.0)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.top_p" in info.value.details()
+    health = await stack["health"].Check(health_pb2.HealthCheckRequest(service=""))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    batches = await _collect(stub, build_request(["hi"], n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=4)))
+    assert sum(len(e.prompt_index) for e in batches) == 2
+
+
+async def test_generator_api_directly(stack):
+    stub = stack["generator"]
+    info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest())
+    assert info.backend == "hf" and info.policy_version == 0 and info.max_model_len == 256
+    request = generation_pb2.GenerateRequest(
+        prompts=[generation_pb2.GenerationPrompt(text="hello"),
+                 generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=[1, 2, 3]))],
+        sampling=generation_pb2.SamplingParams(temperature=0.0, max_new_tokens=5),
+        n_samples_per_prompt=2,
+    )
+    completions = [c async for r in stub.Generate(request, timeout=60) for c in r.completions]
+    assert sorted((c.prompt_index, c.sample_index) for c in completions) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for c in completions:
+        assert to_numpy(c.output_log_probs).shape == (len(c.output_token_ids),)
+        assert c.finish_reason in (generation_pb2.FINISH_REASON_STOP, generation_pb2.FINISH_REASON_LENGTH)
+    greedy = {c.prompt_index: [] for c in completions}
+    for c in completions:
+        greedy[c.prompt_index].append(tuple(c.output_token_ids))
+    assert all(len(set(v)) == 1 for v in greedy.values())  # temperature 0 is greedy
+    bad = generation_pb2.GenerateRequest(prompts=[generation_pb2.GenerationPrompt(text="")], n_samples_per_prompt=1)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        [r async for r in stub.Generate(bad, timeout=10)]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompts[0]" in info.value.details()
+
+
+async def test_scorer_api_directly(stack):
+    response = await stack["scorer"].Score(
+        scoring_pb2.ScoreRequest(queries=["Q? The answer is 12.", "Q? 13"], prompts=["Q?", "Q?"],
+                                 references=["12", "12"]), timeout=30)
+    assert to_numpy(response.rewards).tolist() == [1.0, 0.0]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stack["scorer"].Score(scoring_pb2.ScoreRequest(queries=["a"], prompts=["b"]), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "queries[0]" in info.value.details()

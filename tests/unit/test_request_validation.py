@@ -1,0 +1,78 @@
+"""Bad MakeExperiences input is rejected before generation, with the offending field named."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from fastexp.v1 import experience_pb2, generation_pb2
+from services.common.errors import InvalidRequest
+from services.experience.request import RequestLimits, decode_request
+from services.experience.sdk import Sampling, build_request
+
+LIMITS = RequestLimits(max_model_len=64, max_prompts_per_request=8, max_samples_per_prompt=16,
+                       max_new_tokens_limit=512, default_max_new_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def _request(**changes):
+    options = {"n_samples_per_prompt": 2}
+    options.update(changes)
+    prompts = options.pop("prompts", [[{"role": "user", "content": "What is 2 + 3?"}]])
+    return build_request(prompts, **options)
+
+
+def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
+    decoded = decode_request(_request(references=["5"]), tokenizer, LIMITS)
+    (prompt,) = decoded.prompts
+    assert prompt.text.startswith("<|im_start|>system") and prompt.text.endswith("<|im_start|>assistant\n")
+    assert list(prompt.token_ids) == tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+    assert prompt.reference == "5"
+    assert decoded.sampling.max_new_tokens == 256  # the SDK's default is sent explicitly
+    assert decoded.config.estimator.name == "group_norm"
+
+
+@pytest.mark.parametrize(
+    ("request_", "field", "why"),
+    [
+        (experience_pb2.MakeExperiencesRequest(n_samples_per_prompt=2), "prompts", "at least one"),
+        (_request(prompts=[""]), "prompts[0]", "empty"),
+        (_request(prompts=["ok", []]), "prompts[1].chat", "at least one message"),
+        (_request(n_samples_per_prompt=0), "n_samples_per_prompt", ">= 1"),
+        (_request(n_samples_per_prompt=17), "n_samples_per_prompt", "at most 16"),
+        (_request(sampling=Sampling(temperature=float("nan"))), "sampling.temperature", "finite"),
+        (_request(sampling=Sampling(temperature=-0.5)), "sampling.temperature", ">= 0"),
+        (_request(sampling=Sampling(temperature=float("inf"))), "sampling.temperature", "finite"),
+        (_request(sampling=Sampling(top_p=0.0)), "sampling.top_p", "(0, 1]"),
+        (_request(sampling=Sampling(top_p=1.5)), "sampling.top_p", "(0, 1]"),
+        (_request(sampling=Sampling(max_new_tokens=1000)), "sampling.max_new_tokens", "at most 512"),
+        (_request(sampling=Sampling(max_new_tokens=8, min_new_tokens=9)), "sampling.min_new_tokens", "exceed"),
+        (_request(prompts=["word " * 100]), "prompts[0]", "limit is 64"),
+        (_request(advantage_estimator="ppo2"), "advantage_estimator", "unknown estimator 'ppo2'"),
+        (_request(advantage_estimator="group_norm", n_samples_per_prompt=1), "n_samples_per_prompt",
+         "group std is undefined"),
+        (_request(advantage_estimator="rloo", n_samples_per_prompt=1), "n_samples_per_prompt", "leave-one-out"),
+        (_request(kl_coef=-1.0), "kl.kl_coef", ">= 0"),
+        (_request(kl_estimator="k9"), "kl.kl_estimator", "unknown"),
+        (_request(gamma=0.0), "gamma", "(0, 1]"),
+    ],
+)
+def test_bad_input_names_the_field(tokenizer, request_, field, why):
+    with pytest.raises(InvalidRequest) as info:
+        decode_request(request_, tokenizer, LIMITS)
+    assert info.value.field == field
+    assert why in info.value.reason
+
+
+def test_reinforce_accepts_a_single_sample(tokenizer):
+    decoded = decode_request(_request(advantage_estimator="reinforce", n_samples_per_prompt=1), tokenizer, LIMITS)
+    assert decoded.config.n_samples_per_prompt == 1
+
+
+def test_unset_sampling_fields_take_defaults(tokenizer):
+    message = _request()
+    message.sampling.CopyFrom(generation_pb2.SamplingParams())
+    sampling = decode_request(message, tokenizer, LIMITS).sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens) == (1.0, 1.0, 0, 32)
