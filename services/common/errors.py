@@ -6,6 +6,7 @@ becomes INTERNAL with a generic message and an error id that is also logged with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -102,8 +103,10 @@ def _wrap_unary(behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[An
 def _wrap_stream(behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]):
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for response in behavior(request, context):
-                yield response
+            # aclosing: a cancelled call closes the handler's generator now, running its cleanup (engine aborts)
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
         except grpc.aio.AbortError:
             raise
         except Exception as error:  # noqa: BLE001 - this is the one place errors become statuses

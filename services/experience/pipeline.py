@@ -9,6 +9,7 @@ ExperienceBatch streams long before the last sample is generated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -91,12 +92,13 @@ class ExperienceMaker:
         async def collect_groups() -> None:
             pending: dict[int, list[CompletionRecord]] = {}
             try:
-                async for record in self._generator.generate(generation, deadline):
-                    group = pending.setdefault(record.prompt_index, [])
-                    group.append(record)
-                    if len(group) == n:
-                        del pending[record.prompt_index]
-                        await ready.put(sorted(group, key=lambda c: c.sample_index))
+                async with contextlib.aclosing(self._generator.generate(generation, deadline)) as records:
+                    async for record in records:
+                        group = pending.setdefault(record.prompt_index, [])
+                        group.append(record)
+                        if len(group) == n:
+                            del pending[record.prompt_index]
+                            await ready.put(sorted(group, key=lambda c: c.sample_index))
                 await ready.put(_GenerationDone())
             except Exception as error:  # handed to the consumer, which raises it
                 await ready.put(error)

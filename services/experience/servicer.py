@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,5 +28,6 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
         decoded = decode_request(request, self._tokenizer, self._limits)
         deadline = Deadline.from_remaining(context.time_remaining())
-        async for experience in self._maker.make_experiences(decoded, deadline):
-            yield experience_to_pb(experience)
+        async with contextlib.aclosing(self._maker.make_experiences(decoded, deadline)) as experiences:
+            async for experience in experiences:
+                yield experience_to_pb(experience)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -89,8 +90,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         decoded = decode_request(request, self._engine, self._settings)
-        async for record in self._engine.generate(decoded):
-            yield generation_pb2.GenerateResponse(completions=[encode_completion(record)])
+        async with contextlib.aclosing(self._engine.generate(decoded)) as records:
+            async for record in records:
+                yield generation_pb2.GenerateResponse(completions=[encode_completion(record)])
 
     async def GetModelInfo(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

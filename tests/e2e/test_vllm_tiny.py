@@ -5,12 +5,15 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
 
 from fastexp.launcher import LocalCluster
-from services.experience.sdk import ExperienceClient, Sampling
+from fastexp.v1 import experience_pb2_grpc
+from services.experience.sdk import ExperienceClient, Sampling, build_request
 
 pytestmark = pytest.mark.vllm
 
@@ -45,15 +48,27 @@ def test_sdk_streams_experiences_from_vllm(cluster):
         assert torch.allclose(first.sum(1), torch.zeros(first.shape[0]), atol=1e-4)
 
 
-def test_cancelled_stream_leaves_the_services_healthy(cluster):
-    with ExperienceClient(cluster.address("experience"), timeout_s=300) as client:
-        stream = client.make_experiences(["a b c"] * 6, n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=64))
+def test_cancelled_stream_aborts_generation_and_leaves_the_services_healthy(cluster):
+    log = cluster.log_dir / "generator.log"
+    with grpc.insecure_channel(cluster.address("experience")) as channel:
+        call = experience_pb2_grpc.ExperienceServiceStub(channel).MakeExperiences(
+            build_request(["a b c"] * 16, n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=400)),
+            timeout=300,
+        )
+        time.sleep(3.0)  # generation of 32 samples x 400 tokens is under way
+        call.cancel()
+    deadline = time.monotonic() + 20
+    while "aborted" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "aborted" in log.read_text(), "the generator did not abort the cancelled request's samples"
+    with ExperienceClient(cluster.address("experience"), timeout_s=120) as client:
+        stream = client.make_experiences(["x"] * 3, n_samples_per_prompt=2, advantage_estimator="reinforce",
+                                         sampling=Sampling(max_new_tokens=4))
         first = next(stream)
-        stream.close()  # cancels the RPC; the experience service aborts the engine requests
+        stream.close()  # stopping the iteration early is a cancel too
         assert first.sequences.shape[0] == 2
-        again = list(client.make_experiences(["x"], n_samples_per_prompt=2, advantage_estimator="reinforce",
-                                             sampling=Sampling(max_new_tokens=4)))
-        assert sum(e.sequences.shape[0] for e in again) == 2
+        again = list(client.make_experiences(["x"], n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=4)))
+    assert sum(e.sequences.shape[0] for e in again) == 2
 
 
 def test_prompt_over_the_model_limit_is_invalid_argument(cluster):
