@@ -89,7 +89,11 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> None:
         del config.quantization_config
     config.dtype = torch.bfloat16
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.load_state_dict(quantized.state_dict(), strict=False)
+    result = model.load_state_dict(quantized.state_dict(), strict=False)
+    # Only the tied LM head may be absent from the GGUF's state dict; anything else is a broken conversion.
+    missing = [k for k in result.missing_keys if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {result.unexpected_keys}")
     model.tie_weights()
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -10,6 +10,16 @@ from services.common.errors import InvalidRequest
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Operator limits every generation request is checked against."""
+
+    max_prompts_per_request: int
+    max_samples_per_prompt: int
+    max_new_tokens_limit: int
+    default_max_new_tokens: int
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     """Validated sampling parameters for every sample of a request.
 
@@ -81,3 +91,26 @@ class SamplingOptions:
         if self.seed is not None:
             message.seed = self.seed
         return message
+
+
+def validate_batch(
+    num_prompts: int, n_samples_per_prompt: int, sampling: generation_pb2.SamplingParams, limits: RequestLimits
+) -> SamplingOptions:
+    """Check the prompt count and ``n_samples_per_prompt`` against ``limits``, then decode ``sampling``.
+
+    Raises:
+        InvalidRequest: naming ``prompts``, ``n_samples_per_prompt`` or the ``sampling.*`` field.
+    """
+    if num_prompts == 0:
+        raise InvalidRequest("prompts", "at least one prompt is required")
+    if num_prompts > limits.max_prompts_per_request:
+        raise InvalidRequest("prompts", f"at most {limits.max_prompts_per_request} prompts per request")
+    if n_samples_per_prompt < 1:
+        raise InvalidRequest("n_samples_per_prompt", "must be >= 1")
+    if n_samples_per_prompt > limits.max_samples_per_prompt:
+        raise InvalidRequest("n_samples_per_prompt", f"at most {limits.max_samples_per_prompt} allowed")
+    return SamplingOptions.from_pb(
+        sampling,
+        default_max_new_tokens=limits.default_max_new_tokens,
+        max_new_tokens_limit=limits.max_new_tokens_limit,
+    )

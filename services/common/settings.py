@@ -17,6 +17,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from services.common.models import SMOLLM2_ALIAS
+from services.common.sampling import RequestLimits
 
 _yaml_section: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_yaml_section", default=None)
 
@@ -72,7 +73,24 @@ class ServiceSettings(BaseSettings):
             _yaml_section.reset(token)
 
 
-class GeneratorSettings(ServiceSettings):
+class _GenerationLimits(ServiceSettings):
+    """Request limits shared by the services that accept generation requests."""
+
+    max_prompts_per_request: int = Field(4096, ge=1)
+    max_samples_per_prompt: int = Field(256, ge=1)
+    max_new_tokens_limit: int = Field(8192, ge=1, description="largest max_new_tokens a request may ask for")
+    default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request leaves it 0")
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_prompts_per_request=self.max_prompts_per_request,
+            max_samples_per_prompt=self.max_samples_per_prompt,
+            max_new_tokens_limit=self.max_new_tokens_limit,
+            default_max_new_tokens=self.default_max_new_tokens,
+        )
+
+
+class GeneratorSettings(_GenerationLimits):
     """The generator service: which model, which engine, and request limits."""
 
     section: ClassVar[str] = "generator"
@@ -90,10 +108,6 @@ class GeneratorSettings(ServiceSettings):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM memory fraction if no KV size")
     enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (faster start, slower steps)")
     hf_max_batch_size: int = Field(32, ge=1, description="HF backend: sequences per generate() call")
-    max_prompts_per_request: int = Field(4096, ge=1)
-    max_samples_per_prompt: int = Field(256, ge=1)
-    max_new_tokens_limit: int = Field(8192, ge=1, description="largest max_new_tokens a request may ask for")
-    default_max_new_tokens: int = Field(256, ge=1)
 
 
 class ScorerSettings(ServiceSettings):
@@ -109,7 +123,7 @@ class ScorerSettings(ServiceSettings):
     max_queries_per_request: int = Field(65536, ge=1)
 
 
-class ExperienceSettings(ServiceSettings):
+class ExperienceSettings(_GenerationLimits):
     """The experience service: where the generator and scorer are, and the models it runs itself."""
 
     section: ClassVar[str] = "experience"
@@ -126,7 +140,3 @@ class ExperienceSettings(ServiceSettings):
     generate_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Generate stream")
     score_timeout_s: float = Field(120.0, gt=0, description="deadline of one Score call")
     connect_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the generator at start")
-    max_prompts_per_request: int = Field(4096, ge=1)
-    max_samples_per_prompt: int = Field(256, ge=1)
-    max_new_tokens_limit: int = Field(8192, ge=1)
-    default_max_new_tokens: int = Field(256, ge=1)

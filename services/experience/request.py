@@ -12,7 +12,7 @@ from typing import Any
 
 from fastexp.v1 import experience_pb2
 from services.common.errors import InvalidRequest
-from services.common.sampling import SamplingOptions
+from services.common.sampling import RequestLimits, SamplingOptions, validate_batch
 from services.experience.advantages import ALIASES, ESTIMATORS, AdvantageEstimator, get_estimator
 from services.experience.kl import KL_ESTIMATORS
 
@@ -56,42 +56,20 @@ class ExperienceRequest:
     config: ExperienceConfig
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    """Operator limits and model facts a request is checked against."""
-
-    max_model_len: int
-    max_prompts_per_request: int
-    max_samples_per_prompt: int
-    max_new_tokens_limit: int
-    default_max_new_tokens: int
-
-
 def decode_request(
-    message: experience_pb2.MakeExperiencesRequest, tokenizer: Any, limits: RequestLimits
+    message: experience_pb2.MakeExperiencesRequest, tokenizer: Any, limits: RequestLimits, max_model_len: int
 ) -> ExperienceRequest:
     """Validate ``message``, render chat prompts with ``tokenizer``'s chat template and tokenize every prompt.
+
+    ``max_model_len`` is the generator's limit on prompt + response tokens; a prompt must be shorter.
 
     Raises:
         InvalidRequest: naming the offending field, e.g. ``prompts[2]``, ``sampling.top_p``,
             ``advantage_estimator``.
     """
-    if not message.prompts:
-        raise InvalidRequest("prompts", "at least one prompt is required")
-    if len(message.prompts) > limits.max_prompts_per_request:
-        raise InvalidRequest("prompts", f"at most {limits.max_prompts_per_request} prompts per request")
-    n = message.n_samples_per_prompt
-    if n < 1:
-        raise InvalidRequest("n_samples_per_prompt", "must be >= 1")
-    if n > limits.max_samples_per_prompt:
-        raise InvalidRequest("n_samples_per_prompt", f"at most {limits.max_samples_per_prompt} allowed")
-    sampling = SamplingOptions.from_pb(
-        message.sampling,
-        default_max_new_tokens=limits.default_max_new_tokens,
-        max_new_tokens_limit=limits.max_new_tokens_limit,
-    )
-    config = _decode_config(message, n)
-    prompts = tuple(_render_prompt(i, p, tokenizer, limits.max_model_len) for i, p in enumerate(message.prompts))
+    sampling = validate_batch(len(message.prompts), message.n_samples_per_prompt, message.sampling, limits)
+    config = _decode_config(message, message.n_samples_per_prompt)
+    prompts = tuple(_render_prompt(i, p, tokenizer, max_model_len) for i, p in enumerate(message.prompts))
     return ExperienceRequest(
         request_id=message.request_id or uuid.uuid4().hex, prompts=prompts, sampling=sampling, config=config
     )

@@ -16,11 +16,11 @@ Errors arrive as ``grpc.RpcError`` with the service's status code (INVALID_ARGUM
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import grpc
 
-from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
+from fastexp.v1 import experience_pb2, experience_pb2_grpc
+from services.common.sampling import SamplingOptions
 from services.experience.types import Experience
 from services.experience.wire import experience_from_pb
 
@@ -28,17 +28,9 @@ from services.experience.wire import experience_from_pb
 PromptLike = str | Sequence[dict[str, str]]
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters (see ``fastexp.v1.SamplingParams``)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 256
-    min_new_tokens: int = 0
-    skip_special_tokens: bool = True
-    seed: int | None = None
+#: Sampling parameters for a request (the validated record the services use; see ``fastexp.v1.SamplingParams``).
+Sampling = SamplingOptions
+DEFAULT_SAMPLING = Sampling()
 
 
 def build_request(
@@ -47,7 +39,7 @@ def build_request(
     n_samples_per_prompt: int,
     references: Sequence[str] | None = None,
     labels: Sequence[str] | None = None,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = DEFAULT_SAMPLING,
     micro_rollout_batch_size: int = 0,
     advantage_estimator: str = "group_norm",
     kl_coef: float = 0.01,
@@ -76,20 +68,10 @@ def build_request(
         if labels is not None:
             item.label = labels[i]
         inputs.append(item)
-    params = generation_pb2.SamplingParams(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        max_new_tokens=sampling.max_new_tokens,
-        min_new_tokens=sampling.min_new_tokens,
-        skip_special_tokens=sampling.skip_special_tokens,
-    )
-    if sampling.seed is not None:
-        params.seed = sampling.seed
     return experience_pb2.MakeExperiencesRequest(
         request_id=request_id,
         prompts=inputs,
-        sampling=params,
+        sampling=sampling.to_pb(),
         n_samples_per_prompt=n_samples_per_prompt,
         micro_rollout_batch_size=micro_rollout_batch_size,
         advantage_estimator=advantage_estimator,

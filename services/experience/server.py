@@ -15,7 +15,6 @@ from services.common.settings import ExperienceSettings
 from services.experience.clients import GeneratorClient, ScorerClient, open_channel
 from services.experience.logprobs import LogProbModel
 from services.experience.pipeline import ExperienceMaker
-from services.experience.request import RequestLimits
 from services.experience.servicer import ExperienceServicer
 
 logger = logging.getLogger(__name__)
@@ -60,14 +59,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     info = await generator.model_info(settings.connect_timeout_s)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     maker = ExperienceMaker(generator, scorer, actor, reference, pad_token_id=pad)
-    limits = RequestLimits(
-        max_model_len=info.max_model_len,
-        max_prompts_per_request=settings.max_prompts_per_request,
-        max_samples_per_prompt=settings.max_samples_per_prompt,
-        max_new_tokens_limit=settings.max_new_tokens_limit,
-        default_max_new_tokens=settings.default_max_new_tokens,
-    )
-    servicer = ExperienceServicer(maker, tokenizer, limits)
+    servicer = ExperienceServicer(maker, tokenizer, settings.request_limits(), info.max_model_len)
     running = await create_server(
         host=settings.host,
         port=settings.port,

@@ -10,7 +10,7 @@ import grpc
 
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common.errors import InvalidRequest
-from services.common.sampling import SamplingOptions
+from services.common.sampling import validate_batch
 from services.common.settings import GeneratorSettings
 from services.common.tensor_codec import from_numpy
 from services.generator.engine import CompletionRecord, GenerationEngine, GenerationRequest
@@ -30,19 +30,8 @@ def decode_request(
     Raises:
         InvalidRequest: naming the field (``prompts``, ``prompts[3]``, ``sampling.top_p``, ...).
     """
-    if not message.prompts:
-        raise InvalidRequest("prompts", "at least one prompt is required")
-    if len(message.prompts) > settings.max_prompts_per_request:
-        raise InvalidRequest("prompts", f"at most {settings.max_prompts_per_request} prompts per request")
-    n = message.n_samples_per_prompt
-    if n < 1:
-        raise InvalidRequest("n_samples_per_prompt", "must be >= 1")
-    if n > settings.max_samples_per_prompt:
-        raise InvalidRequest("n_samples_per_prompt", f"at most {settings.max_samples_per_prompt} allowed")
-    sampling = SamplingOptions.from_pb(
-        message.sampling,
-        default_max_new_tokens=settings.default_max_new_tokens,
-        max_new_tokens_limit=settings.max_new_tokens_limit,
+    sampling = validate_batch(
+        len(message.prompts), message.n_samples_per_prompt, message.sampling, settings.request_limits()
     )
     limit = engine.description.max_model_len
     vocab_guard = 1 << 31
@@ -61,7 +50,7 @@ def decode_request(
         request_id=message.request_id or uuid.uuid4().hex,
         prompts=tuple(prompts),
         sampling=sampling,
-        n_samples_per_prompt=n,
+        n_samples_per_prompt=message.n_samples_per_prompt,
     )
 
 

@@ -5,11 +5,13 @@ from transformers import AutoTokenizer
 
 from fastexp.v1 import experience_pb2, generation_pb2
 from services.common.errors import InvalidRequest
-from services.experience.request import RequestLimits, decode_request
+from services.common.sampling import RequestLimits
+from services.experience.request import decode_request
 from services.experience.sdk import Sampling, build_request
 
-LIMITS = RequestLimits(max_model_len=64, max_prompts_per_request=8, max_samples_per_prompt=16,
-                       max_new_tokens_limit=512, default_max_new_tokens=32)
+LIMITS = RequestLimits(max_prompts_per_request=8, max_samples_per_prompt=16, max_new_tokens_limit=512,
+                       default_max_new_tokens=32)
+MAX_MODEL_LEN = 64
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def _request(**changes):
 
 
 def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
-    decoded = decode_request(_request(references=["5"]), tokenizer, LIMITS)
+    decoded = decode_request(_request(references=["5"]), tokenizer, LIMITS, MAX_MODEL_LEN)
     (prompt,) = decoded.prompts
     assert prompt.text.startswith("<|im_start|>system") and prompt.text.endswith("<|im_start|>assistant\n")
     assert list(prompt.token_ids) == tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
@@ -61,18 +63,18 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
 )
 def test_bad_input_names_the_field(tokenizer, request_, field, why):
     with pytest.raises(InvalidRequest) as info:
-        decode_request(request_, tokenizer, LIMITS)
+        decode_request(request_, tokenizer, LIMITS, MAX_MODEL_LEN)
     assert info.value.field == field
     assert why in info.value.reason
 
 
 def test_reinforce_accepts_a_single_sample(tokenizer):
-    decoded = decode_request(_request(advantage_estimator="reinforce", n_samples_per_prompt=1), tokenizer, LIMITS)
+    decoded = decode_request(_request(advantage_estimator="reinforce", n_samples_per_prompt=1), tokenizer, LIMITS, MAX_MODEL_LEN)
     assert decoded.config.n_samples_per_prompt == 1
 
 
 def test_unset_sampling_fields_take_defaults(tokenizer):
     message = _request()
     message.sampling.CopyFrom(generation_pb2.SamplingParams())
-    sampling = decode_request(message, tokenizer, LIMITS).sampling
+    sampling = decode_request(message, tokenizer, LIMITS, MAX_MODEL_LEN).sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens) == (1.0, 1.0, 0, 32)
