@@ -10,7 +10,7 @@ PROTO_SRC := $(wildcard proto/fastexp/v1/*.proto)
 PROTO_STAMP := fastexp/v1/.generated
 PYTEST_ARGS ?=
 
-.PHONY: venv proto test demo lint clean up
+.PHONY: venv proto test demo bench lint clean up
 
 venv: $(STAMP)
 
@@ -41,6 +41,9 @@ lint: $(STAMP)
 
 demo: $(PROTO_STAMP)
 	$(BIN)/fastexp demo
+
+bench: $(PROTO_STAMP)
+	$(BIN)/python -m benchmarks.run
 
 up: $(PROTO_STAMP)
 	$(BIN)/fastexp up

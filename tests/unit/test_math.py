@@ -9,7 +9,12 @@ from services.experience.advantages import get_estimator, group_norm, reinforce,
 from services.experience.estimate import estimate_experience
 from services.experience.kl import compute_approx_kl
 from services.experience.request import ExperienceConfig
-from services.experience.rewards import compute_reward, discounted_returns, last_action_index
+from services.experience.rewards import (
+    compute_reward,
+    discounted_returns,
+    discounted_reverse_cumsum_loop,
+    last_action_index,
+)
 from services.experience.types import Rollout
 
 MASK = torch.tensor([[True, True, False]])
@@ -46,11 +51,11 @@ def test_discounted_returns_by_hand_and_against_gamma_one():
     assert torch.allclose(discounted_returns(rewards, mask, 0.5), torch.tensor([[3.0, 4.0, 4.0, 0.0]]))
     # gamma = 1 (reverse cumsum path): G = [7, 6, 4, 0]
     assert torch.allclose(discounted_returns(rewards, mask, 1.0), torch.tensor([[7.0, 6.0, 4.0, 0.0]]))
-    # the loop with gamma just below 1 agrees with the cumsum path
+    # against the per-timestep loop on random rewards and masks
     random = torch.randn(5, 17)
     rmask = torch.rand(5, 17) > 0.3
-    assert torch.allclose(discounted_returns(random, rmask, 1.0 - 1e-7), discounted_returns(random, rmask, 1.0),
-                          atol=1e-4)
+    expected = discounted_reverse_cumsum_loop(random * rmask, 0.9) * rmask
+    assert torch.allclose(discounted_returns(random, rmask, 0.9), expected, atol=1e-5)
 
 
 def test_group_estimators_by_hand():

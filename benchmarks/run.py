@@ -1,0 +1,47 @@
+"""``make bench``: run every benchmark, print a table with the machine, write ``out/bench/results.json``.
+
+``--small`` runs tiny sizes as a smoke test (CI), without targets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks import gae
+
+TARGETS = {"gae_vectorized_speedup": ">= 10", "gae_max_abs_error": "<= 1e-5"}
+
+
+def main(
+    out: Annotated[Path, typer.Option(help="results folder")] = Path("out/bench"),
+    small: Annotated[bool, typer.Option(help="tiny sizes: a smoke test, not a measurement")] = False,
+) -> None:
+    results: dict[str, object] = {
+        "machine": {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+                    "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "device": "cpu"},
+        "small": small,
+    }
+    results.update(gae.run(batch=8, length=256, repeats=1) if small else gae.run())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = Table(title=f"fastexp benchmarks ({'smoke' if small else 'full'}) on {results['machine']}")
+    for column in ("figure", "value", "target"):
+        table.add_column(column)
+    for key, value in results.items():
+        if key in ("machine", "small"):
+            continue
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value), TARGETS.get(key, ""))
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    typer.run(main)
