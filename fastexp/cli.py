@@ -84,7 +84,11 @@ def up(
     ports = {name: base_port + i for i, name in enumerate(SERVICES)}
     with LocalCluster(ports=ports, config_file=config, overrides={"generator": {"backend": backend.value}}) as c:
         typer.echo(f"experience service ready at {c.address('experience')} (Ctrl-C stops)")
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        # Blocked only now, after the children were started, so they keep their default signal handling.
+        stop_signals = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        received = signal.sigwait(stop_signals)
+        typer.echo(f"{signal.Signals(received).name}: stopping the services")
 
 
 @app.command()

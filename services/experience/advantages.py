@@ -30,6 +30,16 @@ def reinforce_baseline(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean(dim=1, keepdim=True)
 
 
+def dr_grpo(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783): ``r - mean(r)``.
+
+    GRPO without the division by the group std, which biases updates toward groups of low reward variance.
+    Needs ``n >= 2`` (a single sample would always get 0). (G, n) -> (G, n).
+    """
+    rewards = rewards.float()
+    return rewards - rewards.mean(dim=1, keepdim=True)
+
+
 def rloo(rewards: torch.Tensor) -> torch.Tensor:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv 2402.14740): ``r_i - mean_{j != i} r_j``.
 
@@ -67,6 +77,7 @@ ESTIMATORS: dict[str, AdvantageEstimator] = {
     e.name: e
     for e in (
         AdvantageEstimator("group_norm", group_norm, 2, "the group std is undefined for one sample"),
+        AdvantageEstimator("dr_grpo", dr_grpo, 2, "the group mean of one sample is the sample itself"),
         AdvantageEstimator("rloo", rloo, 2, "the leave-one-out baseline needs another sample of the prompt"),
         AdvantageEstimator("reinforce", reinforce, 1),
         AdvantageEstimator("reinforce_baseline", reinforce_baseline, 1),

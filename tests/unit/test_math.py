@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from services.experience.advantages import get_estimator, group_norm, reinforce, reinforce_baseline, rloo
+from services.experience.advantages import (
+    dr_grpo,
+    get_estimator,
+    group_norm,
+    reinforce,
+    reinforce_baseline,
+    rloo,
+)
 from services.experience.estimate import estimate_experience
 from services.experience.kl import compute_approx_kl
 from services.experience.request import ExperienceConfig
@@ -68,6 +75,8 @@ def test_group_estimators_by_hand():
     assert torch.allclose(rloo(r)[0], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
     assert torch.allclose(rloo(r)[1], torch.zeros(4))
     assert torch.allclose(reinforce_baseline(r)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    # dr_grpo: r - mean(r), no std division: [0.5, -0.5, -0.5, 0.5] and zeros
+    assert torch.allclose(dr_grpo(r), torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]]))
     assert torch.equal(reinforce(r), r)
     assert get_estimator("grpo").name == "group_norm"
     with pytest.raises(KeyError):

@@ -56,6 +56,8 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
         (_request(advantage_estimator="group_norm", n_samples_per_prompt=1), "n_samples_per_prompt",
          "group std is undefined"),
         (_request(advantage_estimator="rloo", n_samples_per_prompt=1), "n_samples_per_prompt", "leave-one-out"),
+        (_request(advantage_estimator="dr_grpo", n_samples_per_prompt=1), "n_samples_per_prompt",
+         "group mean of one sample"),
         (_request(kl_coef=-1.0), "kl.kl_coef", ">= 0"),
         (_request(kl_estimator="k9"), "kl.kl_estimator", "unknown"),
         (_request(gamma=0.0), "gamma", "(0, 1]"),
