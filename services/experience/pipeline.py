@@ -106,20 +106,22 @@ class ExperienceMaker:
         collector = asyncio.create_task(collect_groups(), name=f"generate-{request.request_id}")
         try:
             batch_index = 0
+            failure: BaseException | None = None
             finished = False
             while not finished:
                 groups: list[list[CompletionRecord]] = []
                 while len(groups) < config.groups_per_batch:
                     item = await ready.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    if isinstance(item, _GenerationDone):
+                    if isinstance(item, BaseException | _GenerationDone):
+                        failure = item if isinstance(item, BaseException) else None
                         finished = True
                         break
                     groups.append(item)
-                if groups:
+                if groups:  # groups completed before a generation failure are still delivered
                     yield await self._process(request, [c for g in groups for c in g], batch_index, deadline)
                     batch_index += 1
+            if failure is not None:
+                raise failure
         finally:
             collector.cancel()
             await asyncio.gather(collector, return_exceptions=True)
