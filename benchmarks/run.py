@@ -1,6 +1,7 @@
 """``make bench``: run every benchmark, print a table with the machine, write ``out/bench/results.json``.
 
-``--small`` runs tiny sizes as a smoke test (CI), without targets.
+``--small`` runs tiny sizes as a quick smoke test of the benchmark code; its figures are not measurements.
+(The test suite's smoke test calls ``benchmarks.gae.run`` with tiny sizes directly, without thresholds.)
 """
 
 from __future__ import annotations

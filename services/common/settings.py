@@ -82,6 +82,7 @@ class _GenerationLimits(ServiceSettings):
     default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request leaves it 0")
 
     def request_limits(self) -> RequestLimits:
+        """These four limits as the plain record the request validators take."""
         return RequestLimits(
             max_prompts_per_request=self.max_prompts_per_request,
             max_samples_per_prompt=self.max_samples_per_prompt,

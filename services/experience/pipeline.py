@@ -22,7 +22,7 @@ from services.experience.estimate import estimate_experience
 from services.experience.logprobs import LogProbModel
 from services.experience.request import ExperienceRequest
 from services.experience.sequences import build_rollout
-from services.experience.types import Experience
+from services.experience.types import Experience, Rollout
 from services.generator.engine import CompletionRecord, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,8 @@ class ExperienceMaker:
             batch_index,
         )
 
-    def _forward(self, rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Actor and reference log-probs of the response tokens, each (B, A) float32 (runs in a worker thread)."""
         num_actions = rollout.action_mask.shape[1]
         actor = self._actor.action_log_probs(rollout.sequences, rollout.attention_mask, num_actions)
         reference = self._reference.action_log_probs(rollout.sequences, rollout.attention_mask, num_actions)
