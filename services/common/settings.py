@@ -135,6 +135,10 @@ class ExperienceSettings(_GenerationLimits):
     scorer_address: str = Field("127.0.0.1:50052", description="host:port of the scorer service")
     actor_model: str = Field(SMOLLM2_ALIAS, description="actor replica for action_log_probs (same as policy)")
     reference_model: str = Field(SMOLLM2_ALIAS, description="frozen reference for base_action_log_probs")
+    critic_model: str | None = Field(
+        None, description="critic checkpoint folder (backbone + value head) for values and the gae estimator"
+    )
+    max_runs: int = Field(1024, ge=1, description="runs whose reward statistics and kl_coef are kept (LRU)")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = Field("cpu", description="torch device for actor/reference forward passes")
     forward_micro_batch_size: int = Field(8, ge=1, description="rows per actor/reference forward pass")

@@ -1,57 +1,107 @@
-"""From rewards and log-probs to the final Experience: KL, reward shaping, returns, advantages (pure)."""
+"""From rewards and forward passes to the final Experience: KL, reward shaping, returns, advantages (pure).
+
+One function, :func:`estimate_experience`, runs the stages in the seed's order; each stage is a pure function of
+:mod:`~services.experience.kl`, :mod:`~services.experience.processing`, :mod:`~services.experience.advantages`
+and :mod:`~services.experience.rewards`. The run's state (running reward moments, beta) goes in and the updated
+state comes out; nothing is mutated.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from services.experience.advantages import TokenInputs
 from services.experience.kl import compute_approx_kl
+from services.experience.processing import (
+    clip_with_fraction,
+    overlong_penalty,
+    running_normalize,
+    sequence_mean_kl,
+    whiten,
+)
 from services.experience.request import ExperienceConfig
-from services.experience.rewards import compute_reward, discounted_returns
-from services.experience.types import Experience, Rollout
+from services.experience.rewards import compute_reward
+from services.experience.runs import RunState
+from services.experience.types import Experience, ForwardOutputs, Rollout
 
 
 def estimate_experience(
     rollout: Rollout,
     reward: torch.Tensor,
     reward_metrics: dict[str, torch.Tensor],
-    action_log_probs: torch.Tensor,
-    base_action_log_probs: torch.Tensor,
+    forward: ForwardOutputs,
     config: ExperienceConfig,
-    batch_index: int,
-) -> Experience:
+    state: RunState,
+    batch_index: int = 0,
+    dropped_prompt_indices: tuple[int, ...] = (),
+) -> tuple[Experience, RunState]:
     """Compute KL, per-token rewards, returns and advantages for whole prompt groups.
 
-    Steps (the seed's ``compute_advantages_and_returns`` for outcome-reward estimators):
-    ``kl = compute_approx_kl(...)``; ``r' = estimator(reward grouped as (G, n))``;
-    ``r_t = -beta * kl_t + [t = last] * r'`` (``beta = 0`` in the reward when ``use_kl_loss``);
-    ``returns = discounted_returns(r, gamma)``; ``advantages = returns``.
+    Stages (the seed's ``_process_experiences`` + ``_compute_advantages_and_returns``):
+
+    1. ``kl = k(action_log_probs - base_action_log_probs)`` on ``action_mask`` (k1/k2/k3).
+    2. ``R = reward + overlong_penalty(response_length)`` when ``overlong_buffer_len > 0``.
+    3. ``R = estimator.shape_rewards(R as (G, n))`` (group baselines).
+    4. ``reward_running_norm``: update the run's moments with R, then ``R = (R - mean) / std`` (or ``R / std``).
+    5. ``reward_clip``: ``R = clamp(R, -c, c)``; ``reward_clip_frac`` = rows changed.
+    6. ``r_t = -beta * kl_t + [t = last] * R`` with the run's beta (0 in the reward with ``use_kl_loss``).
+    7. ``advantages, returns = estimator.advantages(r, values, gamma, lambd)``.
+    8. ``advantages_norm`` (whitening over ``action_mask``), then ``advantage_clip``.
+    9. The run's beta is updated from this batch's mean per-sequence KL (adaptive controller only).
+
+    γ and λ come from ``config`` for every batch (the seed pops γ inside its loop, so only its first micro-batch
+    gets the requested value).
 
     Shape:
         rollout rows: B = G * n, grouped by prompt (n consecutive rows per prompt, sample order).
-        reward: (B,) float32; action_log_probs, base_action_log_probs: (B, A) float32.
+        reward: (B,) float32; forward tensors: (B, A) float32.
+
+    Returns:
+        ``(experience, state after this batch)``.
 
     Raises:
-        ValueError: B is not a multiple of ``config.n_samples_per_prompt``.
+        ValueError: B is not a multiple of ``n_samples_per_prompt``; ``gae`` without ``forward.values``.
     """
     n = config.n_samples_per_prompt
     batch = reward.shape[0]
     if batch % n:
         raise ValueError(f"{batch} rows are not whole groups of {n}")
     mask = rollout.action_mask
-    kl = compute_approx_kl(action_log_probs, base_action_log_probs, mask, config.kl_estimator)
-    shaped = config.estimator.shape_rewards(reward.view(batch // n, n)).reshape(batch)
-    kl_coef_in_reward = 0.0 if config.use_kl_loss else config.kl_coef
-    per_token_rewards = compute_reward(shaped, kl_coef_in_reward, kl, mask)
-    returns = discounted_returns(per_token_rewards, mask, config.gamma)
-    return Experience(
+    kl = compute_approx_kl(forward.action_log_probs, forward.base_action_log_probs, mask, config.kl.kl_estimator)
+
+    shaped = reward.float()
+    options = config.reward
+    if options.overlong_buffer_len > 0:
+        shaped = shaped + overlong_penalty(
+            rollout.response_length, options.max_new_tokens, options.overlong_buffer_len,
+            options.overlong_buffer_penalty_factor,
+        )
+    shaped = config.estimator.shape_rewards(shaped.view(batch // n, n)).reshape(batch)
+    moments, norm_mean, norm_std = state.reward_moments, 0.0, 1.0
+    if options.reward_running_norm:
+        moments = moments.update(shaped)
+        shaped, norm_mean, norm_std = running_normalize(shaped, moments, options.reward_running_norm_minus_mean)
+    shaped, reward_clip_frac = clip_with_fraction(shaped, options.reward_clip)
+
+    kl_coef = state.kl.value
+    per_token_rewards = compute_reward(shaped, 0.0 if config.kl.use_kl_loss else kl_coef, kl, mask)
+    advantages, returns = config.estimator.advantages(
+        TokenInputs(per_token_rewards, mask, forward.values, n, config.gamma, config.lambd)
+    )
+    if config.advantage.advantages_norm:
+        advantages = whiten(advantages, mask)
+    advantages, advantage_clip_frac = clip_with_fraction(advantages, config.advantage.advantage_clip, mask)
+
+    next_state = RunState(reward_moments=moments, kl=state.kl.update(sequence_mean_kl(kl, mask), batch))
+    experience = Experience(
         sequences=rollout.sequences,
         attention_mask=rollout.attention_mask,
         action_mask=mask,
-        action_log_probs=action_log_probs * mask,
-        base_action_log_probs=base_action_log_probs * mask,
-        values=None,
+        action_log_probs=forward.action_log_probs * mask,
+        base_action_log_probs=forward.base_action_log_probs * mask,
+        values=None if forward.values is None else forward.values.float() * mask,
         returns=returns,
-        advantages=returns.clone(),
+        advantages=advantages,
         kl=kl,
         reward=reward.float(),
         response_length=rollout.response_length,
@@ -62,7 +112,15 @@ def estimate_experience(
         response_texts=rollout.response_texts,
         policy_version=rollout.policy_version,
         reward_metrics=reward_metrics,
-        kl_coef=config.kl_coef,
+        kl_coef=kl_coef,
         batch_index=batch_index,
         rollout_log_probs=rollout.rollout_log_probs,
+        shaped_reward=shaped,
+        action_entropy=None if forward.action_entropy is None else forward.action_entropy * mask,
+        reward_clip_frac=reward_clip_frac,
+        advantage_clip_frac=advantage_clip_frac,
+        reward_norm_mean=norm_mean,
+        reward_norm_std=norm_std,
+        dropped_prompt_indices=dropped_prompt_indices,
     )
+    return experience, next_state

@@ -1,54 +1,66 @@
-"""Actor / reference log-probs of response tokens by a real forward pass of an HF causal LM."""
+"""Actor / reference log-probs (and entropy) of response tokens by a real forward pass of an HF causal LM."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from services.experience.forward import ForwardChunk
+
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class LogProbModel:
     """A frozen causal LM that scores response tokens (the actor replica or the reference model)."""
 
-    def __init__(self, model: Any, micro_batch_size: int) -> None:
+    def __init__(self, model: Any) -> None:
         self._model = model
-        self._micro_batch_size = micro_batch_size
 
     @classmethod
-    def load(cls, path: str, *, dtype: str, device: str, micro_batch_size: int) -> LogProbModel:
+    def load(cls, path: str, *, dtype: str, device: str) -> LogProbModel:
         """Load ``path`` with ``AutoModelForCausalLM`` in eval mode on ``device``."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype]).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
         logger.info("loaded %s (%s, %s)", path, dtype, device)
-        return cls(model, micro_batch_size)
+        return cls(model)
 
     @torch.inference_mode()
-    def action_log_probs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
-        """Log-probs (nats, temperature 1) of the last ``num_actions`` tokens of each row given everything before.
+    def action_log_probs(
+        self, chunks: Sequence[ForwardChunk], with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (nats, temperature 1) of each response token given everything before it, and optionally the
+        entropy (nats) of the model's next-token distribution at each response position.
 
-        Position ids count real tokens only (``cumsum(attention_mask) - 1``), so left padding does not shift
-        positions. Only the last ``num_actions + 1`` positions go through the LM head (``logits_to_keep``), and
-        ``log p = logit[token] - logsumexp(logits)`` is computed in float32.
+        Only the positions that predict response tokens go through the LM head (``logits_to_keep`` with the
+        chunk's ``hidden_index``); ``log p = logit[token] - logsumexp(logits)`` and
+        ``H = logsumexp(logits) - sum_v softmax(logits)_v * logits_v`` are computed in float32.
 
         Shape:
-            sequences, attention_mask: (B, S) int64; returns (B, A) float32 with ``A = num_actions``.
-            Positions past a row's response are computed on padding and must be masked by ``action_mask``.
+            chunks: the rows of one Rollout, in order (:func:`services.experience.forward.chunks`).
+            returns ``(log_probs (B, A), entropy (B, A) or None)`` float32 on the CPU. Positions past a row's
+            response are computed on padding (padded layout) or are 0 (packed) and must be masked by
+            ``action_mask``.
         """
         device = self._model.device
-        out = []
-        for start in range(0, sequences.shape[0], self._micro_batch_size):
-            ids = sequences[start : start + self._micro_batch_size].to(device)
-            mask = attention_mask[start : start + self._micro_batch_size].to(device)
-            position_ids = (mask.cumsum(dim=1) - 1).clamp_(min=0)
+        log_probs, entropies = [], []
+        for chunk in chunks:
             logits = self._model(
-                input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=num_actions + 1
-            ).logits[:, :-1].float()  # (b, A, V): position t predicts token t + 1
-            targets = ids[:, -num_actions:].unsqueeze(-1)
-            out.append((logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)).cpu())
-        return torch.cat(out)
+                input_ids=chunk.input_ids.to(device),
+                attention_mask=None if chunk.attention_mask is None else chunk.attention_mask.to(device),
+                position_ids=chunk.position_ids.to(device),
+                logits_to_keep=chunk.hidden_index.to(device),
+                use_cache=False,
+            ).logits.float()  # (b, K, V)
+            normalizer = torch.logsumexp(logits, dim=-1)
+            chosen = logits.gather(-1, chunk.targets.to(device).unsqueeze(-1)).squeeze(-1)
+            log_probs.append(chunk.to_rows((chosen - normalizer).cpu()))
+            if with_entropy:
+                expected_logit = (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+                entropies.append(chunk.to_rows((normalizer - expected_logit).cpu()))
+        return torch.cat(log_probs), torch.cat(entropies) if with_entropy else None

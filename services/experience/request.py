@@ -18,6 +18,10 @@ from services.experience.kl import KL_ESTIMATORS
 
 DEFAULT_ESTIMATOR = "group_norm"
 DEFAULT_KL_COEF = 0.01
+DEFAULT_KL_HORIZON = 10_000  # OpenRLHF/LightRFT --kl_horizon
+DEFAULT_MAX_EXTRA_ROUNDS = 3
+MAX_EXTRA_ROUNDS = 16
+MAX_RUN_ID_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -31,16 +35,62 @@ class PromptSpec:
 
 
 @dataclass(frozen=True)
+class KLOptions:
+    """KL penalty (``KLSettings``): beta's initial value, estimator, and the adaptive controller's target."""
+
+    kl_coef: float = DEFAULT_KL_COEF
+    kl_estimator: str = "k1"
+    use_kl_loss: bool = False
+    kl_target: float | None = None
+    kl_horizon: int = DEFAULT_KL_HORIZON
+
+
+@dataclass(frozen=True)
+class RewardOptions:
+    """Scalar-reward processing (``RewardProcessing``); ``overlong_buffer_len = 0`` means no overlong penalty."""
+
+    reward_running_norm: bool = False
+    reward_running_norm_minus_mean: bool = False
+    reward_clip: float = 0.0
+    overlong_buffer_len: int = 0
+    overlong_buffer_penalty_factor: float = 1.0
+    max_new_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class AdvantageOptions:
+    """Advantage post-processing (``AdvantageProcessing``)."""
+
+    advantages_norm: bool = False
+    advantage_clip: float = 0.0
+
+
+@dataclass(frozen=True)
+class DynamicSamplingOptions:
+    """Dynamic sampling: deliver ``num_groups`` groups with reward variance, refilling at most
+    ``max_extra_rounds`` times from the prompts after the first ``num_groups``."""
+
+    num_groups: int
+    max_extra_rounds: int = DEFAULT_MAX_EXTRA_ROUNDS
+
+
+@dataclass(frozen=True)
 class ExperienceConfig:
-    """How rewards become advantages (plain values, never a request or settings object)."""
+    """How rewards become advantages, and what the batch carries (plain values, never a request or settings)."""
 
     n_samples_per_prompt: int
-    micro_rollout_batch_size: int
     estimator: AdvantageEstimator
-    kl_coef: float
-    kl_estimator: str
-    use_kl_loss: bool
-    gamma: float
+    micro_rollout_batch_size: int = 0
+    kl: KLOptions = KLOptions()
+    gamma: float = 1.0
+    lambd: float = 1.0
+    reward: RewardOptions = RewardOptions()
+    advantage: AdvantageOptions = AdvantageOptions()
+    dynamic_sampling: DynamicSamplingOptions | None = None
+    run_id: str = ""
+    return_action_entropy: bool = False
+    packing_samples: bool = False
+    return_packed: bool = False
 
     @property
     def groups_per_batch(self) -> int:
@@ -57,54 +107,143 @@ class ExperienceRequest:
 
 
 def decode_request(
-    message: experience_pb2.MakeExperiencesRequest, tokenizer: Any, limits: RequestLimits, max_model_len: int
+    message: experience_pb2.MakeExperiencesRequest,
+    tokenizer: Any,
+    limits: RequestLimits,
+    max_model_len: int,
+    has_critic: bool = False,
 ) -> ExperienceRequest:
     """Validate ``message``, render chat prompts with ``tokenizer``'s chat template and tokenize every prompt.
 
     ``max_model_len`` is the generator's limit on prompt + response tokens; a prompt must be shorter.
+    ``has_critic`` says whether this service runs a value model (``gae`` needs one).
 
     Raises:
         InvalidRequest: naming the offending field, e.g. ``prompts[2]``, ``sampling.top_p``,
-            ``advantage_estimator``.
+            ``advantage_estimator``, ``lambd``, ``reward_processing.reward_clip``.
     """
     sampling = validate_batch(len(message.prompts), message.n_samples_per_prompt, message.sampling, limits)
-    config = _decode_config(message, message.n_samples_per_prompt)
+    config = _decode_config(message, message.n_samples_per_prompt, sampling, has_critic)
     prompts = tuple(_render_prompt(i, p, tokenizer, max_model_len) for i, p in enumerate(message.prompts))
     return ExperienceRequest(
         request_id=message.request_id or uuid.uuid4().hex, prompts=prompts, sampling=sampling, config=config
     )
 
 
-def _decode_config(message: experience_pb2.MakeExperiencesRequest, n: int) -> ExperienceConfig:
+def _unit_interval(message: Any, field: str, default: float) -> float:
+    value = getattr(message, field) if message.HasField(field) else default
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise InvalidRequest(field, f"must be in [0, 1], got {value}")
+    return value
+
+
+def _non_negative(value: float, field: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise InvalidRequest(field, f"must be finite and >= 0, got {value}")
+    return value
+
+
+def _decode_config(
+    message: experience_pb2.MakeExperiencesRequest, n: int, sampling: SamplingOptions, has_critic: bool
+) -> ExperienceConfig:
     name = message.advantage_estimator or DEFAULT_ESTIMATOR
     try:
         estimator = get_estimator(name)
     except KeyError:
         known = ", ".join(sorted([*ESTIMATORS, *ALIASES]))
         raise InvalidRequest("advantage_estimator", f"unknown estimator {name!r}; known: {known}") from None
+    if estimator.needs_critic and not has_critic:
+        raise InvalidRequest(
+            "advantage_estimator", f"{estimator.name} needs a critic and this service runs none (set critic_model)"
+        )
     if n < estimator.min_samples_per_prompt:
         raise InvalidRequest(
             "n_samples_per_prompt",
             f"{estimator.name} needs n_samples_per_prompt >= {estimator.min_samples_per_prompt}: {estimator.why_min}",
         )
-    kl_coef = message.kl.kl_coef if message.kl.HasField("kl_coef") else DEFAULT_KL_COEF
-    if not math.isfinite(kl_coef) or kl_coef < 0:
-        raise InvalidRequest("kl.kl_coef", f"must be finite and >= 0, got {kl_coef}")
-    kl_estimator = message.kl.kl_estimator or "k1"
-    if kl_estimator not in KL_ESTIMATORS:
-        raise InvalidRequest("kl.kl_estimator", f"unknown {kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
-    gamma = message.gamma if message.HasField("gamma") else 1.0
-    if not math.isfinite(gamma) or not 0.0 < gamma <= 1.0:
-        raise InvalidRequest("gamma", f"must be in (0, 1], got {gamma}")
+    if len(message.run_id) > MAX_RUN_ID_CHARS:
+        raise InvalidRequest("run_id", f"at most {MAX_RUN_ID_CHARS} characters, got {len(message.run_id)}")
     return ExperienceConfig(
         n_samples_per_prompt=n,
-        micro_rollout_batch_size=message.micro_rollout_batch_size,
         estimator=estimator,
-        kl_coef=kl_coef,
-        kl_estimator=kl_estimator,
-        use_kl_loss=message.kl.use_kl_loss,
-        gamma=gamma,
+        micro_rollout_batch_size=message.micro_rollout_batch_size,
+        kl=_decode_kl(message.kl),
+        gamma=_unit_interval(message, "gamma", 1.0),
+        lambd=_unit_interval(message, "lambd", 1.0),
+        reward=_decode_reward(message.reward_processing, sampling.max_new_tokens),
+        advantage=AdvantageOptions(
+            advantages_norm=message.advantage_processing.advantages_norm,
+            advantage_clip=_non_negative(
+                message.advantage_processing.advantage_clip, "advantage_processing.advantage_clip"
+            ),
+        ),
+        dynamic_sampling=_decode_dynamic_sampling(message.dynamic_sampling, n, len(message.prompts)),
+        run_id=message.run_id,
+        return_action_entropy=message.return_action_entropy,
+        packing_samples=message.packing_samples,
+        return_packed=message.return_packed,
     )
+
+
+def _decode_kl(kl: experience_pb2.KLSettings) -> KLOptions:
+    kl_coef = _non_negative(kl.kl_coef if kl.HasField("kl_coef") else DEFAULT_KL_COEF, "kl.kl_coef")
+    kl_estimator = kl.kl_estimator or "k1"
+    if kl_estimator not in KL_ESTIMATORS:
+        raise InvalidRequest("kl.kl_estimator", f"unknown {kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+    target = None
+    if kl.HasField("kl_target"):
+        target = kl.kl_target
+        if not math.isfinite(target) or target <= 0:
+            raise InvalidRequest("kl.kl_target", f"must be finite and > 0, got {target}")
+    horizon = kl.kl_horizon if kl.HasField("kl_horizon") else DEFAULT_KL_HORIZON
+    if horizon < 1:
+        raise InvalidRequest("kl.kl_horizon", "must be >= 1")
+    return KLOptions(kl_coef, kl_estimator, kl.use_kl_loss, target, horizon)
+
+
+def _decode_reward(reward: experience_pb2.RewardProcessing, max_new_tokens: int) -> RewardOptions:
+    if reward.reward_running_norm_minus_mean and not reward.reward_running_norm:
+        raise InvalidRequest(
+            "reward_processing.reward_running_norm_minus_mean", "needs reward_processing.reward_running_norm"
+        )
+    buffer_len = 0
+    factor = 1.0
+    if reward.overlong_buffer:
+        buffer_len = reward.overlong_buffer_len
+        if not 1 <= buffer_len <= max_new_tokens:
+            raise InvalidRequest(
+                "reward_processing.overlong_buffer_len",
+                f"must be in [1, sampling.max_new_tokens={max_new_tokens}] with overlong_buffer, got {buffer_len}",
+            )
+        if reward.HasField("overlong_buffer_penalty_factor"):
+            factor = _non_negative(
+                reward.overlong_buffer_penalty_factor, "reward_processing.overlong_buffer_penalty_factor"
+            )
+    return RewardOptions(
+        reward_running_norm=reward.reward_running_norm,
+        reward_running_norm_minus_mean=reward.reward_running_norm_minus_mean,
+        reward_clip=_non_negative(reward.reward_clip, "reward_processing.reward_clip"),
+        overlong_buffer_len=buffer_len,
+        overlong_buffer_penalty_factor=factor,
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def _decode_dynamic_sampling(
+    dynamic: experience_pb2.DynamicSampling, n: int, num_prompts: int
+) -> DynamicSamplingOptions | None:
+    if not dynamic.enabled:
+        return None
+    if n < 2:
+        raise InvalidRequest("dynamic_sampling.enabled", "needs n_samples_per_prompt >= 2 (a group of one has no variance)")
+    if not 1 <= dynamic.num_groups <= num_prompts:
+        raise InvalidRequest(
+            "dynamic_sampling.num_groups", f"must be in [1, len(prompts)={num_prompts}], got {dynamic.num_groups}"
+        )
+    rounds = dynamic.max_extra_rounds if dynamic.HasField("max_extra_rounds") else DEFAULT_MAX_EXTRA_ROUNDS
+    if rounds > MAX_EXTRA_ROUNDS:
+        raise InvalidRequest("dynamic_sampling.max_extra_rounds", f"at most {MAX_EXTRA_ROUNDS}, got {rounds}")
+    return DynamicSamplingOptions(num_groups=dynamic.num_groups, max_extra_rounds=rounds)
 
 
 def _render_prompt(index: int, prompt: experience_pb2.PromptInput, tokenizer: Any, max_model_len: int) -> PromptSpec:

@@ -21,8 +21,15 @@ import grpc
 
 from fastexp.v1 import experience_pb2, experience_pb2_grpc
 from services.common.sampling import SamplingOptions
+from services.experience.packing import unpack_experience
 from services.experience.types import Experience
+from services.experience.value_model import save_value_model
 from services.experience.wire import experience_from_pb
+
+__all__ = [
+    "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "Sampling", "build_request", "save_value_model",
+    "unpack_experience",
+]
 
 #: A prompt: raw text, or chat messages ``[{"role": ..., "content": ...}, ...]`` rendered with the chat template.
 PromptLike = str | Sequence[dict[str, str]]
@@ -45,10 +52,31 @@ def build_request(
     kl_coef: float = 0.01,
     kl_estimator: str = "k1",
     use_kl_loss: bool = False,
+    kl_target: float | None = None,
+    kl_horizon: int = 10_000,
     gamma: float = 1.0,
+    lambd: float = 1.0,
+    reward_running_norm: bool = False,
+    reward_running_norm_minus_mean: bool = False,
+    reward_clip: float = 0.0,
+    overlong_buffer_len: int = 0,
+    overlong_buffer_penalty_factor: float = 1.0,
+    advantages_norm: bool = False,
+    advantage_clip: float = 0.0,
+    dynamic_sampling_num_groups: int = 0,
+    dynamic_sampling_max_extra_rounds: int = 3,
+    run_id: str = "",
+    return_action_entropy: bool = False,
+    packing_samples: bool = False,
+    return_packed: bool = False,
     request_id: str = "",
 ) -> experience_pb2.MakeExperiencesRequest:
-    """A ``MakeExperiencesRequest`` from Python values.
+    """A ``MakeExperiencesRequest`` from Python values (names and meanings as in ``experience.proto``).
+
+    ``overlong_buffer_len > 0`` turns the overlong penalty on; ``dynamic_sampling_num_groups > 0`` turns dynamic
+    sampling on (deliver that many groups, refilling from the following prompts); ``kl_target`` makes beta
+    adaptive. Statistics of ``reward_running_norm`` and an adaptive beta persist across requests with one
+    ``run_id``.
 
     Raises:
         ValueError: ``references``/``labels`` given with a length other than ``len(prompts)``.
@@ -75,8 +103,32 @@ def build_request(
         n_samples_per_prompt=n_samples_per_prompt,
         micro_rollout_batch_size=micro_rollout_batch_size,
         advantage_estimator=advantage_estimator,
-        kl=experience_pb2.KLSettings(kl_coef=kl_coef, kl_estimator=kl_estimator, use_kl_loss=use_kl_loss),
+        kl=experience_pb2.KLSettings(
+            kl_coef=kl_coef, kl_estimator=kl_estimator, use_kl_loss=use_kl_loss, kl_target=kl_target,
+            kl_horizon=kl_horizon,
+        ),
         gamma=gamma,
+        lambd=lambd,
+        reward_processing=experience_pb2.RewardProcessing(
+            reward_running_norm=reward_running_norm,
+            reward_running_norm_minus_mean=reward_running_norm_minus_mean,
+            reward_clip=reward_clip,
+            overlong_buffer=overlong_buffer_len > 0,
+            overlong_buffer_len=overlong_buffer_len,
+            overlong_buffer_penalty_factor=overlong_buffer_penalty_factor,
+        ),
+        advantage_processing=experience_pb2.AdvantageProcessing(
+            advantages_norm=advantages_norm, advantage_clip=advantage_clip
+        ),
+        dynamic_sampling=experience_pb2.DynamicSampling(
+            enabled=dynamic_sampling_num_groups > 0,
+            num_groups=dynamic_sampling_num_groups,
+            max_extra_rounds=dynamic_sampling_max_extra_rounds,
+        ),
+        run_id=run_id,
+        return_action_entropy=return_action_entropy,
+        packing_samples=packing_samples,
+        return_packed=return_packed,
     )
 
 

@@ -14,8 +14,10 @@ from services.common.server import RunningServer, create_server, serve_until_sig
 from services.common.settings import ExperienceSettings
 from services.experience.clients import GeneratorClient, ScorerClient, open_channel
 from services.experience.logprobs import LogProbModel
-from services.experience.pipeline import ExperienceMaker
+from services.experience.pipeline import ExperienceMaker, ForwardModels
+from services.experience.runs import RunStore
 from services.experience.servicer import ExperienceServicer
+from services.experience.value_model import ValueModel
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ class ExperienceService:
 
 
 async def start_experience(settings: ExperienceSettings) -> ExperienceService:
-    """Load the actor and reference, wait for the generator, and serve; SERVING once all of that is done.
+    """Load the actor, reference (and critic), wait for the generator, and serve; SERVING once all is done.
 
     Raises:
         NotReady: the generator did not answer within ``connect_timeout_s``.
@@ -48,17 +50,16 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     scorer = ScorerClient(scorer_channel, settings.score_timeout_s)
     actor_path = resolve_model(settings.actor_model)
     reference_path = resolve_model(settings.reference_model)
-    actor = LogProbModel.load(
-        actor_path, dtype=settings.dtype, device=settings.device, micro_batch_size=settings.forward_micro_batch_size
-    )
-    reference = LogProbModel.load(
-        reference_path, dtype=settings.dtype, device=settings.device,
-        micro_batch_size=settings.forward_micro_batch_size,
-    )
+    actor = LogProbModel.load(actor_path, dtype=settings.dtype, device=settings.device)
+    reference = LogProbModel.load(reference_path, dtype=settings.dtype, device=settings.device)
+    critic = None
+    if settings.critic_model:
+        critic = ValueModel.load(resolve_model(settings.critic_model), dtype=settings.dtype, device=settings.device)
+    models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size)
     tokenizer = AutoTokenizer.from_pretrained(actor_path)
     info = await generator.model_info(settings.connect_timeout_s)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    maker = ExperienceMaker(generator, scorer, actor, reference, pad_token_id=pad)
+    maker = ExperienceMaker(generator, scorer, models, pad_token_id=pad, runs=RunStore(settings.max_runs))
     servicer = ExperienceServicer(maker, tokenizer, settings.request_limits(), info.max_model_len)
     running = await create_server(
         host=settings.host,

@@ -51,3 +51,20 @@ class Experience(NamedTuple):
     kl_coef: float  # beta used in this batch's rewards
     batch_index: int  # 0, 1, ... in stream order
     rollout_log_probs: torch.Tensor  # (B, A) float32, the generator's log-probs of the sampled tokens
+    shaped_reward: torch.Tensor  # (B,) float32, the scalar placed at each row's last response token
+    action_entropy: torch.Tensor | None = None  # (B, A) float32 actor entropy (nats), on request
+    packed_seq_lens: torch.Tensor | None = None  # (B,) int64 in the packed layout, None when padded
+    reward_clip_frac: float = 0.0  # fraction of rows reward_clip changed
+    advantage_clip_frac: float = 0.0  # fraction of action tokens advantage_clip changed
+    reward_norm_mean: float = 0.0  # running mean subtracted (reward_running_norm_minus_mean)
+    reward_norm_std: float = 1.0  # running std divided by (reward_running_norm)
+    dropped_prompt_indices: tuple[int, ...] = ()  # dynamic sampling drops since the previous batch
+
+
+class ForwardOutputs(NamedTuple):
+    """What the actor, reference and critic forward passes produce for a Rollout, each (B, A) float32."""
+
+    action_log_probs: torch.Tensor  # actor log-probs (nats)
+    base_action_log_probs: torch.Tensor  # reference log-probs (nats)
+    values: torch.Tensor | None = None  # critic values, when a critic runs
+    action_entropy: torch.Tensor | None = None  # actor entropy (nats), on request

@@ -10,7 +10,11 @@ from services.experience.types import Experience
 
 _TENSORS = (
     "sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs", "returns",
-    "advantages", "kl", "reward", "response_length", "total_length", "rollout_log_probs",
+    "advantages", "kl", "reward", "response_length", "total_length", "rollout_log_probs", "shaped_reward",
+)
+_OPTIONAL_TENSORS = ("values", "action_entropy", "packed_seq_lens")
+_SCALARS = (
+    "kl_coef", "batch_index", "reward_clip_frac", "advantage_clip_frac", "reward_norm_mean", "reward_norm_std",
 )
 
 
@@ -22,13 +26,14 @@ def experience_to_pb(experience: Experience) -> experience_pb2.ExperienceBatch:
         prompt_texts=experience.prompt_texts,
         response_texts=experience.response_texts,
         policy_version=experience.policy_version,
-        kl_coef=experience.kl_coef,
-        batch_index=experience.batch_index,
+        dropped_prompt_indices=experience.dropped_prompt_indices,
+        **{name: getattr(experience, name) for name in _SCALARS},
     )
     for name in _TENSORS:
         getattr(message, name).CopyFrom(from_torch(getattr(experience, name)))
-    if experience.values is not None:
-        message.values.CopyFrom(from_torch(experience.values))
+    for name in _OPTIONAL_TENSORS:
+        if getattr(experience, name) is not None:
+            getattr(message, name).CopyFrom(from_torch(getattr(experience, name)))
     for name, values in experience.reward_metrics.items():
         message.reward_metrics[name].CopyFrom(from_torch(values))
     return message
@@ -40,16 +45,17 @@ def experience_from_pb(message: experience_pb2.ExperienceBatch) -> Experience:
     Raises:
         services.common.tensor_codec.TensorDecodeError: a tensor is malformed.
     """
-    tensors: dict[str, torch.Tensor] = {name: to_torch(getattr(message, name)) for name in _TENSORS}
+    tensors: dict[str, torch.Tensor | None] = {name: to_torch(getattr(message, name)) for name in _TENSORS}
+    for name in _OPTIONAL_TENSORS:
+        tensors[name] = to_torch(getattr(message, name)) if message.HasField(name) else None
     return Experience(
         **tensors,
-        values=to_torch(message.values) if message.HasField("values") else None,
         prompt_index=tuple(message.prompt_index),
         sample_index=tuple(message.sample_index),
         prompt_texts=tuple(message.prompt_texts),
         response_texts=tuple(message.response_texts),
         policy_version=tuple(message.policy_version),
         reward_metrics={name: to_torch(t) for name, t in message.reward_metrics.items()},
-        kl_coef=message.kl_coef,
-        batch_index=message.batch_index,
+        dropped_prompt_indices=tuple(message.dropped_prompt_indices),
+        **{name: getattr(message, name) for name in _SCALARS},
     )

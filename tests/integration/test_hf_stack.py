@@ -16,10 +16,11 @@ from services.common.settings import ExperienceSettings, GeneratorSettings, Scor
 from services.common.tensor_codec import to_numpy
 from services.experience.advantages import get_estimator
 from services.experience.estimate import estimate_experience
-from services.experience.request import ExperienceConfig
-from services.experience.sdk import Sampling, build_request
+from services.experience.request import AdvantageOptions, ExperienceConfig, KLOptions, RewardOptions
+from services.experience.runs import KLController, RunningMoments, RunState
+from services.experience.sdk import Sampling, build_request, save_value_model, unpack_experience
 from services.experience.server import start_experience
-from services.experience.types import Rollout
+from services.experience.types import ForwardOutputs, Rollout
 from services.experience.wire import experience_from_pb
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
@@ -33,7 +34,18 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-async def stack(tiny_model_path):
+def critic_path(tiny_model_path, tmp_path_factory):
+    """A critic as a trainer would save it: the tiny Llama's backbone and a random value head."""
+    from transformers import AutoModel
+
+    backbone = AutoModel.from_pretrained(tiny_model_path, dtype=torch.float32)
+    torch.manual_seed(3)
+    head = torch.nn.Linear(backbone.config.hidden_size, 1)
+    return str(save_value_model(backbone, head, tmp_path_factory.mktemp("critic")))
+
+
+@pytest.fixture(scope="module")
+async def stack(tiny_model_path, critic_path):
     engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
     generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
     scorer_core = build_scorer(ScorerSettings(port=0, verifier_workers=1))
@@ -42,7 +54,7 @@ async def stack(tiny_model_path):
         ExperienceSettings(
             port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
             actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
-            forward_micro_batch_size=3,
+            forward_micro_batch_size=3, critic_model=critic_path,
         )
     )
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
@@ -66,6 +78,56 @@ async def _collect(stub, request):
     return [experience_from_pb(m) async for m in stub.MakeExperiences(request, timeout=300)]
 
 
+def _rollout_of(e):
+    return Rollout(e.sequences, e.attention_mask, e.action_mask, e.response_length, e.total_length, e.prompt_index,
+                   e.sample_index, e.prompt_texts, e.response_texts, e.policy_version, e.rollout_log_probs)
+
+
+async def test_every_option_through_make_experiences_and_reproducible_from_the_batch(stack):
+    """gae with the critic, packed forwards and output, entropy, running norm and adaptive beta over one run_id
+    across two requests, overlong penalty, clips and whitening: the trainer recomputes every number."""
+    n, max_new_tokens = 2, 8
+    options = dict(
+        n_samples_per_prompt=n, micro_rollout_batch_size=4, advantage_estimator="gae", gamma=0.9, lambd=0.8,
+        kl_coef=0.05, kl_estimator="k3", kl_target=0.01, kl_horizon=100, reward_running_norm=True,
+        reward_running_norm_minus_mean=True, reward_clip=0.7, overlong_buffer_len=4,
+        overlong_buffer_penalty_factor=0.5, advantages_norm=True, advantage_clip=1.5, run_id="run-a",
+        return_action_entropy=True, packing_samples=True, return_packed=True,
+        sampling=Sampling(max_new_tokens=max_new_tokens, min_new_tokens=1, seed=5),
+    )
+    state = RunState(RunningMoments(), KLController(0.05, 0.01, 100))
+    config = ExperienceConfig(
+        n, get_estimator("gae"), gamma=0.9, lambd=0.8,
+        kl=KLOptions(kl_coef=0.05, kl_estimator="k3", kl_target=0.01, kl_horizon=100),
+        reward=RewardOptions(True, True, 0.7, 4, 0.5, max_new_tokens),
+        advantage=AdvantageOptions(True, 1.5),
+    )
+    for request_number in range(2):  # the run's statistics carry over to the second request
+        batches = await _collect(stack["experience"], build_request(PROMPTS[:2], **options))
+        assert sorted(p for e in batches for p in e.prompt_index) == [0, 0, 1, 1]
+        for packed in batches:
+            assert packed.sequences.shape[0] == 1 and packed.packed_seq_lens is not None
+            e = unpack_experience(packed, pad_token_id=2)
+            mask = e.action_mask
+            assert e.values is not None and e.action_entropy is not None
+            assert torch.all(e.action_entropy[mask] > 0) and torch.all(e.values[~mask] == 0)
+            # actor and generator agree on the sampled tokens in the packed layout as well
+            assert torch.allclose(e.action_log_probs[mask], e.rollout_log_probs[mask], atol=2e-3)
+            assert packed.kl_coef == pytest.approx(state.kl.value, rel=1e-6)
+            again, state = estimate_experience(
+                _rollout_of(e), e.reward, e.reward_metrics,
+                ForwardOutputs(e.action_log_probs, e.base_action_log_probs, e.values), config, state,
+                e.batch_index,
+            )
+            for name in ("kl", "returns", "advantages", "shaped_reward"):
+                assert torch.allclose(getattr(again, name), getattr(e, name), atol=1e-5), name
+            assert (again.reward_norm_mean, again.reward_norm_std) == (
+                pytest.approx(e.reward_norm_mean, abs=1e-6), pytest.approx(e.reward_norm_std, rel=1e-5))
+            assert again.advantage_clip_frac == pytest.approx(e.advantage_clip_frac)
+        if request_number == 1:
+            assert state.reward_moments.count == 8  # both requests' rewards are in the run's moments
+
+
 async def test_stream_delivers_each_group_once_with_consistent_tensors(stack):
     n = 3
     request = build_request(
@@ -83,7 +145,7 @@ async def test_stream_delivers_each_group_once_with_consistent_tensors(stack):
         for name in ("action_log_probs", "base_action_log_probs", "returns", "advantages", "kl",
                      "rollout_log_probs"):
             assert getattr(e, name).shape == (b, a) and getattr(e, name).dtype == torch.float32
-        assert e.values is None and e.attention_mask.shape == (b, s)
+        assert e.values is None and e.action_entropy is None and e.attention_mask.shape == (b, s)
         assert torch.equal(e.response_length, e.action_mask.sum(1))
         assert torch.equal(e.total_length, e.attention_mask.sum(1))
         assert e.response_length.min() >= 2  # min_new_tokens
@@ -96,11 +158,11 @@ async def test_stream_delivers_each_group_once_with_consistent_tensors(stack):
         assert torch.allclose(e.kl, torch.zeros_like(e.kl), atol=1e-5)
         assert set(e.reward_metrics) >= {"correct", "answer_found", "verifier_timeout"}
         # recompute the advantages from the streamed fields with the pure functions
-        config = ExperienceConfig(n, 6, get_estimator("group_norm"), 0.05, "k1", False, 1.0)
-        rollout = Rollout(e.sequences, e.attention_mask, mask, e.response_length, e.total_length, e.prompt_index,
-                          e.sample_index, e.prompt_texts, e.response_texts, e.policy_version, e.rollout_log_probs)
-        again = estimate_experience(rollout, e.reward, e.reward_metrics, e.action_log_probs,
-                                    e.base_action_log_probs, config, e.batch_index)
+        config = ExperienceConfig(n, get_estimator("group_norm"), kl=KLOptions(kl_coef=0.05))
+        again, _ = estimate_experience(
+            _rollout_of(e), e.reward, e.reward_metrics, ForwardOutputs(e.action_log_probs, e.base_action_log_probs),
+            config, RunState(RunningMoments(), KLController(0.05)), e.batch_index,
+        )
         assert torch.allclose(again.advantages, e.advantages)
         assert e.policy_version == (0,) * b and e.kl_coef == pytest.approx(0.05)
 

@@ -60,7 +60,28 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
          "group mean of one sample"),
         (_request(kl_coef=-1.0), "kl.kl_coef", ">= 0"),
         (_request(kl_estimator="k9"), "kl.kl_estimator", "unknown"),
-        (_request(gamma=0.0), "gamma", "(0, 1]"),
+        (_request(gamma=1.5), "gamma", "[0, 1]"),
+        (_request(gamma=float("nan")), "gamma", "[0, 1]"),
+        (_request(lambd=-0.1), "lambd", "[0, 1]"),
+        (_request(lambd=1.01), "lambd", "[0, 1]"),
+        (_request(advantage_estimator="gae"), "advantage_estimator", "needs a critic"),
+        (_request(advantage_estimator="cpgd", n_samples_per_prompt=1), "n_samples_per_prompt", "group statistics"),
+        (_request(reward_clip=-1.0), "reward_processing.reward_clip", ">= 0"),
+        (_request(advantage_clip=-0.5), "advantage_processing.advantage_clip", ">= 0"),
+        (_request(overlong_buffer_len=300, sampling=Sampling(max_new_tokens=256)),
+         "reward_processing.overlong_buffer_len", "max_new_tokens=256"),
+        (_request(overlong_buffer_len=16, overlong_buffer_penalty_factor=-1.0),
+         "reward_processing.overlong_buffer_penalty_factor", ">= 0"),
+        (_request(reward_running_norm_minus_mean=True), "reward_processing.reward_running_norm_minus_mean",
+         "needs reward_processing.reward_running_norm"),
+        (_request(kl_target=0.0), "kl.kl_target", "> 0"),
+        (_request(kl_target=0.1, kl_horizon=0), "kl.kl_horizon", ">= 1"),
+        (_request(dynamic_sampling_num_groups=2), "dynamic_sampling.num_groups", "len(prompts)=1"),
+        (_request(dynamic_sampling_num_groups=1, n_samples_per_prompt=1, advantage_estimator="reinforce"),
+         "dynamic_sampling.enabled", "n_samples_per_prompt >= 2"),
+        (_request(dynamic_sampling_num_groups=1, dynamic_sampling_max_extra_rounds=17),
+         "dynamic_sampling.max_extra_rounds", "at most 16"),
+        (_request(run_id="r" * 257), "run_id", "at most 256"),
     ],
 )
 def test_bad_input_names_the_field(tokenizer, request_, field, why):
@@ -68,6 +89,33 @@ def test_bad_input_names_the_field(tokenizer, request_, field, why):
         decode_request(request_, tokenizer, LIMITS, MAX_MODEL_LEN)
     assert info.value.field == field
     assert why in info.value.reason
+
+
+def test_all_options_decode_into_the_config(tokenizer):
+    message = _request(
+        prompts=["a", "b", "c"], advantage_estimator="gae", gamma=0.0, lambd=0.95, kl_target=0.2, kl_horizon=50,
+        reward_running_norm=True, reward_running_norm_minus_mean=True, reward_clip=5.0, overlong_buffer_len=16,
+        overlong_buffer_penalty_factor=0.5, advantages_norm=True, advantage_clip=2.0, dynamic_sampling_num_groups=2,
+        dynamic_sampling_max_extra_rounds=1, run_id="run-7", return_action_entropy=True, packing_samples=True,
+        return_packed=True, sampling=Sampling(max_new_tokens=64),
+    )
+    config = decode_request(message, tokenizer, LIMITS, MAX_MODEL_LEN, has_critic=True).config
+    assert (config.gamma, config.lambd) == (0.0, pytest.approx(0.95))
+    assert (config.kl.kl_target, config.kl.kl_horizon) == (pytest.approx(0.2), 50)
+    assert config.reward.overlong_buffer_len == 16 and config.reward.max_new_tokens == 64
+    assert config.reward.overlong_buffer_penalty_factor == 0.5 and config.reward.reward_clip == 5.0
+    assert config.advantage.advantages_norm and config.advantage.advantage_clip == 2.0
+    assert (config.dynamic_sampling.num_groups, config.dynamic_sampling.max_extra_rounds) == (2, 1)
+    assert config.run_id == "run-7" and config.return_action_entropy and config.packing_samples
+    assert config.return_packed and config.estimator.needs_critic
+
+
+def test_defaults_are_the_seeds(tokenizer):
+    config = decode_request(_request(), tokenizer, LIMITS, MAX_MODEL_LEN).config
+    assert (config.gamma, config.lambd, config.kl.kl_coef, config.kl.kl_target) == (1.0, 1.0, pytest.approx(0.01),
+                                                                                      None)
+    assert config.reward.overlong_buffer_len == 0 and config.dynamic_sampling is None
+    assert not config.advantage.advantages_norm and config.advantage.advantage_clip == 0.0
 
 
 def test_reinforce_accepts_a_single_sample(tokenizer):

@@ -1,0 +1,150 @@
+"""The critic: a causal-LM backbone with a scalar value head, loaded from (and saved to) a checkpoint folder.
+
+Checkpoint format (OpenRLHF's critic layout, so a critic the trainer saves loads here unchanged):
+
+- ``config.json`` of the backbone's architecture (any ``AutoModel`` architecture);
+- ``*.safetensors`` holding the backbone's weights, with or without the causal LM's ``base_model_prefix``
+  (``model.layers.0...`` or ``layers.0...``; an ``lm_head`` is ignored), and the value head as
+  ``value_head.weight`` (1, H) [+ ``value_head.bias`` (1,)] or, OpenRLHF's newer default prefix,
+  ``score.weight`` [+ ``score.bias``].
+
+:func:`save_value_model` writes that format (the trainer SDK re-exports it), and ``fastexp init-critic`` makes a
+first critic from a policy or reward model with a zero value head.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.experience.forward import ForwardChunk
+from services.experience.logprobs import DTYPES
+
+logger = logging.getLogger(__name__)
+
+VALUE_HEAD_PREFIXES = ("value_head", "score")
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def _split_value_head(state: dict[str, torch.Tensor], path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    for prefix in VALUE_HEAD_PREFIXES:
+        if f"{prefix}.weight" in state:
+            head = {k.removeprefix(f"{prefix}."): v for k, v in state.items() if k.startswith(f"{prefix}.")}
+            rest = {k: v for k, v in state.items() if not k.startswith(f"{prefix}.")}
+            return head, rest
+    raise ValueError(
+        f"{path} has no value head ({' or '.join(p + '.weight' for p in VALUE_HEAD_PREFIXES)}); "
+        "make one with `fastexp init-critic` or save the trainer's critic with save_value_model"
+    )
+
+
+class ValueModel:
+    """Backbone + linear value head; ``values`` are read at the positions that predict each response token.
+
+    ``values[i, j]`` is the critic's V(prompt + response[:j]) — the state before action j — as OpenRLHF's critic
+    (hidden state of the token preceding action j).
+    """
+
+    def __init__(self, backbone: Any, value_head: torch.nn.Linear) -> None:
+        self._backbone = backbone
+        self._value_head = value_head
+
+    @classmethod
+    def load(cls, path: str, *, dtype: str, device: str) -> ValueModel:
+        """Load a critic checkpoint folder (format in the module docstring).
+
+        Raises:
+            FileNotFoundError: no config.json or no safetensors in ``path``.
+            ValueError: no value head in the checkpoint, or backbone weights that do not match its config.
+        """
+        from transformers import AutoConfig, AutoModel
+
+        folder = Path(path)
+        config = AutoConfig.from_pretrained(folder)
+        state = _read_state_dict(folder)
+        head_state, backbone_state = _split_value_head(state, folder)
+        backbone = AutoModel.from_config(config, dtype=DTYPES[dtype])
+        prefix = f"{backbone.base_model_prefix}."
+        backbone_state = {
+            k.removeprefix(prefix): v for k, v in backbone_state.items() if not k.startswith("lm_head.")
+        }
+        result = backbone.load_state_dict(backbone_state, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise ValueError(
+                f"{path}: backbone weights do not match {config.model_type}: missing {result.missing_keys[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]}"
+            )
+        weight = head_state["weight"]
+        head = torch.nn.Linear(weight.shape[1], 1, bias="bias" in head_state, dtype=torch.float32)
+        head.load_state_dict({k: v.float().reshape(getattr(head, k).shape) for k, v in head_state.items()})
+        logger.info("loaded critic %s (%s, %s)", path, dtype, device)
+        return cls(backbone.to(device).eval(), head.to(device).eval())
+
+    @torch.inference_mode()
+    def values(self, chunks: Sequence[ForwardChunk]) -> torch.Tensor:
+        """Critic values for the response positions of one Rollout, (B, A) float32 on the CPU (head in float32).
+
+        Positions past a row's response are computed on padding (padded layout) or are 0 (packed); mask them.
+        """
+        device = next(self._value_head.parameters()).device
+        out = []
+        for chunk in chunks:
+            hidden = self._backbone(
+                input_ids=chunk.input_ids.to(device),
+                attention_mask=None if chunk.attention_mask is None else chunk.attention_mask.to(device),
+                position_ids=chunk.position_ids.to(device),
+                use_cache=False,
+            ).last_hidden_state[:, chunk.hidden_index.to(device)]
+            out.append(chunk.to_rows(self._value_head(hidden.float()).squeeze(-1).cpu()))
+        return torch.cat(out)
+
+
+def save_value_model(backbone: Any, value_head: torch.nn.Linear, path: str | Path, tokenizer: Any = None) -> Path:
+    """Write a critic checkpoint that :meth:`ValueModel.load` reads.
+
+    Args:
+        backbone: an HF ``PreTrainedModel`` without LM head (``AutoModel``), or a causal LM whose backbone is used.
+        value_head: ``Linear(H, 1)``; saved as ``value_head.weight`` (1, H) [and ``value_head.bias``].
+        tokenizer: saved alongside when given.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    base = getattr(backbone, backbone.base_model_prefix, backbone) if hasattr(backbone, "lm_head") else backbone
+    state = {f"{base.base_model_prefix}.{k}": v.detach().contiguous() for k, v in base.state_dict().items()}
+    state.update({f"value_head.{k}": v.detach().float().contiguous() for k, v in value_head.state_dict().items()})
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    base.config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def init_critic(model_path: str, out: str | Path, dtype: str = "bfloat16") -> Path:
+    """A first critic from a causal LM or reward-model folder: its backbone and a zero value head (V = 0).
+
+    Raises:
+        OSError: ``model_path`` is not a loadable HF model folder.
+    """
+    from transformers import AutoModel, AutoTokenizer
+
+    backbone = AutoModel.from_pretrained(model_path, dtype=DTYPES[dtype])
+    head = torch.nn.Linear(backbone.config.hidden_size, 1, bias=False)
+    torch.nn.init.zeros_(head.weight)
+    return save_value_model(backbone, head, out, AutoTokenizer.from_pretrained(model_path))

@@ -1,0 +1,133 @@
+"""ExperienceMaker in process on the real HF engine: generation faults and dynamic sampling's refill rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.deadlines import Deadline
+from services.common.errors import NotReady
+from services.common.sampling import SamplingOptions
+from services.experience.advantages import get_estimator
+from services.experience.logprobs import LogProbModel
+from services.experience.pipeline import ExperienceMaker, ForwardModels, Scores, StreamStats
+from services.experience.request import DynamicSamplingOptions, ExperienceConfig, ExperienceRequest, PromptSpec
+from services.generator.hf_engine import HFEngine
+from services.scorer.rules import math_verify_reward
+
+
+class FailingAfter:
+    """The real HF engine, with a fault injected: the stream breaks after ``limit`` completions."""
+
+    def __init__(self, engine: HFEngine, limit: int) -> None:
+        self._engine = engine
+        self._limit = limit
+
+    async def generate(self, request, deadline):
+        count = 0
+        async for record in self._engine.generate(request):
+            if count == self._limit:
+                raise NotReady("generator: UNAVAILABLE: connection lost")
+            count += 1
+            yield record
+
+
+class InProcessRuleScorer:
+    """math-verify called directly (no worker pool), for in-process pipeline tests."""
+
+    async def score(self, queries, prompts, labels, references, deadline):
+        results = [math_verify_reward(q[len(p):], r) for q, p, r in zip(queries, prompts, references, strict=True)]
+        return Scores(torch.tensor([r for r, _ in results]), {})
+
+
+class InProcessGenerator:
+    """The engine called directly, as the generator service would (the deadline is the service's concern)."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self._engine = engine
+
+    def generate(self, request, deadline):
+        return self._engine.generate(request)
+
+
+class ScriptedVerifier:
+    """A rule scorer for control-flow tests: prompts whose text contains "solvable" get rewards 0, 1, 0, 1, ...
+    (variance), every other prompt all zeros (no variance)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def score(self, queries, prompts, labels, references, deadline):
+        self.calls.append(prompts[0])
+        solvable = "solvable" in prompts[0]
+        return Scores(torch.tensor([float(solvable and i % 2) for i in range(len(queries))]), {})
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    return HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_path):
+    model = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
+    return ForwardModels(model, model, None, micro_batch_size=4)
+
+
+async def test_groups_finished_before_a_generation_failure_are_delivered(engine, models):
+    maker = ExperienceMaker(FailingAfter(engine, limit=4), InProcessRuleScorer(), models, pad_token_id=2)
+    prompts = tuple(PromptSpec(f"p{i}", (100 + i, 101, 102), "1", "") for i in range(4))
+    request = ExperienceRequest(
+        "fault", prompts, SamplingOptions(max_new_tokens=4),
+        ExperienceConfig(2, get_estimator("rloo"), micro_rollout_batch_size=8),  # 4 groups per batch
+    )
+    delivered = []
+    with pytest.raises(NotReady, match="connection lost"):
+        async for experience in maker.make_experiences(request, Deadline()):
+            delivered.extend(experience.prompt_index)
+    # HF generates in chunks of 2 sequences = one group each; 4 completions = groups 0 and 1, which wait for a
+    # full batch (4 groups) when the failure comes
+    assert sorted(delivered) == [0, 0, 1, 1]
+
+
+def _prompts(kinds: str) -> tuple[PromptSpec, ...]:
+    """``kinds``: one letter per prompt, ``s`` solvable (reward variance) or ``u`` unsolvable."""
+    names = {"s": "solvable", "u": "hopeless"}
+    return tuple(PromptSpec(f"{names[k]} {i}", (100 + i, 101, 102), "", "") for i, k in enumerate(kinds))
+
+
+async def _run(maker, prompts, num_groups, max_extra_rounds):
+    request = ExperienceRequest(
+        "dyn", prompts, SamplingOptions(max_new_tokens=3),
+        ExperienceConfig(2, get_estimator("group_norm"), micro_rollout_batch_size=2,
+                         dynamic_sampling=DynamicSamplingOptions(num_groups, max_extra_rounds)),
+    )
+    stats = StreamStats()
+    batches = [e async for e in maker.make_experiences(request, Deadline(), stats)]
+    return batches, stats
+
+
+async def test_dynamic_sampling_drops_zero_variance_groups_and_refills(engine, models):
+    verifier = ScriptedVerifier()
+    maker = ExperienceMaker(InProcessGenerator(engine), verifier, models, pad_token_id=2)
+    # want 2 groups: round 1 samples prompts 0, 1 (0 dropped, 1 kept); each refill samples the one missing
+    # group: round 2 prompt 2 (dropped), round 3 prompt 3 (dropped), round 4 prompt 4 (kept); 5 never runs
+    batches, stats = await _run(maker, _prompts("usuuss"), num_groups=2, max_extra_rounds=3)
+    delivered = sorted({p for e in batches for p in e.prompt_index})
+    assert delivered == [1, 4]
+    assert stats.generation_rounds == 4 and stats.dropped_groups == 3
+    dropped = [p for e in batches for p in e.dropped_prompt_indices]
+    assert sorted(dropped) == [0, 2, 3]  # reported on the batch after each drop
+    assert sorted(verifier.calls) == sorted(p.text for p in _prompts("usuuss")[:5])
+    for e in batches:  # kept groups have reward variance, so group_norm gives them nonzero advantages
+        assert e.reward.tolist() == [0.0, 1.0] and e.advantages.abs().sum() > 0
+
+
+async def test_dynamic_sampling_stops_after_max_extra_rounds(engine, models):
+    maker = ExperienceMaker(InProcessGenerator(engine), ScriptedVerifier(), models, pad_token_id=2)
+    batches, stats = await _run(maker, _prompts("uuuuus"), num_groups=2, max_extra_rounds=1)
+    # round 1: prompts 0, 1 dropped; round 2: prompts 2, 3 dropped; no rounds left -> nothing delivered
+    assert batches == [] and stats.generation_rounds == 2 and stats.dropped_groups == 4
+    batches, stats = await _run(maker, _prompts("uuus"), num_groups=2, max_extra_rounds=5)
+    # the prompts run out: rounds of 2 and 2 prompts, one group kept
+    assert [p for e in batches for p in e.prompt_index] == [3, 3] and stats.generation_rounds == 2
