@@ -46,6 +46,7 @@ def serve(
     backend: Annotated[Backend | None, typer.Option(help="generator: engine backend")] = None,
     generator_address: Annotated[str | None, typer.Option(help="experience: generator host:port")] = None,
     scorer_address: Annotated[str | None, typer.Option(help="experience: scorer host:port")] = None,
+    critic_model: Annotated[str | None, typer.Option(help="experience: critic folder (fastexp init-critic)")] = None,
 ) -> None:
     """Run one service until SIGTERM/SIGINT."""
     from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
@@ -63,7 +64,8 @@ def serve(
         from services.experience.server import serve as run
 
         settings = ExperienceSettings.load(
-            config, **common, generator_address=generator_address, scorer_address=scorer_address
+            config, **common, generator_address=generator_address, scorer_address=scorer_address,
+            critic_model=critic_model,
         )
     _logging(settings.log_level)
     run(settings)
@@ -114,6 +116,22 @@ def demo(
             seed=seed,
         )
     )
+
+
+@app.command("init-critic")
+def init_critic(
+    out: Annotated[Path, typer.Argument(help="critic folder to write")],
+    model: Annotated[str, typer.Option(help="causal LM or reward model folder (or alias) for the backbone")] = (
+        "smollm2-135m-instruct"
+    ),
+    dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32")] = "bfloat16",
+) -> None:
+    """Write a first critic: MODEL's backbone with a zero value head (values start at 0), for --critic-model."""
+    from services.common.models import resolve_model
+    from services.experience.value_model import init_critic as make_critic
+
+    _logging("INFO")
+    typer.echo(make_critic(resolve_model(model), out, dtype=dtype))
 
 
 def main() -> None:

@@ -145,6 +145,9 @@ class ExperienceClient:
         )
         self._stub = experience_pb2_grpc.ExperienceServiceStub(self._channel)
         self._timeout_s = timeout_s
+        #: ``fastexp-*`` trailing metadata of the last finished stream as ints, e.g. ``dropped-groups``,
+        #: ``generation-rounds`` (dynamic sampling drops after the last batch are only counted here).
+        self.last_stream_stats: dict[str, int] = {}
 
     def make_experiences(self, prompts: Sequence[PromptLike], **options) -> Iterator[Experience]:
         """Stream Experiences for ``prompts``; ``options`` are :func:`build_request`'s keyword arguments.
@@ -156,9 +159,15 @@ class ExperienceClient:
             grpc.RpcError: the call failed (INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
         """
         stream = self._stub.MakeExperiences(build_request(prompts, **options), timeout=self._timeout_s)
+        self.last_stream_stats = {}
         try:
             for message in stream:
                 yield experience_from_pb(message)
+            self.last_stream_stats = {
+                key.removeprefix("fastexp-"): int(value)
+                for key, value in stream.trailing_metadata() or ()
+                if key.startswith("fastexp-")
+            }
         finally:
             stream.cancel()
 

@@ -48,6 +48,19 @@ def test_sdk_streams_experiences_from_vllm(cluster):
         assert torch.allclose(first.sum(1), torch.zeros(first.shape[0]), atol=1e-4)
 
 
+def test_dynamic_sampling_refills_through_the_services_and_reports_drops(cluster):
+    # the random tiny model never answers right, so math-verify gives every sample 0: every group is dropped,
+    # each round refills the shortfall from the next prompts, and the totals arrive as trailing metadata
+    with ExperienceClient(cluster.address("experience"), timeout_s=300) as client:
+        batches = list(client.make_experiences(
+            ["What is 1 + 1?"] * 6, references=["2"] * 6, n_samples_per_prompt=2,
+            sampling=Sampling(max_new_tokens=8, seed=4), dynamic_sampling_num_groups=2,
+            dynamic_sampling_max_extra_rounds=1,
+        ))
+        assert batches == []
+        assert client.last_stream_stats == {"dropped-groups": 4, "generation-rounds": 2}
+
+
 def test_cancelled_stream_aborts_generation_and_leaves_the_services_healthy(cluster):
     log = cluster.log_dir / "generator.log"
     with grpc.insecure_channel(cluster.address("experience")) as channel:
