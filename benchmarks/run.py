@@ -17,9 +17,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import gae
+from benchmarks import gae, packing
+from services.common.models import SMOLLM2_ALIAS, resolve_model
 
-TARGETS = {"gae_vectorized_speedup": ">= 10", "gae_max_abs_error": "<= 1e-5"}
+TARGETS = {"gae_vectorized_speedup": ">= 10", "gae_max_abs_error": "<= 1e-5", "packing_forward_speedup": "> 1"}
 
 
 def main(
@@ -32,6 +33,10 @@ def main(
         "small": small,
     }
     results.update(gae.run(batch=8, length=256, repeats=1) if small else gae.run())
+    model = resolve_model(SMOLLM2_ALIAS)
+    results.update(
+        packing.run(model, rows=4, max_response=16, micro_batch_size=2, repeats=1) if small else packing.run(model)
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     table = Table(title=f"fastexp benchmarks ({'smoke' if small else 'full'}) on {results['machine']}")
@@ -41,7 +46,17 @@ def main(
         if key in ("machine", "small"):
             continue
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value), TARGETS.get(key, ""))
+    (out / "results.md").write_text(_markdown(results))
     Console().print(table)
+
+
+def _markdown(results: dict) -> str:
+    lines = [f"machine: {results['machine']}", "", "| figure | value | target |", "|---|---|---|"]
+    for key, value in results.items():
+        if key not in ("machine", "small"):
+            shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+            lines.append(f"| {key} | {shown} | {TARGETS.get(key, '')} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

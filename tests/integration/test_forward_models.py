@@ -122,3 +122,12 @@ def test_pack_and_unpack_experience_round_trip():
                  "action_entropy", "kl"):
         assert torch.equal(getattr(back, name), getattr(experience, name)), name
     assert back.packed_seq_lens is None and pack_experience(packed) is packed
+
+
+def test_packing_benchmark_smoke(tiny_model_path):
+    """The packing benchmark runs and reports its keys (tiny sizes; no speed threshold in tests)."""
+    from benchmarks import packing
+
+    figures = packing.run(tiny_model_path, rows=4, max_response=12, micro_batch_size=2, repeats=1, dtype="float32")
+    assert {"packing_forward_speedup", "packing_padding_fraction", "packing_max_abs_logprob_diff"} <= set(figures)
+    assert 0 < figures["packing_padding_fraction"] < 1 and figures["packing_max_abs_logprob_diff"] < 1e-4
