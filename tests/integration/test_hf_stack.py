@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
 from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
 from services.common.tensor_codec import to_numpy
-from services.experience.advantages import get_estimator
+from services.experience.advantages import ESTIMATORS, get_estimator
 from services.experience.estimate import estimate_experience
 from services.experience.request import AdvantageOptions, ExperienceConfig, KLOptions, RewardOptions
 from services.experience.runs import KLController, RunningMoments, RunState
@@ -81,6 +81,25 @@ async def _collect(stub, request):
 def _rollout_of(e):
     return Rollout(e.sequences, e.attention_mask, e.action_mask, e.response_length, e.total_length, e.prompt_index,
                    e.sample_index, e.prompt_texts, e.response_texts, e.policy_version, e.rollout_log_probs)
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+async def test_each_estimator_through_make_experiences_matches_the_pure_function(stack, estimator):
+    n = 2
+    request = build_request(PROMPTS[:2], n_samples_per_prompt=n, advantage_estimator=estimator, gamma=0.95,
+                            lambd=0.9, kl_coef=0.02, sampling=Sampling(max_new_tokens=6, seed=2))
+    batches = await _collect(stack["experience"], request)
+    assert sorted(p for e in batches for p in e.prompt_index) == [0, 0, 1, 1]
+    config = ExperienceConfig(n, get_estimator(estimator), gamma=0.95, lambd=0.9, kl=KLOptions(kl_coef=0.02))
+    for e in batches:
+        assert (e.values is not None) == (estimator == "gae")
+        again, _ = estimate_experience(
+            _rollout_of(e), e.reward, e.reward_metrics,
+            ForwardOutputs(e.action_log_probs, e.base_action_log_probs, e.values), config,
+            RunState(RunningMoments(), KLController(0.02)),
+        )
+        assert torch.allclose(again.advantages, e.advantages, atol=1e-6)
+        assert torch.allclose(again.returns, e.returns, atol=1e-6)
 
 
 async def test_every_option_through_make_experiences_and_reproducible_from_the_batch(stack):
