@@ -131,3 +131,29 @@ async def test_dynamic_sampling_stops_after_max_extra_rounds(engine, models):
     batches, stats = await _run(maker, _prompts("uuus"), num_groups=2, max_extra_rounds=5)
     # the prompts run out: rounds of 2 and 2 prompts, one group kept
     assert [p for e in batches for p in e.prompt_index] == [3, 3] and stats.generation_rounds == 2
+
+
+class ScorerDownAfter:
+    """The scripted verifier, with a fault injected: every call after the first ``limit`` fails."""
+
+    def __init__(self, limit: int) -> None:
+        self._inner = ScriptedVerifier()
+        self._limit = limit
+
+    async def score(self, queries, prompts, labels, references, deadline):
+        if len(self._inner.calls) >= self._limit:
+            raise NotReady("scorer: UNAVAILABLE: connection refused")
+        return await self._inner.score(queries, prompts, labels, references, deadline)
+
+
+async def test_a_scorer_failure_stops_generation_and_is_raised_after_scored_groups(engine, models):
+    maker = ExperienceMaker(InProcessGenerator(engine), ScorerDownAfter(limit=1), models, pad_token_id=2)
+    request = ExperienceRequest(
+        "scorer-down", _prompts("ssss"), SamplingOptions(max_new_tokens=3),
+        ExperienceConfig(2, get_estimator("group_norm"), micro_rollout_batch_size=2),
+    )
+    delivered = []
+    with pytest.raises(NotReady, match="scorer"):
+        async for experience in maker.make_experiences(request, Deadline()):
+            delivered.extend(experience.prompt_index)
+    assert delivered == [0, 0]  # the one group scored before the failure arrives; nothing is delivered twice
