@@ -75,32 +75,48 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         """Start all three and wait until each is SERVING (the experience service waits for the generator)."""
-        extra = {"experience": {"generator_address": self.address("generator"),
-                                "scorer_address": self.address("scorer")}}
         try:
             for name in SERVICES:
-                env = dict(os.environ)
-                for key, value in {**self.overrides.get(name, {}), **extra.get(name, {})}.items():
-                    env[f"FASTEXP_{name.upper()}_{key.upper()}"] = str(value)
-                command = [sys.executable, "-m", "fastexp.cli", "serve", name,
-                           "--host", self.host, "--port", str(self.ports[name])]
-                if self.config_file is not None:
-                    command += ["--config", str(self.config_file)]
-                stdout = None
-                if self.log_dir is not None:
-                    self.log_dir.mkdir(parents=True, exist_ok=True)
-                    stdout = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
-                self.processes[name] = subprocess.Popen(
-                    command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-                    start_new_session=True,
-                )
-                logger.info("started %s on %s (pid %d)", name, self.address(name), self.processes[name].pid)
+                self._spawn(name)
             for name in SERVICES:
                 wait_serving(self.address(name), self.start_timeout_s, self.processes[name])
         except BaseException:
             self.stop()
             raise
         return self
+
+    def restart(self, service: str, kill: bool = True) -> None:
+        """Replace ``service`` by a fresh process on the same port, as an operator swapping a container would:
+        SIGKILL (``kill``, no drain) or SIGTERM the old one, start the new one, wait until it is SERVING."""
+        old = self.processes[service]
+        if old.poll() is None:
+            if kill:
+                os.killpg(old.pid, signal.SIGKILL)
+            else:
+                old.send_signal(signal.SIGTERM)
+            old.wait()
+        self._spawn(service)
+        wait_serving(self.address(service), self.start_timeout_s, self.processes[service])
+
+    def _spawn(self, name: str) -> None:
+        extra = {"experience": {"generator_address": self.address("generator"),
+                                "scorer_address": self.address("scorer")}}
+        env = dict(os.environ)
+        for key, value in {**self.overrides.get(name, {}), **extra.get(name, {})}.items():
+            env[f"FASTEXP_{name.upper()}_{key.upper()}"] = str(value)
+        command = [sys.executable, "-m", "fastexp.cli", "serve", name,
+                   "--host", self.host, "--port", str(self.ports[name])]
+        if self.config_file is not None:
+            command += ["--config", str(self.config_file)]
+        stdout = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            stdout = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        self.processes[name] = subprocess.Popen(
+            command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+            start_new_session=True,
+        )
+        logger.info("started %s on %s (pid %d)", name, self.address(name), self.processes[name].pid)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every process (experience first), then SIGKILL what is left after ``grace_s``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+import stamina
 
 from fastexp.v1 import generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
@@ -94,11 +95,18 @@ class GeneratorClient:
 
 
 class ScorerClient:
-    """Calls ``ScoringService`` (implements :class:`services.experience.pipeline.Scorer`)."""
+    """Calls ``ScoringService`` (implements :class:`services.experience.pipeline.Scorer`).
 
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+    Reward teams restart and replace scorer containers while training runs, so a Score call that finds the scorer
+    gone (UNAVAILABLE) is retried with capped exponential backoff and jitter (stamina) until ``timeout_s`` or the
+    request's deadline, whichever comes first. Scoring is a pure function of the texts, so a retried call cannot
+    score a group twice: the pipeline keeps exactly one answer per group. Other errors are not retried.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float, retry_wait_max_s: float = 2.0) -> None:
         self._stub = scoring_pb2_grpc.ScoringServiceStub(channel)
         self._timeout_s = timeout_s
+        self._retry_wait_max_s = retry_wait_max_s
 
     async def score(
         self,
@@ -108,14 +116,27 @@ class ScorerClient:
         references: Sequence[str],
         deadline: Deadline,
     ) -> Scores:
+        """Rewards and metrics for ``queries``; UNAVAILABLE is retried within the budget (see the class).
+
+        Raises:
+            NotReady: the scorer stayed unavailable for the whole budget.
+            UpstreamTimeout, InvalidRequest, Overloaded: from the scorer, not retried.
+        """
         message = scoring_pb2.ScoreRequest(queries=queries, prompts=prompts, labels=labels, references=references)
-        try:
-            response = await self._stub.Score(
-                message, timeout=deadline.timeout(self._timeout_s), wait_for_ready=True
-            )
-        except grpc.aio.AioRpcError as error:
-            raise translate_rpc_error("scorer", error) from error
+        budget_s = deadline.timeout(self._timeout_s)
+        retries = stamina.retry_context(
+            on=NotReady, attempts=None, timeout=budget_s, wait_initial=0.1, wait_max=self._retry_wait_max_s
+        )
+        async for attempt in retries:
+            with attempt:
+                response = await self._score_once(message, deadline)
         return Scores(
             rewards=to_torch(response.rewards),
             metrics={name: to_torch(values) for name, values in response.metrics.items()},
         )
+
+    async def _score_once(self, message: scoring_pb2.ScoreRequest, deadline: Deadline) -> scoring_pb2.ScoreResponse:
+        try:
+            return await self._stub.Score(message, timeout=deadline.timeout(self._timeout_s), wait_for_ready=True)
+        except grpc.aio.AioRpcError as error:
+            raise translate_rpc_error("scorer", error) from error

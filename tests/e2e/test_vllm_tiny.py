@@ -90,3 +90,37 @@ def test_prompt_over_the_model_limit_is_invalid_argument(cluster):
             list(client.make_experiences(["word " * 600], n_samples_per_prompt=2))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompts[0]" in info.value.details() and "limit is 512" in info.value.details()
+
+
+def test_scorer_replaced_mid_stream_every_group_arrives_exactly_once(cluster):
+    """An operator swaps the scorer container while a stream runs: SIGKILL, then a new process on the port."""
+    import threading
+
+    prompts = [f"Add {i} and {i}." for i in range(12)]
+    received = []
+    errors = []
+
+    def consume():
+        try:
+            with ExperienceClient(cluster.address("experience"), timeout_s=300) as client:
+                for experience in client.make_experiences(
+                    prompts, references=[str(2 * i) for i in range(12)], n_samples_per_prompt=2,
+                    micro_rollout_batch_size=2, sampling=Sampling(max_new_tokens=300, min_new_tokens=300, seed=6),
+                    advantage_estimator="rloo",
+                ):
+                    received.append((time.monotonic(), experience))
+        except Exception as error:  # surfaced below
+            errors.append(error)
+
+    old_pid = cluster.processes["scorer"].pid
+    stream = threading.Thread(target=consume)
+    stream.start()
+    time.sleep(1.5)  # generation of 24 x 300 tokens is under way; no group has finished (all run 300 tokens)
+    killed_at = time.monotonic()
+    cluster.restart("scorer", kill=True)
+    stream.join(timeout=300)
+    assert not stream.is_alive() and errors == []
+    assert cluster.processes["scorer"].pid != old_pid
+    assert received and received[0][0] > killed_at  # every group was scored across the swap, none before it
+    rows = sorted((p, s) for _, e in received for p, s in zip(e.prompt_index, e.sample_index, strict=True))
+    assert rows == [(p, s) for p in range(12) for s in range(2)]
