@@ -141,7 +141,7 @@ class ExperienceSettings(_GenerationLimits):
     max_runs: int = Field(1024, ge=1, description="runs whose reward statistics and kl_coef are kept (LRU)")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = Field("cpu", description="torch device for actor/reference forward passes")
-    forward_micro_batch_size: int = Field(8, ge=1, description="rows per actor/reference forward pass")
+    forward_micro_batch_size: int = Field(8, ge=1, description="rows per actor/reference/critic forward pass (packed or padded)")
     generate_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Generate stream")
     score_timeout_s: float = Field(120.0, gt=0, description="deadline of one Score call")
     connect_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the generator at start")

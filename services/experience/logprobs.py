@@ -23,7 +23,12 @@ class LogProbModel:
 
     @classmethod
     def load(cls, path: str, *, dtype: str, device: str) -> LogProbModel:
-        """Load ``path`` with ``AutoModelForCausalLM`` in eval mode on ``device``."""
+        """Load ``path`` with ``AutoModelForCausalLM`` in eval mode on ``device`` (``dtype``: a key of ``DTYPES``).
+
+        Raises:
+            OSError: ``path`` is not a loadable model folder (from transformers).
+            KeyError: unknown ``dtype`` (settings validate it first).
+        """
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()

@@ -120,6 +120,7 @@ class ExperienceMaker:
 
     @property
     def has_critic(self) -> bool:
+        """Whether a value model runs here (requests for ``gae`` are validated against it)."""
         return self._models.critic is not None
 
     async def make_experiences(
@@ -127,7 +128,8 @@ class ExperienceMaker:
     ) -> AsyncIterator[Experience]:
         """Yield Experiences of whole prompt groups, each delivered group exactly once, as groups finish.
 
-        Groups scored before a generation failure are still delivered, then the failure is raised.
+        Groups scored before a generation failure are still delivered, then the failure is raised. ``stats``
+        (optional) is filled in as the stream runs: generation rounds and dynamic-sampling drops.
 
         Raises:
             NotReady, UpstreamTimeout, InvalidRequest: from the generator or scorer clients.

@@ -114,6 +114,7 @@ class RunStore:
         return replace(state, kl=replace(initial.kl, value=state.kl.value))
 
     def put(self, run_id: str, state: RunState) -> None:
+        """Store ``state`` as the run's latest, evicting the least recently used run beyond ``max_runs``."""
         self._runs[run_id] = state
         self._runs.move_to_end(run_id)
         while len(self._runs) > self._max_runs:

@@ -29,24 +29,27 @@ logger = logging.getLogger(__name__)
 VALUE_HEAD_PREFIXES = ("value_head", "score")
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _read_value_head(path: Path) -> dict[str, torch.Tensor]:
+    """Only the value head's tensors (``weight``, optional ``bias``) from the folder's safetensors files.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` in ``path``.
+        ValueError: no value head under any of ``VALUE_HEAD_PREFIXES``.
+    """
+    from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    return state
-
-
-def _split_value_head(state: dict[str, torch.Tensor], path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     for prefix in VALUE_HEAD_PREFIXES:
-        if f"{prefix}.weight" in state:
-            head = {k.removeprefix(f"{prefix}."): v for k, v in state.items() if k.startswith(f"{prefix}.")}
-            rest = {k: v for k, v in state.items() if not k.startswith(f"{prefix}.")}
-            return head, rest
+        head: dict[str, torch.Tensor] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as tensors:
+                for key in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if key.startswith(f"{prefix}."):
+                        head[key.removeprefix(f"{prefix}.")] = tensors.get_tensor(key)
+        if "weight" in head:
+            return head
     raise ValueError(
         f"{path} has no value head ({' or '.join(p + '.weight' for p in VALUE_HEAD_PREFIXES)}); "
         "make one with `fastexp init-critic` or save the trainer's critic with save_value_model"
@@ -69,25 +72,19 @@ class ValueModel:
         """Load a critic checkpoint folder (format in the module docstring).
 
         Raises:
-            FileNotFoundError: no config.json or no safetensors in ``path``.
-            ValueError: no value head in the checkpoint, or backbone weights that do not match its config.
+            FileNotFoundError: no safetensors in ``path``.
+            OSError: no loadable ``config.json`` (from transformers).
+            ValueError: no value head in the checkpoint, or backbone weights missing for its config.
         """
-        from transformers import AutoConfig, AutoModel
+        from transformers import AutoModel
 
         folder = Path(path)
-        config = AutoConfig.from_pretrained(folder)
-        state = _read_state_dict(folder)
-        head_state, backbone_state = _split_value_head(state, folder)
-        backbone = AutoModel.from_config(config, dtype=DTYPES[dtype])
-        prefix = f"{backbone.base_model_prefix}."
-        backbone_state = {
-            k.removeprefix(prefix): v for k, v in backbone_state.items() if not k.startswith("lm_head.")
-        }
-        result = backbone.load_state_dict(backbone_state, strict=False)
-        if result.missing_keys or result.unexpected_keys:
+        head_state = _read_value_head(folder)
+        # from_pretrained strips the causal LM's prefix, reads shards, and leaves lm_head/value-head keys unused
+        backbone, info = AutoModel.from_pretrained(folder, dtype=DTYPES[dtype], output_loading_info=True)
+        if info["missing_keys"]:
             raise ValueError(
-                f"{path}: backbone weights do not match {config.model_type}: missing {result.missing_keys[:5]}, "
-                f"unexpected {result.unexpected_keys[:5]}"
+                f"{path}: backbone weights missing for {backbone.config.model_type}: {sorted(info['missing_keys'])[:5]}"
             )
         weight = head_state["weight"]
         head = torch.nn.Linear(weight.shape[1], 1, bias="bias" in head_state, dtype=torch.float32)
