@@ -120,7 +120,7 @@ def _model_info(address: str) -> generation_pb2.ModelInfo:
 
 
 def _rows(experience: Experience) -> list[dict]:
-    correct = experience.reward_metrics.get("correct", (experience.reward > 0.5).float())
+    correct = experience.reward_metrics.get("math_verify/correct", (experience.reward > 0.5).float())
     mask = experience.action_mask
     kl_mean = (experience.kl.sum(1) / mask.sum(1).clamp(min=1)).tolist()
     return [

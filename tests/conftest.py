@@ -43,3 +43,22 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def reward_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> str:
+    """A randomly initialised 2-layer Llama sequence classifier (one label) with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    path = tmp_path_factory.mktemp("tiny-rm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -52,6 +52,15 @@ class UpstreamTimeout(FastexpError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class RewardFailed(FastexpError):
+    """A reward source could not score some responses (after its own retries); the message names the source.
+
+    UNAVAILABLE: the reward side is broken for these responses now; nothing about the request was wrong.
+    """
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The (code, message) a client sees for ``error``; non-domain errors are INTERNAL with an error id."""
     if isinstance(error, FastexpError):

@@ -14,7 +14,14 @@ import stamina
 
 from fastexp.v1 import generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
-from services.common.errors import FastexpError, InvalidRequest, NotReady, Overloaded, UpstreamTimeout
+from services.common.errors import (
+    FastexpError,
+    InvalidRequest,
+    NotReady,
+    Overloaded,
+    RewardFailed,
+    UpstreamTimeout,
+)
 from services.common.server import grpc_options
 from services.common.tensor_codec import to_numpy, to_torch
 from services.experience.pipeline import Scores
@@ -120,6 +127,7 @@ class ScorerClient:
 
         Raises:
             NotReady: the scorer stayed unavailable for the whole budget.
+            RewardFailed: the scorer answered, but some responses have no reward (its errors are in the message).
             UpstreamTimeout, InvalidRequest, Overloaded: from the scorer, not retried.
         """
         message = scoring_pb2.ScoreRequest(queries=queries, prompts=prompts, labels=labels, references=references)
@@ -130,6 +138,12 @@ class ScorerClient:
         async for attempt in retries:
             with attempt:
                 response = await self._score_once(message, deadline)
+        failures = [error for error in response.errors if error]
+        if failures:
+            distinct = list(dict.fromkeys(failures))
+            raise RewardFailed(
+                f"scorer: {len(failures)} of {len(queries)} responses have no reward: " + " | ".join(distinct[:3])
+            )
         return Scores(
             rewards=to_torch(response.rewards),
             metrics={name: to_torch(values) for name, values in response.metrics.items()},

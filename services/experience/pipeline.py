@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from services.common.deadlines import Deadline
+from services.common.errors import RewardFailed
 from services.experience.estimate import estimate_experience
 from services.experience.forward import chunks
 from services.experience.logprobs import LogProbModel
@@ -133,6 +134,7 @@ class ExperienceMaker:
 
         Raises:
             NotReady, UpstreamTimeout, InvalidRequest: from the generator or scorer clients.
+            RewardFailed: a reward source could not score a group (the message names the prompt and source).
         """
         config = request.config
         stats = stats if stats is not None else StreamStats()
@@ -252,13 +254,16 @@ class ExperienceMaker:
         """Score one group and hand it to the consumer, or drop it (dynamic sampling); True when kept."""
         prompt_index = completions[0].prompt_index
         spec = request.prompts[prompt_index]
-        scores = await self._scorer.score(
-            queries=[spec.text + c.text for c in completions],
-            prompts=[spec.text] * len(completions),
-            labels=[spec.label] * len(completions),
-            references=[spec.reference] * len(completions),
-            deadline=deadline,
-        )
+        try:
+            scores = await self._scorer.score(
+                queries=[spec.text + c.text for c in completions],
+                prompts=[spec.text] * len(completions),
+                labels=[spec.label] * len(completions),
+                references=[spec.reference] * len(completions),
+                deadline=deadline,
+            )
+        except RewardFailed as error:
+            raise RewardFailed(f"prompt {prompt_index}: {error}") from error
         config = request.config
         if config.dynamic_sampling and bool(zero_variance_groups(scores.rewards, config.n_samples_per_prompt)[0]):
             await ready.put(_Dropped(prompt_index))

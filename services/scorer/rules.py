@@ -1,10 +1,33 @@
-"""Rule-based reward functions. Each runs inside a verifier worker process (see :mod:`services.scorer.scorer`).
+"""Rule-based rewards: Python callables named by import path, run in worker processes with a hard per-item timeout.
 
-A rule function takes ``(response, reference)`` texts and returns ``(reward, metrics)``; it must be a module-level
-function so the worker process can import it.
+A rule function has the signature ``fn(response: str, reference: str) -> float | tuple[float, Mapping[str, float]]``
+and must be importable (``package.module:function``) in a fresh process. :class:`RuleScorer` runs it in a pebble
+process pool: a check that hangs past ``timeout_s`` has its worker killed and replaced, and a check that raises
+or returns something that is not a finite number costs that one item (reported as its error), never the
+service. Signal-based timeouts would not work off the main thread; killing the worker does.
+
+The built-in rules below are examples reward teams can name directly.
 """
 
 from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import logging
+import multiprocessing
+import re
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+from pebble import ProcessPool
+
+from services.scorer.scorer import ScoreItem, SourceScores, checked_rewards
+
+logger = logging.getLogger(__name__)
+
+RuleResult = float | tuple[float, Mapping[str, float]]
 
 
 def math_verify_reward(response: str, reference: str) -> tuple[float, dict[str, float]]:
@@ -24,4 +47,102 @@ def math_verify_reward(response: str, reference: str) -> tuple[float, dict[str, 
     return float(correct), {"correct": float(correct), "answer_found": float(bool(predicted))}
 
 
-RULES = {"math_verify": math_verify_reward}
+_BOXED = re.compile(r"\\boxed\{[^{}]+\}")
+
+
+def boxed_format_reward(response: str, reference: str) -> float:  # noqa: ARG001 - rule signature
+    """1.0 when the response states exactly one final answer as ``\\boxed{...}`` (a format check), else 0.0."""
+    return float(len(_BOXED.findall(response)) == 1)
+
+
+def import_callable(path: str) -> Callable[..., object]:
+    """Resolve ``'package.module:attr'`` (or ``'package.module.attr'``) to the callable it names.
+
+    Raises:
+        ImportError: the module cannot be imported or has no such attribute (the message names ``path``).
+        TypeError: the attribute is not callable.
+    """
+    module_name, _, attribute = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attribute:
+        raise ImportError(f"{path!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ImportError(f"{path!r}: cannot import {module_name!r} ({error})") from error
+    target: object = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ImportError(f"{path!r}: {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError(f"{path!r} is not callable")
+    return target
+
+
+@functools.cache
+def _resolved(path: str) -> Callable[..., object]:
+    return import_callable(path)
+
+
+def _run_rule(path: str, response: str, reference: str) -> tuple[object, dict[str, float]]:
+    """Worker-side: call the rule and split its result into (reward, metrics)."""
+    result = _resolved(path)(response, reference)
+    if isinstance(result, tuple):
+        reward, metrics = result
+        return reward, {str(k): float(v) for k, v in dict(metrics).items()}
+    return result, {}
+
+
+class RuleScorer:
+    """A :class:`~services.scorer.scorer.RewardSource` running the rule at ``function`` in ``workers`` processes."""
+
+    def __init__(self, name: str, function: str, *, workers: int, timeout_s: float) -> None:
+        self.name = name
+        self._function = function
+        self._workers = workers
+        self._timeout_s = timeout_s
+        self._pool: ProcessPool | None = None
+
+    async def start(self) -> None:
+        """Check the import path here, then start the workers and run the rule once in each.
+
+        Raises:
+            ImportError, TypeError: ``function`` does not name a callable.
+        """
+        import_callable(self._function)
+        self._pool = ProcessPool(max_workers=self._workers, context=multiprocessing.get_context("spawn"))
+        await asyncio.gather(*(self._score_one(ScoreItem("1", "", "1", "", "1")) for _ in range(self._workers)))
+
+    async def score(self, items: Sequence[ScoreItem]) -> SourceScores:
+        """Score every item in the pool; a timeout, crash or non-number is that item's error."""
+        results = await asyncio.gather(*(self._score_one(item) for item in items))
+        rewards, errors = checked_rewards(self.name, [reward for reward, _, _ in results], len(items))
+        errors = [results[i][2] or error for i, error in enumerate(errors)]
+        names = sorted({name for _, metrics, _ in results for name in metrics})
+        metrics = {
+            name: np.array([m.get(name, np.nan) for _, m, _ in results], dtype=np.float32) for name in names
+        }
+        metrics["timeout"] = np.array([error is not None and "timed out" in error for _, _, error in results],
+                                      dtype=np.float32)
+        return SourceScores(rewards, metrics, tuple(errors))
+
+    async def _score_one(self, item: ScoreItem) -> tuple[object, dict[str, float], str | None]:
+        assert self._pool is not None, "start() first"
+        future = self._pool.schedule(
+            _run_rule, args=(self._function, item.response, item.reference), timeout=self._timeout_s
+        )
+        try:
+            reward, metrics = await asyncio.wrap_future(future)
+            return reward, metrics, None
+        except FutureTimeout:
+            logger.warning("rule %s timed out after %.1f s on one item", self.name, self._timeout_s)
+            return None, {}, f"{self.name}: rule timed out after {self._timeout_s:g} s"
+        except Exception as error:  # a crashing check costs one item
+            logger.warning("rule %s failed on one item", self.name, exc_info=True)
+            return None, {}, f"{self.name}: rule raised {type(error).__name__}: {error}"
+
+    async def close(self) -> None:
+        """Stop the worker processes."""
+        if self._pool is not None:
+            self._pool.stop()
+            await asyncio.to_thread(self._pool.join, 10)

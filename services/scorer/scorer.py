@@ -1,32 +1,24 @@
-"""The scorer's core: validated score items in, rewards and named metrics out. Never imports grpc.
+"""The scorer's core records and the :class:`RewardSource` protocol every kind of reward implements. No grpc here.
 
-Rule functions run in a pool of worker processes (pebble) with a hard per-item timeout: a pathological answer that
-hangs or crashes the verifier costs that one item (reward 0, ``verifier_timeout``/``verifier_error`` set to 1),
-never the service. Signal-based timeouts would not work off the main thread; killing the worker does.
+A source scores a batch of :class:`ScoreItem` and never raises for one bad item: an item it could not score gets
+NaN as its reward and an error string naming the source and the cause (:class:`SourceScores`). Whether such an
+item then fails or takes a configured fallback reward is decided once, in :func:`apply_fallback`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import multiprocessing
-from collections.abc import Callable, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
-from pebble import ProcessPool
 
 from services.common.errors import InvalidRequest
-
-logger = logging.getLogger(__name__)
-
-RuleFn = Callable[[str, str], tuple[float, dict[str, float]]]
 
 
 @dataclass(frozen=True)
 class ScoreItem:
-    """One response to score. ``response`` is ``query[len(prompt):]``."""
+    """One response to score. ``query`` is the prompt text followed by the response text (special tokens kept)."""
 
     query: str
     prompt: str
@@ -36,11 +28,44 @@ class ScoreItem:
 
 
 @dataclass(frozen=True)
-class ScoreResult:
-    """``rewards`` float32 (N,); each metric float32 (N,)."""
+class SourceScores:
+    """What one source (or the composition) returns for N items.
+
+    ``rewards`` float32 (N,), NaN where the item failed; ``metrics`` name -> float32 (N,) (NaN: not measured);
+    ``errors`` N entries, ``None`` for an item that scored, else why it did not (naming the source).
+    """
 
     rewards: np.ndarray
     metrics: dict[str, np.ndarray]
+    errors: tuple[str | None, ...]
+
+    @property
+    def failed(self) -> np.ndarray:
+        """bool (N,): items without a reward."""
+        return np.array([error is not None for error in self.errors], dtype=bool)
+
+    @staticmethod
+    def all_failed(n: int, error: str) -> SourceScores:
+        """N items that all failed with ``error``."""
+        return SourceScores(np.full(n, np.nan, np.float32), {}, (error,) * n)
+
+
+class RewardSource(Protocol):
+    """A reward model, remote endpoint or rule: ``start`` once, ``score`` many times, ``close`` once."""
+
+    name: str
+
+    async def start(self) -> None:
+        """Load weights / spawn workers / open connections; raise here, not in ``score``, when misconfigured."""
+        ...
+
+    async def score(self, items: Sequence[ScoreItem]) -> SourceScores:
+        """Score every item; per-item failures are returned in ``errors``, never raised."""
+        ...
+
+    async def close(self) -> None:
+        """Release what ``start`` took."""
+        ...
 
 
 def make_items(
@@ -48,18 +73,19 @@ def make_items(
 ) -> list[ScoreItem]:
     """Validate the OpenRLHF-style columns and split each query into prompt and response.
 
+    ``prompts`` may be empty (then each response is its whole query), as may ``labels`` and ``references``.
+
     Raises:
-        InvalidRequest: ``prompts``/``labels``/``references`` length differs from ``queries`` (labels and
-            references may be empty), or a query does not start with its prompt.
+        InvalidRequest: a non-empty column's length differs from ``queries``, or a query does not start with its
+            prompt.
     """
     n = len(queries)
-    if len(prompts) != n:
-        raise InvalidRequest("prompts", f"{len(prompts)} prompts for {n} queries")
-    for name, column in (("labels", labels), ("references", references)):
+    for name, column in (("prompts", prompts), ("labels", labels), ("references", references)):
         if column and len(column) != n:
             raise InvalidRequest(name, f"{len(column)} {name} for {n} queries (send none or one per query)")
     items = []
-    for i, (query, prompt) in enumerate(zip(queries, prompts, strict=True)):
+    for i, query in enumerate(queries):
+        prompt = prompts[i] if prompts else ""
         if not query.startswith(prompt):
             raise InvalidRequest(f"queries[{i}]", "a query must start with its prompt")
         items.append(
@@ -74,42 +100,36 @@ def make_items(
     return items
 
 
-class RuleScorer:
-    """Scores items with one rule function in ``workers`` processes, ``timeout_s`` per item."""
+def checked_rewards(name: str, values: Sequence[object], n: int) -> tuple[np.ndarray, list[str | None]]:
+    """Turn a source's raw per-item rewards into float32 (N,) plus per-item errors.
 
-    def __init__(self, rule: RuleFn, *, workers: int, timeout_s: float) -> None:
-        self._rule = rule
-        self._timeout_s = timeout_s
-        self._pool = ProcessPool(max_workers=workers, context=multiprocessing.get_context("spawn"))
+    An item whose value is missing, not a number (``bool`` included), NaN or ±inf fails with an error naming
+    ``name`` and the value; the others keep theirs. A length other than ``n`` fails every item.
+    """
+    if len(values) != n:
+        return np.full(n, np.nan, np.float32), [f"{name}: {len(values)} rewards for {n} queries"] * n
+    rewards = np.full(n, np.nan, np.float32)
+    errors: list[str | None] = [None] * n
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+            errors[i] = f"{name}: reward {i} is {value!r}, not a number"
+        elif not np.isfinite(value):
+            errors[i] = f"{name}: reward {i} is {value}"
+        else:
+            rewards[i] = value
+    return rewards, errors
 
-    async def warm_up(self) -> None:
-        """Run the rule once per worker so the first request does not pay for imports."""
-        await asyncio.gather(*(self._score_one(ScoreItem("1", "", "1", "", "1")) for _ in range(2)))
 
-    async def score(self, items: Sequence[ScoreItem]) -> ScoreResult:
-        """Score every item; failures are per item (see module docs), so this raises nothing per item."""
-        results = await asyncio.gather(*(self._score_one(item) for item in items))
-        names = sorted({name for _, metrics in results for name in metrics})
-        rewards = np.array([reward for reward, _ in results], dtype=np.float32)
-        metrics = {
-            name: np.array([m.get(name, 0.0) for _, m in results], dtype=np.float32) for name in names
-        }
-        return ScoreResult(rewards=rewards, metrics=metrics)
+def apply_fallback(name: str, scores: SourceScores, fallback_reward: float | None) -> SourceScores:
+    """Prefix the source's metrics with ``<name>/``, add ``<name>/failed``, and apply ``fallback_reward``.
 
-    async def _score_one(self, item: ScoreItem) -> tuple[float, dict[str, float]]:
-        future = self._pool.schedule(self._rule, args=(item.response, item.reference), timeout=self._timeout_s)
-        failed = {"verifier_timeout": 0.0, "verifier_error": 0.0}
-        try:
-            reward, metrics = await asyncio.wrap_future(future)
-            return float(reward), {**metrics, **failed}
-        except FutureTimeout:
-            logger.warning("verifier timed out after %.1f s on one item", self._timeout_s)
-            return 0.0, {**failed, "verifier_timeout": 1.0}
-        except Exception:  # a crashing check costs one item
-            logger.warning("verifier failed on one item", exc_info=True)
-            return 0.0, {**failed, "verifier_error": 1.0}
-
-    async def close(self) -> None:
-        """Stop the worker processes."""
-        self._pool.stop()
-        await asyncio.to_thread(self._pool.join, 10)
+    With a fallback, failed items take it and no longer count as failed (``<name>/failed`` still says 1);
+    without one they keep NaN and their error.
+    """
+    failed = scores.failed
+    metrics = {f"{name}/{metric}": values for metric, values in scores.metrics.items()}
+    metrics[f"{name}/failed"] = failed.astype(np.float32)
+    if fallback_reward is None or not failed.any():
+        return SourceScores(scores.rewards, metrics, scores.errors)
+    rewards = np.where(failed, np.float32(fallback_reward), scores.rewards).astype(np.float32)
+    return SourceScores(rewards, metrics, (None,) * len(scores.errors))

@@ -1,4 +1,4 @@
-"""Scorer service entry: build the reward function from settings, serve ``fastexp.v1.ScoringService``."""
+"""Scorer service entry: build the reward sources from settings, serve ``fastexp.v1.ScoringService``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import logging
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
 from services.common.server import RunningServer, create_server, serve_until_signalled
 from services.common.settings import ScorerSettings
-from services.scorer.rules import RULES
-from services.scorer.scorer import RuleScorer
+from services.scorer.composition import RewardComposer, build_composer
 from services.scorer.servicer import ScoringServicer
 
 logger = logging.getLogger(__name__)
@@ -17,14 +16,21 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = scoring_pb2.DESCRIPTOR.services_by_name["ScoringService"].full_name
 
 
-def build_scorer(settings: ScorerSettings) -> RuleScorer:
-    """The configured rule function in its worker pool."""
-    return RuleScorer(RULES[settings.reward_fn], workers=settings.verifier_workers,
-                      timeout_s=settings.verifier_timeout_s)
+def build_scorer(settings: ScorerSettings) -> RewardComposer:
+    """The configured sources and their composition (not started).
+
+    Raises:
+        ConfigError: an import path in the settings does not resolve (every one is named).
+    """
+    return build_composer(settings)
 
 
-async def start_scorer(settings: ScorerSettings, scorer: RuleScorer) -> RunningServer:
-    """Serve ``scorer``; health is SERVING once its workers have run the rule once."""
+async def start_scorer(settings: ScorerSettings, scorer: RewardComposer) -> RunningServer:
+    """Start ``scorer``'s sources, then serve it; health is SERVING once every source has started.
+
+    Raises:
+        ConfigError: a source could not start (missing model folder, bad import path); nothing is left serving.
+    """
     servicer = ScoringServicer(scorer, settings)
     running = await create_server(
         host=settings.host,
@@ -33,9 +39,13 @@ async def start_scorer(settings: ScorerSettings, scorer: RuleScorer) -> RunningS
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
     )
-    await scorer.warm_up()
+    try:
+        await scorer.start()
+    except BaseException:
+        await running.server.stop(0)
+        raise
     await running.set_serving(True)
-    logger.info("scorer serving on %s:%d (%s)", settings.host, running.port, settings.reward_fn)
+    logger.info("scorer serving on %s:%d (sources: %s)", settings.host, running.port, ", ".join(scorer.source_names))
     return running
 
 

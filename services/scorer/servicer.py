@@ -8,14 +8,15 @@ from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
 from services.common.errors import InvalidRequest
 from services.common.settings import ScorerSettings
 from services.common.tensor_codec import from_numpy
-from services.scorer.scorer import RuleScorer, make_items
+from services.scorer.composition import RewardComposer
+from services.scorer.scorer import make_items
 
 
 class ScoringServicer(scoring_pb2_grpc.ScoringServiceServicer):
-    """``fastexp.v1.ScoringService`` over a :class:`RuleScorer`."""
+    """``fastexp.v1.ScoringService`` over a :class:`RewardComposer`."""
 
-    def __init__(self, scorer: RuleScorer, settings: ScorerSettings) -> None:
-        self._scorer = scorer
+    def __init__(self, composer: RewardComposer, settings: ScorerSettings) -> None:
+        self._composer = composer
         self._settings = settings
 
     async def Score(  # noqa: N802 - gRPC method name
@@ -24,8 +25,9 @@ class ScoringServicer(scoring_pb2_grpc.ScoringServiceServicer):
         if len(request.queries) > self._settings.max_queries_per_request:
             raise InvalidRequest("queries", f"at most {self._settings.max_queries_per_request} per request")
         items = make_items(request.queries, request.prompts, request.labels, request.references)
-        result = await self._scorer.score(items)
+        result = await self._composer.score(items)
         return scoring_pb2.ScoreResponse(
             rewards=from_numpy(result.rewards),
             metrics={name: from_numpy(values) for name, values in result.metrics.items()},
+            errors=[error or "" for error in result.errors] if any(result.errors) else [],
         )

@@ -48,8 +48,11 @@ def critic_path(tiny_model_path, tmp_path_factory):
 async def stack(tiny_model_path, critic_path):
     engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
     generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
-    scorer_core = build_scorer(ScorerSettings(port=0, verifier_workers=1))
-    scorer = await start_scorer(ScorerSettings(port=0), scorer_core)
+    scorer_settings = ScorerSettings(port=0, sources=[
+        {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1,
+         "fallback_reward": 0.0}])
+    scorer_core = build_scorer(scorer_settings)
+    scorer = await start_scorer(scorer_settings, scorer_core)
     experience = await start_experience(
         ExperienceSettings(
             port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
@@ -175,7 +178,7 @@ async def test_stream_delivers_each_group_once_with_consistent_tensors(stack):
         assert torch.allclose(e.action_log_probs[mask], e.rollout_log_probs[mask], atol=2e-3)
         # actor and reference are the same weights here, so KL is zero
         assert torch.allclose(e.kl, torch.zeros_like(e.kl), atol=1e-5)
-        assert set(e.reward_metrics) >= {"correct", "answer_found", "verifier_timeout"}
+        assert set(e.reward_metrics) >= {"math_verify/correct", "math_verify/answer_found", "math_verify/failed"}
         # recompute the advantages from the streamed fields with the pure functions
         config = ExperienceConfig(n, get_estimator("group_norm"), kl=KLOptions(kl_coef=0.05))
         again, _ = estimate_experience(

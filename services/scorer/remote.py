@@ -1,0 +1,136 @@
+"""Remote HTTP reward models, spoken to in OpenRLHF's reward-server protocol through httpx (async, pooled).
+
+Request (POST, JSON): ``{"query": [prompt + response texts, special tokens kept], "prompts": [...],
+"labels": [...], "references": [...]}``, ``batch_size`` queries at a time. Response: ``{"rewards": [N numbers],
+"scores": [N numbers]?, "extra_logs": {name: [N numbers] | number}?, "errors": [N str | null]?}``; ``scores``
+and ``extra_logs`` become metrics, ``errors`` (a fastexp extension) explains items whose reward is ``null``.
+
+Faults, per batch: timeouts, connection errors and HTTP 5xx are retried with capped exponential backoff and jitter
+(stamina) up to ``max_attempts`` tries; HTTP 4xx is not retried; a body that is not JSON, has no ``rewards``
+list, or the wrong number of rewards fails the batch's items; a reward that is null, NaN or ±inf fails that item.
+Every error names the source and the URL. At most ``max_concurrency`` requests are in flight per endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Sequence
+
+import httpx
+import numpy as np
+import stamina
+
+from services.scorer.config import RemoteConfig
+from services.scorer.scorer import ScoreItem, SourceScores, checked_rewards
+
+logger = logging.getLogger(__name__)
+
+
+class _ServerError(Exception):
+    """HTTP 5xx: worth another try."""
+
+
+class RemoteScorer:
+    """A :class:`~services.scorer.scorer.RewardSource` posting to one HTTP reward endpoint (see module docs)."""
+
+    def __init__(self, config: RemoteConfig) -> None:
+        self.name = config.name
+        self._config = config
+        self._where = f"{config.name} ({config.url})"
+        self._client: httpx.AsyncClient | None = None
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+
+    async def start(self) -> None:
+        """Open the connection pool (the endpoint is not contacted: it may start after the scorer)."""
+        limits = httpx.Limits(
+            max_connections=self._config.max_concurrency, max_keepalive_connections=self._config.max_concurrency
+        )
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self._config.timeout_s), limits=limits, headers=self._config.headers
+        )
+
+    async def score(self, items: Sequence[ScoreItem]) -> SourceScores:
+        """Post the items in batches of ``batch_size`` (concurrently, bounded) and join the answers in order."""
+        size = self._config.batch_size
+        parts = await asyncio.gather(*(self._score_batch(items[i : i + size]) for i in range(0, len(items), size)))
+        names = sorted({name for part in parts for name in part.metrics})
+        return SourceScores(
+            rewards=np.concatenate([p.rewards for p in parts]) if parts else np.zeros(0, np.float32),
+            metrics={
+                name: np.concatenate([p.metrics.get(name, np.full(len(p.errors), np.nan, np.float32)) for p in parts])
+                for name in names
+            },
+            errors=tuple(error for part in parts for error in part.errors),
+        )
+
+    async def _score_batch(self, items: Sequence[ScoreItem]) -> SourceScores:
+        n = len(items)
+        payload = {
+            "query": [item.query for item in items],
+            "prompts": [item.prompt for item in items],
+            "labels": [item.label for item in items],
+            "references": [item.reference for item in items],
+        }
+        try:
+            response = await self._post(payload)
+        except (httpx.TransportError, _ServerError) as error:
+            reason = str(error) or type(error).__name__
+            return SourceScores.all_failed(n, f"{self._where}: {reason} (after {self._config.max_attempts} tries)")
+        if response.is_client_error:
+            return SourceScores.all_failed(n, f"{self._where}: HTTP {response.status_code}: {response.text[:200]}")
+        try:
+            body = response.json()
+        except ValueError:
+            return SourceScores.all_failed(n, f"{self._where}: response is not JSON: {response.text[:100]!r}")
+        if not isinstance(body, dict) or not isinstance(body.get("rewards"), list):
+            return SourceScores.all_failed(n, f"{self._where}: response has no 'rewards' list")
+        rewards, errors = checked_rewards(self._where, body["rewards"], n)
+        reported = body.get("errors")
+        if isinstance(reported, list) and len(reported) == n:
+            errors = [f"{self._where}: {reported[i]}" if errors[i] and reported[i] else errors[i] for i in range(n)]
+        return SourceScores(rewards, self._metrics(body, n), tuple(errors))
+
+    async def _post(self, payload: dict) -> httpx.Response:
+        assert self._client is not None, "start() first"
+        config = self._config
+        retries = stamina.retry_context(
+            on=(httpx.TransportError, _ServerError),
+            attempts=config.max_attempts,
+            timeout=None,
+            wait_initial=config.backoff_initial_s,
+            wait_max=config.backoff_max_s,
+        )
+        async for attempt in retries:
+            with attempt:
+                async with self._slots:
+                    response = await self._client.post(config.url, json=payload)
+                if response.is_server_error:
+                    logger.warning("%s: HTTP %d (try %d)", self._where, response.status_code, attempt.num)
+                    raise _ServerError(f"HTTP {response.status_code}: {response.text[:200]}")
+        return response
+
+    def _metrics(self, body: dict, n: int) -> dict[str, np.ndarray]:
+        """``scores`` as metric ``score`` and each usable ``extra_logs`` entry (N numbers, or one broadcast)."""
+        columns = {"score": body.get("scores")} if body.get("scores") is not None else {}
+        extra = body.get("extra_logs")
+        if isinstance(extra, dict):
+            columns.update({str(k): v for k, v in extra.items()})
+        metrics = {}
+        for name, value in columns.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                value = [value] * n
+            if isinstance(value, list) and len(value) == n:
+                metrics[name] = np.array(
+                    [v if isinstance(v, int | float) and not isinstance(v, bool) else math.nan for v in value],
+                    dtype=np.float32,
+                )
+            else:
+                logger.warning("%s: ignoring metric %r (not %d numbers)", self._where, name, n)
+        return metrics
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        if self._client is not None:
+            await self._client.aclose()
