@@ -1,4 +1,4 @@
-"""The ``fastexp`` command: ``serve generator|scorer|experience``, ``up``, ``demo``.
+"""The ``fastexp`` command: ``serve generator|scorer|experience|reward-server``, ``up``, ``demo``, ``init-critic``.
 
 Settings come from flags, then ``FASTEXP_<SERVICE>_<FIELD>`` environment variables, then a YAML file
 (``--config``, one section per service), then defaults; they are validated once, here at the edge.
@@ -24,6 +24,7 @@ class Service(StrEnum):
     generator = "generator"
     scorer = "scorer"
     experience = "experience"
+    reward_server = "reward-server"
 
 
 class Backend(StrEnum):
@@ -48,10 +49,40 @@ def serve(
     scorer_address: Annotated[str | None, typer.Option(help="experience: scorer host:port")] = None,
     critic_model: Annotated[str | None, typer.Option(help="experience: critic folder (fastexp init-critic)")] = None,
 ) -> None:
-    """Run one service until SIGTERM/SIGINT."""
-    from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
+    """Run one service until SIGTERM/SIGINT.
+
+    ``reward-server`` is the reference HTTP reward server (OpenRLHF protocol) over the ``reward_server:`` section's
+    sources. A configuration naming something that does not exist exits with status 2 and lists every such name.
+    """
+    from pydantic import ValidationError
+
+    from services.scorer.composition import ConfigError
 
     common = {"host": host, "port": port}
+    try:
+        settings, run = _service_settings(
+            service, config, common, model=model, backend=backend, generator_address=generator_address,
+            scorer_address=scorer_address, critic_model=critic_model,
+        )
+    except ValidationError as error:
+        typer.echo(f"invalid {service.value} settings:\n{error}", err=True)
+        raise typer.Exit(2) from error
+    _logging(settings.log_level)
+    try:
+        run(settings)
+    except ConfigError as error:
+        typer.echo(f"{service.value} refuses to start: {error}", err=True)
+        raise typer.Exit(2) from error
+
+
+def _service_settings(service, config, common, *, model, backend, generator_address, scorer_address, critic_model):
+    from services.common.settings import (
+        ExperienceSettings,
+        GeneratorSettings,
+        RewardServerSettings,
+        ScorerSettings,
+    )
+
     if service is Service.generator:
         from services.generator.server import serve as run
 
@@ -60,6 +91,10 @@ def serve(
         from services.scorer.server import serve as run
 
         settings = ScorerSettings.load(config, **common)
+    elif service is Service.reward_server:
+        from services.scorer.http_server import serve as run
+
+        settings = RewardServerSettings.load(config, **common)
     else:
         from services.experience.server import serve as run
 
@@ -67,8 +102,7 @@ def serve(
             config, **common, generator_address=generator_address, scorer_address=scorer_address,
             critic_model=critic_model,
         )
-    _logging(settings.log_level)
-    run(settings)
+    return settings, run
 
 
 @app.command()

@@ -1,0 +1,122 @@
+"""The reference remote reward server: any scorer configuration served over OpenRLHF's HTTP reward protocol.
+
+Reward teams deploy their model (or rule, or composition) behind this and point trainers, or a fastexp scorer's
+``remote`` source, at it. FastAPI + uvicorn.
+
+``POST /get_reward`` with ``{"query": [...], "prompts": [...]?, "labels": [...]?, "references": [...]?}``
+answers ``{"rewards": [...], "scores": [...], "extra_logs": {metric: [...]}, "errors": [...]?}``. A query the
+sources could not score has ``null`` as its reward and score and its reason in ``errors`` (present only then),
+so one bad item never costs the batch. Bad input (lengths differ, a query not starting with its prompt, a label
+without recipe) is HTTP 400 naming the field; more than ``max_queries_per_request`` queries is HTTP 413.
+``GET /health`` is 200 once every source has started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, Field
+
+from services.common.errors import InvalidRequest
+from services.common.settings import RewardServerSettings
+from services.scorer.composition import RewardComposer, build_composer
+from services.scorer.scorer import make_items
+
+logger = logging.getLogger(__name__)
+
+
+class RewardRequest(BaseModel):
+    """OpenRLHF's reward request, plus ``references``."""
+
+    query: list[str] = Field(description="prompt + response texts, special tokens kept")
+    prompts: list[str] | None = Field(None, description="prompt texts, each a prefix of its query")
+    labels: list[str] | None = Field(None, description="labels: pick each query's reward recipe")
+    references: list[str] | None = Field(None, description="reference answers")
+
+
+class RewardResponse(BaseModel):
+    """OpenRLHF's reward response, plus ``errors`` for the queries that have no reward."""
+
+    rewards: list[float | None]
+    scores: list[float | None]
+    extra_logs: dict[str, list[float | None]]
+    errors: list[str | None] | None = None
+
+
+def _json_floats(values) -> list[float | None]:
+    return [None if math.isnan(v) else float(v) for v in values.tolist()]
+
+
+def create_app(composer: RewardComposer, max_queries_per_request: int = 65536, manage_sources: bool = True) -> FastAPI:
+    """The FastAPI app serving ``composer``; with ``manage_sources`` its lifespan starts and closes the sources."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not manage_sources:
+            yield
+            return
+        await composer.start()
+        try:
+            yield
+        finally:
+            await composer.close()
+
+    app = FastAPI(title="fastexp reward server", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> dict[str, object]:
+        return {"status": "ok", "sources": composer.source_names}
+
+    @app.post("/get_reward", response_model_exclude_none=True)
+    async def get_reward(request: RewardRequest) -> RewardResponse:
+        if len(request.query) > max_queries_per_request:
+            raise HTTPException(413, f"query: at most {max_queries_per_request} per request")
+        try:
+            items = make_items(request.query, request.prompts or [], request.labels or [], request.references or [])
+            result = await composer.score(items)
+        except InvalidRequest as error:
+            raise HTTPException(400, str(error)) from error
+        rewards = _json_floats(result.rewards)
+        return RewardResponse(
+            rewards=rewards,
+            scores=rewards,
+            extra_logs={name: _json_floats(values) for name, values in result.metrics.items()},
+            errors=list(result.errors) if any(result.errors) else None,
+        )
+
+    return app
+
+
+def serve(settings: RewardServerSettings) -> None:
+    """Start the sources, then serve until SIGTERM/SIGINT (blocking; uvicorn handles the signals and drains).
+
+    Raises:
+        ConfigError: a source could not be built or started (before the port is opened).
+    """
+    import uvicorn
+
+    composer = build_composer(settings)
+
+    async def main() -> None:
+        await composer.start()
+        try:
+            app = create_app(composer, settings.max_queries_per_request, manage_sources=False)
+            config = uvicorn.Config(
+                app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                timeout_graceful_shutdown=int(settings.grace_period_s),
+            )
+            # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found: make that a
+            # no-op so the sources are closed below and the process exits 0, as the gRPC services do.
+            for stop_signal in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(stop_signal, lambda *_: None)
+            await uvicorn.Server(config).serve()
+        finally:
+            await composer.close()
+
+    asyncio.run(main())
