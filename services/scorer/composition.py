@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
 from services.common.settings import ScorerSettings
 from services.scorer.config import (
@@ -37,7 +38,14 @@ from services.scorer.config import (
 from services.scorer.models import LocalModelScorer, SimilarityScorer
 from services.scorer.remote import RemoteScorer
 from services.scorer.rules import RuleScorer, import_callable
-from services.scorer.scorer import RewardSource, ScoreItem, SourceScores, apply_fallback, checked_rewards
+from services.scorer.scorer import (
+    NO_DEADLINE,
+    RewardSource,
+    ScoreItem,
+    SourceScores,
+    apply_fallback,
+    checked_rewards,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +114,8 @@ class RewardComposer:
             )
         return recipe
 
-    async def score(self, items: Sequence[ScoreItem]) -> SourceScores:
-        """Rewards (N,), metrics and per-item errors for ``items`` (see module docs).
+    async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
+        """Rewards (N,), metrics and per-item errors for ``items`` (see module docs); ``deadline`` caps remote calls.
 
         Raises:
             InvalidRequest: an item's label has no recipe and there is no default one.
@@ -122,7 +130,7 @@ class RewardComposer:
         # 2. process
         running = {name: idx for name, idx in needed.items() if idx}
         answers = await asyncio.gather(
-            *(self._sources[name].score([items[i] for i in idx]) for name, idx in running.items())
+            *(self._sources[name].score([items[i] for i in idx], deadline) for name, idx in running.items())
         )
         per_source = {
             name: apply_fallback(name, answer, self._fallbacks.get(name))

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.common.deadlines import Deadline
 from services.scorer.config import MINILM_ALIAS
-from services.scorer.scorer import ScoreItem, SourceScores, checked_rewards
+from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class LocalModelScorer:
         self._model, self._tokenizer = model.to(self._device).eval(), tokenizer
         logger.info("reward model %s loaded from %s (%s)", self.name, self._path, self._dtype)
 
-    async def score(self, items: Sequence[ScoreItem]) -> SourceScores:
+    async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
         """One float reward per item: the model's logit, in micro-batches of ``micro_batch_size``."""
         async with self._lock:
             values, errors = await asyncio.to_thread(self._score_sync, [item.query for item in items])
@@ -149,7 +150,7 @@ class SimilarityScorer:
         self._encoder = SentenceTransformer(folder, device=self._device)
         logger.info("similarity encoder %s loaded from %s", self.name, folder)
 
-    async def score(self, items: Sequence[ScoreItem]) -> SourceScores:
+    async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
         """Cosine similarity of each response to its reference."""
         usable = [i for i, item in enumerate(items) if item.reference]
         rewards = np.full(len(items), np.nan, np.float32)

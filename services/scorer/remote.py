@@ -22,8 +22,10 @@ import httpx
 import numpy as np
 import stamina
 
+from services.common.deadlines import Deadline
+from services.common.errors import UpstreamTimeout
 from services.scorer.config import RemoteConfig
-from services.scorer.scorer import ScoreItem, SourceScores, checked_rewards
+from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +53,15 @@ class RemoteScorer:
             timeout=httpx.Timeout(self._config.timeout_s), limits=limits, headers=self._config.headers
         )
 
-    async def score(self, items: Sequence[ScoreItem]) -> SourceScores:
-        """Post the items in batches of ``batch_size`` (concurrently, bounded) and join the answers in order."""
+    async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
+        """Post the items in batches of ``batch_size`` (concurrently, bounded) and join the answers in order.
+
+        Each HTTP request's timeout is ``timeout_s`` capped by ``deadline``; retries stop when it passes.
+        """
         size = self._config.batch_size
-        parts = await asyncio.gather(*(self._score_batch(items[i : i + size]) for i in range(0, len(items), size)))
+        parts = await asyncio.gather(
+            *(self._score_batch(items[i : i + size], deadline) for i in range(0, len(items), size))
+        )
         names = sorted({name for part in parts for name in part.metrics})
         return SourceScores(
             rewards=np.concatenate([p.rewards for p in parts]) if parts else np.zeros(0, np.float32),
@@ -65,7 +72,7 @@ class RemoteScorer:
             errors=tuple(error for part in parts for error in part.errors),
         )
 
-    async def _score_batch(self, items: Sequence[ScoreItem]) -> SourceScores:
+    async def _score_batch(self, items: Sequence[ScoreItem], deadline: Deadline) -> SourceScores:
         n = len(items)
         payload = {
             "query": [item.query for item in items],
@@ -74,7 +81,9 @@ class RemoteScorer:
             "references": [item.reference for item in items],
         }
         try:
-            response = await self._post(payload)
+            response = await self._post(payload, deadline)
+        except UpstreamTimeout:
+            return SourceScores.all_failed(n, f"{self._where}: the caller's deadline passed before an answer")
         except (httpx.TransportError, _ServerError) as error:
             reason = str(error) or type(error).__name__
             return SourceScores.all_failed(n, f"{self._where}: {reason} (after {self._config.max_attempts} tries)")
@@ -92,20 +101,22 @@ class RemoteScorer:
             errors = [f"{self._where}: {reported[i]}" if errors[i] and reported[i] else errors[i] for i in range(n)]
         return SourceScores(rewards, self._metrics(body, n), tuple(errors))
 
-    async def _post(self, payload: dict) -> httpx.Response:
+    async def _post(self, payload: dict, deadline: Deadline) -> httpx.Response:
         assert self._client is not None, "start() first"
         config = self._config
         retries = stamina.retry_context(
             on=(httpx.TransportError, _ServerError),
             attempts=config.max_attempts,
-            timeout=None,
+            timeout=deadline.remaining(),
             wait_initial=config.backoff_initial_s,
             wait_max=config.backoff_max_s,
         )
         async for attempt in retries:
             with attempt:
                 async with self._slots:
-                    response = await self._client.post(config.url, json=payload)
+                    response = await self._client.post(
+                        config.url, json=payload, timeout=deadline.timeout(config.timeout_s)
+                    )
                 if response.is_server_error:
                     logger.warning("%s: HTTP %d (try %d)", self._where, response.status_code, attempt.num)
                     raise _ServerError(f"HTTP {response.status_code}: {response.text[:200]}")

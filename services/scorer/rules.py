@@ -23,7 +23,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 from pebble import ProcessPool
 
-from services.scorer.scorer import ScoreItem, SourceScores, checked_rewards
+from services.common.deadlines import Deadline
+from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class RuleScorer:
         self._pool = ProcessPool(max_workers=self._workers, context=multiprocessing.get_context("spawn"))
         await asyncio.gather(*(self._score_one(ScoreItem("1", "", "1", "", "1")) for _ in range(self._workers)))
 
-    async def score(self, items: Sequence[ScoreItem]) -> SourceScores:
+    async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
         """Score every item in the pool; a timeout, crash or non-number is that item's error."""
         results = await asyncio.gather(*(self._score_one(item) for item in items))
         rewards, errors = checked_rewards(self.name, [reward for reward, _, _ in results], len(items))

@@ -13,7 +13,11 @@ from typing import Protocol
 
 import numpy as np
 
+from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
+
+#: No caller deadline: each source's own timeouts apply.
+NO_DEADLINE = Deadline()
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,12 @@ class RewardSource(Protocol):
         """Load weights / spawn workers / open connections; raise here, not in ``score``, when misconfigured."""
         ...
 
-    async def score(self, items: Sequence[ScoreItem]) -> SourceScores:
-        """Score every item; per-item failures are returned in ``errors``, never raised."""
+    async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
+        """Score every item; per-item failures are returned in ``errors``, never raised.
+
+        Outbound calls (remote sources) take their timeouts from ``deadline`` (the caller's remaining time);
+        local sources are bounded by their own per-item limits.
+        """
         ...
 
     async def close(self) -> None:

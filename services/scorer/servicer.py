@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
+from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
 from services.common.settings import ScorerSettings
 from services.common.tensor_codec import from_numpy
@@ -25,7 +26,7 @@ class ScoringServicer(scoring_pb2_grpc.ScoringServiceServicer):
         if len(request.queries) > self._settings.max_queries_per_request:
             raise InvalidRequest("queries", f"at most {self._settings.max_queries_per_request} per request")
         items = make_items(request.queries, request.prompts, request.labels, request.references)
-        result = await self._composer.score(items)
+        result = await self._composer.score(items, Deadline.from_remaining(context.time_remaining()))
         return scoring_pb2.ScoreResponse(
             rewards=from_numpy(result.rewards),
             metrics={name: from_numpy(values) for name, values in result.metrics.items()},

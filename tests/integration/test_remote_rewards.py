@@ -15,6 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from services.common.deadlines import Deadline
 from services.common.settings import ScorerSettings
 from services.scorer.composition import build_composer
 from services.scorer.config import RemoteConfig
@@ -203,6 +204,18 @@ async def test_a_hanging_endpoint_times_out_per_request(endpoint):
     finally:
         await scorer.close()
     assert "ReadTimeout" in result.errors[0] and "after 2 tries" in result.errors[0]
+
+
+async def test_the_callers_deadline_caps_timeouts_and_retries(endpoint):
+    base, _ = endpoint
+    scorer = await remote(f"{base}/hang", timeout_s=20, max_attempts=5)
+    try:
+        started = time.monotonic()
+        result = await scorer.score(items("a"), Deadline.from_remaining(1.5))
+        assert time.monotonic() - started < 5  # not 5 tries x 20 s
+    finally:
+        await scorer.close()
+    assert math.isnan(result.rewards[0]) and f"rm ({base}/hang)" in result.errors[0]
 
 
 async def test_an_unreachable_endpoint_fails_items_not_the_scorer():

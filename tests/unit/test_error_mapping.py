@@ -21,7 +21,7 @@ ERRORS = {
 class RaisingScorer:
     """A scorer core that raises the error named by the first query's label."""
 
-    async def score(self, items):
+    async def score(self, items, deadline):
         raise ERRORS[items[0].label][0]
 
 
