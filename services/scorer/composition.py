@@ -132,6 +132,11 @@ class RewardComposer:
         answers = await asyncio.gather(
             *(self._sources[name].score([items[i] for i in idx], deadline) for name, idx in running.items())
         )
+        for name, answer in zip(running, answers, strict=True):
+            problems = [error for error in answer.errors if error]
+            if problems:
+                logger.warning("source %s failed on %d of %d items (first: %s)", name, len(problems),
+                               len(answer.errors), problems[0])
         per_source = {
             name: apply_fallback(name, answer, self._fallbacks.get(name))
             for name, answer in zip(running, answers, strict=True)
@@ -154,6 +159,7 @@ class RewardComposer:
             for i, error in zip(idx, answer.errors, strict=True):
                 if error is not None:
                     errors[i].append(error)
+
         # 3. aggregate
         if self._reward_fn is None:
             weights = np.zeros((len(self._sources), n), np.float32)
