@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +23,11 @@ from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# transformers builds models under a process-wide patch (parameters created on the meta device); two loads in
+# parallel threads can interleave its enter/exit and leave the patch on, so every later model has meta weights.
+# Sources start concurrently, so loads take turns.
+_LOAD_LOCK = threading.Lock()
 
 
 def resolve_encoder(path: str) -> str:
@@ -69,6 +75,10 @@ class LocalModelScorer:
         await asyncio.to_thread(self._load)
 
     def _load(self) -> None:
+        with _LOAD_LOCK:
+            self._load_unlocked()
+
+    def _load_unlocked(self) -> None:
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         if not Path(self._path).is_dir():
@@ -147,7 +157,8 @@ class SimilarityScorer:
         folder = resolve_encoder(self._path)
         if not Path(folder).is_dir():
             raise OSError(f"{self.name}: encoder folder {folder!r} does not exist")
-        self._encoder = SentenceTransformer(folder, device=self._device)
+        with _LOAD_LOCK:
+            self._encoder = SentenceTransformer(folder, device=self._device)
         logger.info("similarity encoder %s loaded from %s", self.name, folder)
 
     async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
