@@ -71,7 +71,7 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions escaping any unary-unary or unary-stream handler to gRPC statuses (see module docs)."""
+    """Maps exceptions escaping any unary-unary, unary-stream or stream-unary handler to statuses (module docs)."""
 
     async def intercept_service(
         self,
@@ -79,7 +79,15 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
+        if handler is None:
+            return handler
+        if handler.stream_unary is not None:  # request iterator in, one response out: same wrapping
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.request_streaming:
             return handler
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(

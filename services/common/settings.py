@@ -110,6 +110,9 @@ class GeneratorSettings(_GenerationLimits):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM memory fraction if no KV size")
     enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (faster start, slower steps)")
     hf_max_batch_size: int = Field(32, ge=1, description="HF backend: sequences per generate() call")
+    weights_staging_dir: str | None = Field(
+        None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
+    )
 
 
 class ScorerSettings(ServiceSettings):

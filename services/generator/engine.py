@@ -78,6 +78,14 @@ class GenerationEngine(Protocol):
         """Token ids of ``text`` (no special tokens added)."""
         ...
 
+    async def update_weights(self, kind: str, folder: str) -> int:
+        """Apply the update in ``folder`` (``kind``: "staged" or "checkpoint"; already checked) between steps.
+
+        Samples in flight finish under the old weights and carry the old version; samples started after it
+        returns use the new weights. Returns the new policy version (previous + 1).
+        """
+        ...
+
     async def check_health(self) -> None:
         """Return if the engine can serve; raise otherwise."""
         ...

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 
-from fastexp.v1 import generation_pb2, generation_pb2_grpc
-from services.common.errors import InvalidRequest
+from fastexp.v1 import generation_pb2, generation_pb2_grpc, tensor_pb2
+from services.common.errors import InvalidRequest, Overloaded
 from services.common.sampling import validate_batch
 from services.common.settings import GeneratorSettings
 from services.common.tensor_codec import from_numpy
 from services.generator.engine import CompletionRecord, GenerationEngine, GenerationRequest
+from services.generator.weights import TensorEntry, WeightStager, check_update, checkpoint_entries, model_spec
+
+_WIRE_DTYPES = {
+    tensor_pb2.DTYPE_FLOAT32: "float32",
+    tensor_pb2.DTYPE_FLOAT16: "float16",
+    tensor_pb2.DTYPE_BFLOAT16: "bfloat16",
+    tensor_pb2.DTYPE_FLOAT64: "float64",
+}
 
 _FINISH = {
     "stop": generation_pb2.FINISH_REASON_STOP,
@@ -74,6 +83,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, engine: GenerationEngine, settings: GeneratorSettings) -> None:
         self._engine = engine
         self._settings = settings
+        self._spec = model_spec(engine.description.model_name)
+        self._updating = asyncio.Lock()
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -96,3 +107,49 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             eos_token_id=d.eos_token_id,
             pad_token_id=d.pad_token_id,
         )
+
+    async def UpdateWeights(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext
+    ) -> generation_pb2.UpdateWeightsResponse:
+        if self._updating.locked():
+            raise Overloaded("another weight update is in progress")
+        async with self._updating:
+            stager = WeightStager(self._settings.weights_staging_dir)
+            try:
+                kind, folder, entries = await self._receive(request_iterator, stager)
+                if not self._spec:
+                    raise InvalidRequest("tensors", "the served model has no safetensors files to check updates against")
+                check_update(entries, self._spec)
+                version = await self._engine.update_weights(kind, folder)
+            finally:
+                await asyncio.to_thread(stager.discard)
+        return generation_pb2.UpdateWeightsResponse(
+            policy_version=version, num_tensors=len(entries), num_bytes=sum(e.num_bytes for e in entries)
+        )
+
+    @staticmethod
+    async def _receive(
+        messages: AsyncIterator[generation_pb2.WeightsChunk], stager: WeightStager
+    ) -> tuple[str, str, list[TensorEntry]]:
+        """Read the stream: the header, then tensor chunks staged on disk. Returns (kind, folder, entries)."""
+        header = None
+        async for message in messages:
+            part = message.WhichOneof("kind")
+            if header is None:
+                if part != "header":
+                    raise InvalidRequest("header", "the first message must carry the header")
+                header = message.header
+            elif part == "header":
+                raise InvalidRequest("header", "sent twice")
+            elif header.checkpoint_dir:
+                raise InvalidRequest("tensor", "no tensor chunks may follow a checkpoint_dir header")
+            else:
+                chunk = message.tensor
+                dtype = _WIRE_DTYPES.get(chunk.dtype, tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower())
+                await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data)
+        if header is None:
+            raise InvalidRequest("header", "the stream was empty")
+        if header.checkpoint_dir:
+            return "checkpoint", header.checkpoint_dir, checkpoint_entries(header.checkpoint_dir)
+        entries = await asyncio.to_thread(stager.finish, header.num_tensors or None)
+        return "staged", str(stager.folder), entries

@@ -35,6 +35,8 @@ class VLLMEngine:
         self.description = description
         self._tokenizer = tokenizer
         self._policy_version = 0
+        self._live = asyncio.Event()  # cleared while a weight update is applied: new requests wait for it
+        self._live.set()
 
     @classmethod
     def start(
@@ -68,6 +70,7 @@ class VLLMEngine:
             disable_log_stats=True,
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            worker_extension_cls="services.generator.vllm_worker.WeightLoaderExtension",
         )
         engine = AsyncLLM.from_engine_args(args)
         tokenizer = engine.get_tokenizer()
@@ -97,6 +100,7 @@ class VLLMEngine:
 
         if self._engine.errored:
             raise NotReady("the vLLM engine has died")
+        await self._live.wait()  # a request never straddles a weight update: its version is the one it runs on
         options = request.sampling
         version = self._policy_version
         queue: asyncio.Queue[CompletionRecord | BaseException] = asyncio.Queue()
@@ -147,6 +151,28 @@ class VLLMEngine:
             if unfinished:
                 await self._engine.abort(unfinished)
                 logger.info("aborted %d unfinished samples of %s", len(unfinished), request.request_id)
+
+    async def update_weights(self, kind: str, folder: str) -> int:
+        """Pause the scheduler once in-flight requests finish (under the old weights and version), load the update
+        in every worker (``collective_rpc`` → :class:`~services.generator.vllm_worker.WeightLoaderExtension`),
+        clear the prefix cache (its KV came from the old weights), bump the version and resume.
+
+        On GPUs, vLLM's weight-transfer engine (``init_weight_transfer_engine``: NCCL broadcast from the trainer's
+        ranks, or CUDA IPC handles on the same node) replaces the folder read; the pause/resume and versioning
+        here stay the same.
+        """
+        self._live.clear()
+        try:
+            await self._engine.pause_generation(mode="wait", clear_cache=True)
+            try:
+                await self._engine.collective_rpc("fastexp_load_weights", args=(kind, folder))
+                self._policy_version += 1
+            finally:
+                await self._engine.resume_generation()
+        finally:
+            self._live.set()
+        logger.info("weights updated from %s (%s); policy version %d", folder, kind, self._policy_version)
+        return self._policy_version
 
     async def check_health(self) -> None:
         await self._engine.check_health()

@@ -1,0 +1,146 @@
+"""UpdateWeights on the generator (HF backend, tiny Llama, float32): streamed and folder updates change sampling
+exactly as predicted, versions tag completions, and a bad update is rejected as a whole."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from fastexp.v1 import generation_pb2, generation_pb2_grpc, tensor_pb2
+from services.common.settings import GeneratorSettings
+from services.common.tensor_codec import to_numpy
+from services.experience.sdk import update_policy_weights, weight_chunks
+from services.generator.hf_engine import HFEngine
+from services.generator.server import start_generator
+
+PROMPT = "Count: one, two,"
+
+
+@pytest.fixture(scope="module")
+async def generator(tiny_model_path):
+    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
+    running = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    yield {"stub": generation_pb2_grpc.GenerationServiceStub(channel), "address": f"127.0.0.1:{running.port}"}
+    await channel.close()
+    await running.stop(1)
+    await engine.close()
+
+
+def perturbed(model_path: str, seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=g))
+    return model
+
+
+async def sample(stub) -> generation_pb2.Completion:
+    request = generation_pb2.GenerateRequest(
+        prompts=[generation_pb2.GenerationPrompt(text=PROMPT)], n_samples_per_prompt=1,
+        sampling=generation_pb2.SamplingParams(temperature=1.0, max_new_tokens=8, seed=5),
+    )
+    return [c async for r in stub.Generate(request, timeout=60) for c in r.completions][0]
+
+
+def forward_log_probs(model, completion) -> torch.Tensor:
+    """log π(o_t | prefix) of the sampled tokens under ``model`` (a plain forward pass)."""
+    prompt, output = list(completion.prompt_token_ids), list(completion.output_token_ids)
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def assert_sampled_by(model, completion):
+    sampled = torch.tensor(to_numpy(completion.output_log_probs))
+    torch.testing.assert_close(sampled, forward_log_probs(model, completion), atol=1e-4, rtol=0)
+
+
+async def test_streamed_then_folder_updates_change_sampling_as_predicted(generator, tiny_model_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    stub = generator["stub"]
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    before = await sample(stub)
+    assert before.policy_version == 0
+    assert_sampled_by(original, before)
+
+    first = perturbed(tiny_model_path, seed=1)
+    tensors = list(first.state_dict().items())
+    version = await asyncio.to_thread(update_policy_weights, generator["address"], tensors, chunk_bytes=4096)
+    assert version == 1
+    after = await sample(stub)
+    assert after.policy_version == 1
+    assert_sampled_by(first, after)  # the update is live: sampling follows the perturbed weights
+    with pytest.raises(AssertionError):
+        assert_sampled_by(original, after)  # ... and no longer the old ones
+
+    second = perturbed(tiny_model_path, seed=2)
+    second.save_pretrained(tmp_path)
+    version = await asyncio.to_thread(update_policy_weights, generator["address"], checkpoint_dir=str(tmp_path))
+    assert version == 2
+    latest = await sample(stub)
+    assert latest.policy_version == 2
+    assert_sampled_by(second, latest)
+    info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.policy_version == 2
+
+
+def _chunk(name, shape, data, dtype=tensor_pb2.DTYPE_FLOAT32):
+    return generation_pb2.WeightsChunk(tensor=generation_pb2.TensorChunk(name=name, dtype=dtype, shape=shape,
+                                                                         data=data))
+
+
+def _header(**fields):
+    return generation_pb2.WeightsChunk(header=generation_pb2.WeightsHeader(**fields))
+
+
+async def test_a_bad_update_is_rejected_as_a_whole_and_the_old_weights_stay_live(generator, tiny_model_path):
+    stub = generator["stub"]
+    info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    live_before = await sample(stub)
+    good_name = "model.norm.weight"
+    good = torch.full((64,), 3.0).numpy().tobytes()
+    cases = {
+        "unknown name": ([_header(), _chunk(good_name, [64], good), _chunk("model.no_such.weight", [2], b"\0" * 8)],
+                         "tensors[model.no_such.weight]: the model has no tensor"),
+        "wrong shape": ([_header(), _chunk(good_name, [64], good), _chunk("lm_head.weight", [3, 2], b"\0" * 24)],
+                        "tensors[lm_head.weight]: shape [3, 2]"),
+        "integer dtype": ([_header(), _chunk(good_name, [64], b"\0" * 512, tensor_pb2.DTYPE_INT64)],
+                          "tensors[model.norm.weight]: dtype int64 is not a floating-point type"),
+        "incomplete": ([_header(), _chunk(good_name, [64], good[:100])], "100 of 256 bytes arrived"),
+        "too many bytes": ([_header(), _chunk(good_name, [64], good + b"\0\0\0\0")], "more than the 256 bytes"),
+        "count mismatch": ([_header(num_tensors=2), _chunk(good_name, [64], good)], "2 announced, 1 arrived"),
+        "missing folder": ([_header(checkpoint_dir="/no/such/checkpoint")], "checkpoint_dir: '/no/such/checkpoint'"),
+        "no header": ([_chunk(good_name, [64], good)], "header: the first message must carry the header"),
+    }
+    for case, (messages, expected) in cases.items():
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.UpdateWeights(iter(messages), timeout=30)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+        assert expected in caught.value.details(), (case, caught.value.details())
+    after = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert after.policy_version == info.policy_version
+    # model.norm.weight (sent first, valid) was not applied: sampling is unchanged
+    live_after = await sample(stub)
+    assert list(live_after.output_token_ids) == list(live_before.output_token_ids)
+    assert to_numpy(live_after.output_log_probs).tolist() == to_numpy(live_before.output_log_probs).tolist()
+
+
+def test_weight_chunks_split_tensors_and_keep_bytes():
+    tensors = [("a", torch.arange(10, dtype=torch.float32)), ("b", torch.ones(3, dtype=torch.bfloat16))]
+    messages = list(weight_chunks(tensors, chunk_bytes=16))
+    assert messages[0].header.num_tensors == 2
+    a_parts = [m.tensor for m in messages[1:] if m.tensor.name == "a"]
+    assert [len(p.data) for p in a_parts] == [16, 16, 8] and all(list(p.shape) == [10] for p in a_parts)
+    assert b"".join(p.data for p in a_parts) == tensors[0][1].numpy().tobytes()
+    b_parts = [m.tensor for m in messages[1:] if m.tensor.name == "b"]
+    assert b_parts[0].dtype == tensor_pb2.DTYPE_BFLOAT16 and len(b_parts[0].data) == 6
+    with pytest.raises(ValueError, match="not a floating-point"):
+        list(weight_chunks([("i", torch.ones(2, dtype=torch.int64))]))
