@@ -15,11 +15,12 @@ Errors arrive as ``grpc.RpcError`` with the service's status code (INVALID_ARGUM
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
+import torch
 
-from fastexp.v1 import experience_pb2, experience_pb2_grpc
+from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc, tensor_pb2
 from services.common.sampling import SamplingOptions
 from services.experience.packing import unpack_experience
 from services.experience.types import Experience
@@ -28,7 +29,7 @@ from services.experience.wire import experience_from_pb
 
 __all__ = [
     "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "Sampling", "build_request", "save_value_model",
-    "unpack_experience",
+    "unpack_experience", "update_policy_weights", "weight_chunks",
 ]
 
 #: A prompt: raw text, or chat messages ``[{"role": ..., "content": ...}, ...]`` rendered with the chat template.
@@ -183,3 +184,68 @@ class ExperienceClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_WIRE_DTYPES = {
+    torch.float32: tensor_pb2.DTYPE_FLOAT32,
+    torch.float16: tensor_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
+    torch.float64: tensor_pb2.DTYPE_FLOAT64,
+}
+
+
+def weight_chunks(
+    tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = 4 * 1024 * 1024,
+    checkpoint_dir: str | None = None,
+) -> Iterator[generation_pb2.WeightsChunk]:
+    """The ``UpdateWeights`` messages for named tensors (checkpoint/HF names), ``chunk_bytes`` of data each.
+
+    Tensors are sent in their own floating dtype (the generator casts to the model's), one at a time, so the
+    sender holds one CPU copy of one tensor. With ``checkpoint_dir`` only the header is sent.
+
+    Raises:
+        ValueError: a tensor is not floating point.
+    """
+    named = [] if checkpoint_dir else list(tensors)
+    yield generation_pb2.WeightsChunk(
+        header=generation_pb2.WeightsHeader(checkpoint_dir=checkpoint_dir or "", num_tensors=len(named))
+    )
+    for name, tensor in named:
+        if tensor.dtype not in _WIRE_DTYPES:
+            raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point weight dtype")
+        data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
+        shape = list(tensor.shape)
+        for start in range(0, max(len(data), 1), chunk_bytes):
+            yield generation_pb2.WeightsChunk(
+                tensor=generation_pb2.TensorChunk(
+                    name=name, dtype=_WIRE_DTYPES[tensor.dtype], shape=shape,
+                    data=data[start : start + chunk_bytes].tobytes(),
+                )
+            )
+
+
+def update_policy_weights(
+    generator_address: str,
+    tensors: Iterable[tuple[str, torch.Tensor]] = (),
+    *,
+    checkpoint_dir: str | None = None,
+    chunk_bytes: int = 4 * 1024 * 1024,
+    timeout_s: float = 600.0,
+) -> int:
+    """Send new policy weights to the generator (streamed, or a folder on shared storage); returns the new version.
+
+    Args:
+        tensors: ``(name, tensor)`` pairs, e.g. ``model.state_dict().items()`` or a subset of it.
+        checkpoint_dir: instead of tensors, a safetensors folder the generator can read.
+
+    Raises:
+        grpc.RpcError: INVALID_ARGUMENT naming a bad tensor (nothing was applied), RESOURCE_EXHAUSTED while
+            another update runs, UNAVAILABLE, DEADLINE_EXCEEDED.
+    """
+    options = [("grpc.max_send_message_length", chunk_bytes + (1 << 20))]
+    with grpc.insecure_channel(generator_address, options=options) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        response = stub.UpdateWeights(
+            weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir), timeout=timeout_s
+        )
+    return response.policy_version
