@@ -17,13 +17,6 @@ from services.common.tensor_codec import from_numpy
 from services.generator.engine import CompletionRecord, GenerationEngine, GenerationRequest
 from services.generator.weights import TensorEntry, WeightStager, check_update, checkpoint_entries, model_spec
 
-_WIRE_DTYPES = {
-    tensor_pb2.DTYPE_FLOAT32: "float32",
-    tensor_pb2.DTYPE_FLOAT16: "float16",
-    tensor_pb2.DTYPE_BFLOAT16: "bfloat16",
-    tensor_pb2.DTYPE_FLOAT64: "float64",
-}
-
 _FINISH = {
     "stop": generation_pb2.FINISH_REASON_STOP,
     "length": generation_pb2.FINISH_REASON_LENGTH,
@@ -145,7 +138,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 raise InvalidRequest("tensor", "no tensor chunks may follow a checkpoint_dir header")
             else:
                 chunk = message.tensor
-                dtype = _WIRE_DTYPES.get(chunk.dtype, tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower())
+                dtype = tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower()  # e.g. "bfloat16"
                 await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data)
         if header is None:
             raise InvalidRequest("header", "the stream was empty")

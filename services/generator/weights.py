@@ -42,6 +42,7 @@ class TensorEntry:
 
     @property
     def num_bytes(self) -> int:
+        """Bytes of tensor data: prod(shape) * itemsize(dtype)."""
         return math.prod(self.shape) * FLOAT_DTYPES[self.dtype].itemsize
 
 
@@ -59,16 +60,12 @@ def model_spec(model_dir: str | Path) -> dict[str, TensorSpec]:
     With ``tie_word_embeddings`` the output projection is the input embedding: ``lm_head.weight`` (which a
     trainer's ``state_dict()`` contains) is accepted as another name of ``model.embed_tokens.weight``.
     """
-    from safetensors import safe_open
-
-    spec = {}
+    try:
+        spec = {entry.name: TensorSpec(entry.shape, entry.dtype) for entry in checkpoint_entries(model_dir)}
+    except InvalidRequest:  # not a folder with safetensors files (e.g. a hub id): nothing to check against
+        return {}
     config_file = Path(model_dir) / "config.json"
     tied = config_file.is_file() and json.loads(config_file.read_text()).get("tie_word_embeddings", False)
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                sliced = handle.get_slice(name)
-                spec[name] = TensorSpec(tuple(sliced.get_shape()), _SAFETENSORS_DTYPES.get(sliced.get_dtype(), "?"))
     if tied and "model.embed_tokens.weight" in spec:
         spec.setdefault("lm_head.weight", spec["model.embed_tokens.weight"])
     return spec

@@ -117,30 +117,30 @@ class RuleScorer:
     async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
         """Score every item in the pool; a timeout, crash or non-number is that item's error."""
         results = await asyncio.gather(*(self._score_one(item) for item in items))
-        rewards, errors = checked_rewards(self.name, [reward for reward, _, _ in results], len(items))
+        rewards, errors = checked_rewards(self.name, [reward for reward, *_ in results], len(items))
         errors = [results[i][2] or error for i, error in enumerate(errors)]
-        names = sorted({name for _, metrics, _ in results for name in metrics})
+        names = sorted({name for _, metrics, *_ in results for name in metrics})
         metrics = {
-            name: np.array([m.get(name, np.nan) for _, m, _ in results], dtype=np.float32) for name in names
+            name: np.array([m.get(name, np.nan) for _, m, *_ in results], dtype=np.float32) for name in names
         }
-        metrics["timeout"] = np.array([error is not None and "timed out" in error for _, _, error in results],
-                                      dtype=np.float32)
+        metrics["timeout"] = np.array([timed_out for *_, timed_out in results], dtype=np.float32)
         return SourceScores(rewards, metrics, tuple(errors))
 
-    async def _score_one(self, item: ScoreItem) -> tuple[object, dict[str, float], str | None]:
+    async def _score_one(self, item: ScoreItem) -> tuple[object, dict[str, float], str | None, bool]:
+        """(reward, metrics, error or None, timed out) for one item."""
         assert self._pool is not None, "start() first"
         future = self._pool.schedule(
             _run_rule, args=(self._function, item.response, item.reference), timeout=self._timeout_s
         )
         try:
             reward, metrics = await asyncio.wrap_future(future)
-            return reward, metrics, None
+            return reward, metrics, None, False
         except FutureTimeout:
             logger.warning("rule %s timed out after %.1f s on one item", self.name, self._timeout_s)
-            return None, {}, f"{self.name}: rule timed out after {self._timeout_s:g} s"
+            return None, {}, f"{self.name}: rule timed out after {self._timeout_s:g} s", True
         except Exception as error:  # a crashing check costs one item
             logger.warning("rule %s failed on one item", self.name, exc_info=True)
-            return None, {}, f"{self.name}: rule raised {type(error).__name__}: {error}"
+            return None, {}, f"{self.name}: rule raised {type(error).__name__}: {error}", False
 
     async def close(self) -> None:
         """Stop the worker processes."""
