@@ -25,6 +25,8 @@ class SamplingOptions:
 
     ``temperature == 0`` means greedy decoding; ``top_k == 0`` disables top-k. Sample ``j`` of a prompt uses
     ``seed + j`` when ``seed`` is set (vLLM); the HF backend seeds the whole request once.
+    ``first_token_temperature`` (FIRE, Chen et al. 2024, arXiv 2410.21236): the first response token's softmax
+    temperature; ``None`` uses ``temperature`` for every token.
     """
 
     temperature: float = 1.0
@@ -34,6 +36,13 @@ class SamplingOptions:
     min_new_tokens: int = 0
     skip_special_tokens: bool = True
     seed: int | None = None
+    first_token_temperature: float | None = None
+
+    def temperature_at(self, position: int) -> float:
+        """The temperature response token ``position`` (0-based) is sampled at."""
+        if position == 0 and self.first_token_temperature is not None:
+            return self.first_token_temperature
+        return self.temperature
 
     @classmethod
     def from_pb(
@@ -68,6 +77,18 @@ class SamplingOptions:
                 f"{field}.min_new_tokens",
                 f"must not exceed max_new_tokens ({max_new_tokens}), got {message.min_new_tokens}",
             )
+        first_token_temperature = None
+        if message.HasField("first_token_temperature"):
+            first_token_temperature = message.first_token_temperature
+            if not math.isfinite(first_token_temperature) or first_token_temperature <= 0:
+                raise InvalidRequest(
+                    f"{field}.first_token_temperature", f"must be finite and > 0, got {first_token_temperature}"
+                )
+            if temperature == 0:
+                raise InvalidRequest(
+                    f"{field}.first_token_temperature", "needs temperature > 0 (greedy decoding has no first-token "
+                    "temperature)"
+                )
         return cls(
             temperature=temperature,
             top_p=top_p,
@@ -76,6 +97,7 @@ class SamplingOptions:
             min_new_tokens=message.min_new_tokens,
             skip_special_tokens=message.skip_special_tokens,
             seed=message.seed if message.HasField("seed") else None,
+            first_token_temperature=first_token_temperature,
         )
 
     def to_pb(self) -> generation_pb2.SamplingParams:
@@ -90,6 +112,8 @@ class SamplingOptions:
         )
         if self.seed is not None:
             message.seed = self.seed
+        if self.first_token_temperature is not None:
+            message.first_token_temperature = self.first_token_temperature
         return message
 
 

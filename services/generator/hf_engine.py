@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.common.sampling import SamplingOptions
 from services.generator.engine import CompletionRecord, GenerationRequest, ModelDescription
 from services.generator.weights import TensorEntry, update_entries
 
@@ -46,6 +47,20 @@ class _RawLogProbRecorder:
             self.steps.append(self._previous.gather(-1, last_tokens.unsqueeze(-1)).squeeze(-1))
             self._previous = None
         return torch.stack(self.steps, dim=1)
+
+
+class _TemperatureSchedule:
+    """A logits warper dividing step ``t``'s logits by ``options.temperature_at(t)``: FIRE's first-token
+    temperature (Chen et al. 2024, arXiv 2410.21236) at t = 0, ``temperature`` after. Runs where transformers'
+    ``TemperatureLogitsWarper`` would (before top-k/top-p)."""
+
+    def __init__(self, prompt_width: int, options: SamplingOptions) -> None:
+        self._prompt_width = prompt_width
+        self._options = options
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        temperature = self._options.temperature_at(input_ids.shape[1] - self._prompt_width)
+        return scores if temperature == 1.0 else scores / temperature
 
 
 class _AbortCriteria:
@@ -111,7 +126,6 @@ class HFEngine:
         from transformers import LogitsProcessorList, StoppingCriteriaList
         from transformers.generation.logits_process import (
             MinNewTokensLengthLogitsProcessor,
-            TemperatureLogitsWarper,
             TopKLogitsWarper,
             TopPLogitsWarper,
         )
@@ -132,8 +146,7 @@ class HFEngine:
                 MinNewTokensLengthLogitsProcessor(width, options.min_new_tokens, eos, device=str(self._model.device))
             )
         if options.temperature > 0:
-            if options.temperature != 1.0:
-                processors.append(TemperatureLogitsWarper(options.temperature))
+            processors.append(_TemperatureSchedule(width, options))
             if options.top_k:
                 processors.append(TopKLogitsWarper(options.top_k))
             if options.top_p < 1.0:

@@ -71,6 +71,7 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             worker_extension_cls="services.generator.vllm_worker.WeightLoaderExtension",
+            logits_processors=["services.generator.vllm_logits:FirstTokenTemperature"],
         )
         engine = AsyncLLM.from_engine_args(args)
         tokenizer = engine.get_tokenizer()
@@ -98,6 +99,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        from services.generator.vllm_logits import FIRST_TOKEN_TEMPERATURE
+
         if self._engine.errored:
             raise NotReady("the vLLM engine has died")
         await self._live.wait()  # a request never straddles a weight update: its version is the one it runs on
@@ -117,6 +120,10 @@ class VLLMEngine:
                 seed=None if options.seed is None else options.seed + sample_index,
                 logprobs=0,
                 output_kind=RequestOutputKind.FINAL_ONLY,
+                extra_args=(
+                    None if options.first_token_temperature is None
+                    else {FIRST_TOKEN_TEMPERATURE: options.first_token_temperature}
+                ),
             )
             prompt_ids = request.prompts[prompt_index]
             try:

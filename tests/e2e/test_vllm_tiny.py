@@ -126,6 +126,22 @@ def test_scorer_replaced_mid_stream_every_group_arrives_exactly_once(cluster):
     assert rows == [(p, s) for p in range(12) for s in range(2)]
 
 
+def test_fire_sampling_in_vllm_changes_only_the_first_tokens_temperature(cluster):
+    """vLLM applies first_token_temperature through fastexp's logits processor, inside the engine."""
+    from fastexp.v1 import generation_pb2_grpc
+    from tests.support.fire import HOT, assert_only_the_first_token_is_hot, fire_request
+
+    with grpc.insecure_channel(cluster.address("generator")) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+
+        def completions(request):
+            return [c for r in stub.Generate(request, timeout=120) for c in r.completions]
+
+        assert_only_the_first_token_is_hot(
+            with_fire=completions(fire_request(HOT)), without_fire=completions(fire_request(None))
+        )
+
+
 def test_weight_update_inside_the_running_vllm_engine(cluster, tiny_model_path):
     """Runs last in this module: it changes the policy. The streamed update reaches vLLM's workers without an
     engine restart; sampled log-probs then follow a forward pass of the new weights, tagged with version 1."""
