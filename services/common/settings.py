@@ -175,3 +175,9 @@ class ExperienceSettings(_GenerationLimits):
     generate_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Generate stream")
     score_timeout_s: float = Field(120.0, gt=0, description="deadline of one Score call")
     connect_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the generator at start")
+    update_weights_timeout_s: float = Field(
+        600.0, gt=0, description="deadline of forwarding one policy update to the generator (capped by the caller's)"
+    )
+    weights_staging_dir: str | None = Field(
+        None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
+    )

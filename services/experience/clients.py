@@ -7,6 +7,7 @@ INVALID_ARGUMENT -> InvalidRequest.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -24,6 +25,7 @@ from services.common.errors import (
 )
 from services.common.server import grpc_options
 from services.common.tensor_codec import to_numpy, to_torch
+from services.common.weights import ReceivedUpdate, entry_chunks
 from services.experience.pipeline import Scores
 from services.generator.engine import CompletionRecord, GenerationRequest
 
@@ -57,9 +59,29 @@ def open_channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
 class GeneratorClient:
     """Calls ``GenerationService`` (implements :class:`services.experience.pipeline.Generator`)."""
 
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float, update_timeout_s: float = 600.0) -> None:
         self._stub = generation_pb2_grpc.GenerationServiceStub(channel)
         self._timeout_s = timeout_s
+        self._update_timeout_s = update_timeout_s
+
+    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline) -> int:
+        """Forward a received policy update (its staged tensors read from disk one at a time, or the checkpoint
+        folder's name); returns the generator's new policy version once the update is live there.
+
+        Raises:
+            InvalidRequest: the generator rejected it (nothing was applied); NotReady, UpstreamTimeout, Overloaded.
+        """
+        chunks = entry_chunks(update)
+
+        async def messages() -> AsyncIterator[generation_pb2.WeightsChunk]:
+            while (message := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield message
+
+        try:
+            response = await self._stub.UpdateWeights(messages(), timeout=deadline.timeout(self._update_timeout_s))
+        except grpc.aio.AioRpcError as error:
+            raise translate_rpc_error("generator", error) from error
+        return response.policy_version
 
     async def model_info(self, timeout_s: float) -> generation_pb2.ModelInfo:
         """The generator's ``ModelInfo``, waiting up to ``timeout_s`` for it to come up.

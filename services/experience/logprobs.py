@@ -35,6 +35,10 @@ class LogProbModel:
         logger.info("loaded %s (%s, %s)", path, dtype, device)
         return cls(model)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The live tensors under their checkpoint names (``model.layers.0...``, ``lm_head.weight``)."""
+        return self._model.state_dict(keep_vars=True)
+
     @torch.inference_mode()
     def action_log_probs(
         self, chunks: Sequence[ForwardChunk], with_entropy: bool = False

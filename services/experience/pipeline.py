@@ -13,19 +13,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from services.common.deadlines import Deadline
-from services.common.errors import RewardFailed
+from services.common.errors import InvalidRequest, RewardFailed
+from services.common.weights import ReceivedUpdate, check_update, copy_into, module_spec
 from services.experience.estimate import estimate_experience
 from services.experience.forward import chunks
 from services.experience.logprobs import LogProbModel
 from services.experience.packing import pack_experience
+from services.experience.policy import PolicyState
 from services.experience.processing import zero_variance_groups
 from services.experience.request import ExperienceConfig, ExperienceRequest
 from services.experience.runs import KLController, RunningMoments, RunState, RunStore
@@ -49,6 +52,10 @@ class Generator(Protocol):
     """Where completions come from (the generator service, through :class:`GeneratorClient`)."""
 
     def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]: ...
+
+    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline) -> int:
+        """Apply a policy update; return the new policy version once it is live."""
+        ...
 
 
 class Scorer(Protocol):
@@ -80,17 +87,29 @@ class StreamStats:
 
     generation_rounds: int = 0
     dropped_groups: int = 0
+    resampled_groups: int = 0
 
 
 @dataclass(frozen=True)
 class _ScoredGroup:
     completions: tuple[CompletionRecord, ...]  # n, in sample order
     scores: Scores
+    resampled: bool = False  # came back from a resample the consumer asked for
+
+    @property
+    def prompt_index(self) -> int:
+        return self.completions[0].prompt_index
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest version among the group's samples."""
+        return min(c.policy_version for c in self.completions)
 
 
 @dataclass(frozen=True)
 class _Dropped:
     prompt_index: int
+    resampled: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,8 +120,24 @@ class _Done:
 _Item = _ScoredGroup | _Dropped | _Done | BaseException
 
 
+@dataclass
+class _Stream:
+    """One ``make_experiences`` call's shared state: where scored groups go and what asks for resampling."""
+
+    request: ExperienceRequest
+    deadline: Deadline
+    stats: StreamStats
+    start_version: int  # v0: the policy version when the request started
+    ready: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
+    resample: asyncio.Queue[int] = field(default_factory=asyncio.Queue)  # prompt indices to generate again
+    round_ids: itertools.count = field(default_factory=itertools.count)
+
+
 class ExperienceMaker:
-    """Makes experiences; calls may run concurrently (forward passes are serialized, they share the device)."""
+    """Makes experiences; calls may run concurrently (forward passes are serialized, they share the device).
+
+    Also applies weight updates to the models it runs (:meth:`update_weights`), in step with the generator.
+    """
 
     def __init__(
         self,
@@ -111,6 +146,7 @@ class ExperienceMaker:
         models: ForwardModels,
         pad_token_id: int,
         runs: RunStore | None = None,
+        policy: PolicyState | None = None,
     ) -> None:
         self._generator = generator
         self._scorer = scorer
@@ -118,11 +154,53 @@ class ExperienceMaker:
         self._pad_token_id = pad_token_id
         self._runs = runs if runs is not None else RunStore()
         self._forward_lock = asyncio.Lock()
+        self.policy = policy if policy is not None else PolicyState()
+        self._actor_version = self.policy.version  # changed under the forward lock, with the actor's weights
+        self.critic_version = 0
 
     @property
     def has_critic(self) -> bool:
         """Whether a value model runs here (requests for ``gae`` are validated against it)."""
         return self._models.critic is not None
+
+    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline) -> None:
+        """Apply a checked weight update to the policy (generator, then actor replica) or the critic.
+
+        A policy update is checked against the actor replica, forwarded to the generator (live there when it
+        answers), then copied into the actor between forward passes; ``self.policy.version`` becomes the
+        generator's new version. While it runs, aborting partial rollouts stop (``PolicyState.update_begun``).
+
+        Raises:
+            InvalidRequest: a tensor the model does not have (named), a wrong shape, no critic; the generator's
+                rejection. Nothing was applied anywhere.
+            NotReady, UpstreamTimeout, Overloaded: the generator did not apply it; nothing changed here.
+        """
+        if update.target == "critic":
+            critic = self._models.critic
+            if critic is None:
+                raise InvalidRequest("header.target", "this experience service runs no critic (set critic_model)")
+            tensors = critic.tensors()
+            check_update(update.entries, module_spec(tensors))
+            async with self._forward_lock:
+                await asyncio.shield(asyncio.to_thread(copy_into, tensors, update.entries))
+                self.critic_version += 1
+            return
+        tensors = self._models.actor.tensors()
+        check_update(update.entries, module_spec(tensors))
+        await self.policy.begin_update()
+        version = None
+        try:
+            version = await self._generator.update_weights(update, deadline)
+            # the generator serves it now: the replica must follow even if the caller goes away
+            await asyncio.shield(self._update_actor(tensors, update, version))
+        finally:
+            await self.policy.end_update(version)
+        logger.info("policy version %d live (%d tensors, %d bytes)", version, len(update.entries), update.num_bytes)
+
+    async def _update_actor(self, tensors: dict[str, torch.Tensor], update: ReceivedUpdate, version: int) -> None:
+        async with self._forward_lock:
+            await asyncio.to_thread(copy_into, tensors, update.entries)
+            self._actor_version = version
 
     async def make_experiences(
         self, request: ExperienceRequest, deadline: Deadline, stats: StreamStats | None = None
@@ -130,38 +208,67 @@ class ExperienceMaker:
         """Yield Experiences of whole prompt groups, each delivered group exactly once, as groups finish.
 
         Groups scored before a generation failure are still delivered, then the failure is raised. ``stats``
-        (optional) is filled in as the stream runs: generation rounds and dynamic-sampling drops.
+        (optional) is filled in as the stream runs: generation rounds, dynamic-sampling drops, resamples.
+
+        With ``max_staleness`` s, batch b waits for policy version v0 + b - s and holds only groups sampled at that
+        version or later; older groups go back for resampling (see ``MakeExperiencesRequest.max_staleness``).
 
         Raises:
-            NotReady, UpstreamTimeout, InvalidRequest: from the generator or scorer clients.
+            NotReady, UpstreamTimeout, InvalidRequest: from the generator or scorer clients; UpstreamTimeout also
+                when the deadline passes while waiting for the trainer's policy update.
             RewardFailed: a reward source could not score a group (the message names the prompt and source).
         """
         config = request.config
-        stats = stats if stats is not None else StreamStats()
-        ready: asyncio.Queue[_Item] = asyncio.Queue()
-        producer = asyncio.create_task(self._produce(request, deadline, ready, stats), name=request.request_id)
+        stream = _Stream(request, deadline, stats if stats is not None else StreamStats(), self.policy.version)
+        producer = asyncio.create_task(self._produce(stream), name=request.request_id)
+        resampler = asyncio.create_task(self._resample(stream), name=f"{request.request_id}-resample")
         local_state = _initial_state(config)
         try:
             batch_index = 0
             dropped: list[int] = []
-            finished = False
-            failure: BaseException | None = None
-            while not finished:
-                groups: list[_ScoredGroup] = []
-                while len(groups) < config.groups_per_batch:
-                    item = await ready.get()
+            resampled = 0
+            awaiting = 0  # groups sent back for resampling, not yet returned
+            producer_done = False
+            failure: BaseException | None = None  # raised once the groups scored before it are delivered
+            groups: list[_ScoredGroup] = []
+            while True:
+                while (
+                    len(groups) < config.groups_per_batch and failure is None and not (producer_done and awaiting == 0)
+                ):
+                    item = await stream.ready.get()
+                    if isinstance(item, BaseException):
+                        failure = item
+                        continue
+                    if isinstance(item, _Done):
+                        producer_done = True
+                        continue
+                    awaiting -= item.resampled
                     if isinstance(item, _Dropped):
                         dropped.append(item.prompt_index)
-                        stats.dropped_groups += 1
-                        continue
-                    if isinstance(item, _Done | BaseException):
-                        failure = item if isinstance(item, BaseException) else None
-                        finished = True
-                        break
-                    groups.append(item)
+                        stream.stats.dropped_groups += 1
+                    else:
+                        groups.append(item)
                 if not groups:
-                    continue
-                rollout, forward, rewards, metrics = await self._prepare(groups, request)
+                    break
+                if config.max_staleness is not None:
+                    oldest = stream.start_version + batch_index - config.max_staleness
+                    await self.policy.wait_for_version(oldest, deadline)
+                    stale = [g for g in groups if g.policy_version < oldest]
+                    groups = [g for g in groups if g.policy_version >= oldest]
+                    if stale and failure is not None:  # cannot be resampled any more; never streamed
+                        logger.warning("%s: %d stale groups not delivered after a failure", request.request_id, len(stale))
+                        continue
+                    if stale:
+                        for group in stale:
+                            stream.resample.put_nowait(group.prompt_index)
+                        awaiting += len(stale)
+                        resampled += len(stale)
+                        stream.stats.resampled_groups += len(stale)
+                        logger.info("%s: batch %d: %d groups older than version %d resampled",
+                                    request.request_id, batch_index, len(stale), oldest)
+                        continue
+                batch, groups = groups[: config.groups_per_batch], groups[config.groups_per_batch :]
+                rollout, forward, rewards, metrics, actor_version = await self._prepare(batch, request)
                 state = self._runs.get(config.run_id, _initial_state(config)) if config.run_id else local_state
                 experience, state = estimate_experience(
                     rollout, rewards, metrics, forward, config, state, batch_index, tuple(dropped)
@@ -170,88 +277,154 @@ class ExperienceMaker:
                     self._runs.put(config.run_id, state)
                 else:
                     local_state = state
+                experience = experience._replace(actor_policy_version=actor_version, resampled_groups=resampled)
                 dropped.clear()
+                resampled = 0
                 yield pack_experience(experience) if config.return_packed else experience
                 batch_index += 1
             if failure is not None:
                 raise failure
         finally:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
+            for task in (producer, resampler):
+                task.cancel()
+            await asyncio.gather(producer, resampler, return_exceptions=True)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Producer: generation rounds, per-group scoring, dynamic sampling
+    # Producer: generation rounds, per-group scoring, dynamic sampling, off-policy admission, resampling
     # ------------------------------------------------------------------------------------------------------------
 
-    async def _produce(
-        self, request: ExperienceRequest, deadline: Deadline, ready: asyncio.Queue[_Item], stats: StreamStats
-    ) -> None:
+    async def _produce(self, stream: _Stream) -> None:
+        """Generate every group once (then ``_Done``); errors go to the consumer, which raises them in order."""
+        try:
+            if stream.request.config.max_staleness is None:
+                await self._produce_rounds(stream)
+            else:
+                await self._produce_admitted(stream)
+            await stream.ready.put(_Done())
+        except Exception as error:  # handed to the consumer, which delivers what is ready, then raises it
+            await stream.ready.put(error)
+
+    async def _produce_rounds(self, stream: _Stream) -> None:
         """Run generation rounds until enough groups are kept (all prompts without dynamic sampling)."""
+        request, stats = stream.request, stream.stats
         dynamic = request.config.dynamic_sampling
         target = dynamic.num_groups if dynamic else len(request.prompts)
         rounds_left = 1 + (dynamic.max_extra_rounds if dynamic else 0)
         next_prompt, kept = 0, 0
-        try:
-            while kept < target and rounds_left > 0 and next_prompt < len(request.prompts):
-                indices = range(next_prompt, min(len(request.prompts), next_prompt + target - kept))
-                next_prompt = indices.stop
-                rounds_left -= 1
-                stats.generation_rounds += 1
-                kept += await self._run_round(request, indices, stats.generation_rounds, deadline, ready)
-            await ready.put(_Done())
-        except Exception as error:  # handed to the consumer, which delivers what is ready, then raises it
-            await ready.put(error)
+        while kept < target and rounds_left > 0 and next_prompt < len(request.prompts):
+            indices = range(next_prompt, min(len(request.prompts), next_prompt + target - kept))
+            next_prompt = indices.stop
+            rounds_left -= 1
+            stats.generation_rounds += 1
+            kept += await self._run_round(stream, indices)
 
-    async def _run_round(
-        self,
-        request: ExperienceRequest,
-        indices: range,
-        round_number: int,
-        deadline: Deadline,
-        ready: asyncio.Queue[_Item],
-    ) -> int:
-        """Generate ``indices`` prompts, score each group as it completes; return how many groups were kept."""
+    async def _produce_admitted(self, stream: _Stream) -> None:
+        """Off-policy admission: batch b's prompts start generating once the policy reaches v0 + b - s, so at
+        most s + 1 batches run ahead of the trainer (AReaL's staleness control, arXiv 2505.24298)."""
+        config, prompts = stream.request.config, stream.request.prompts
+        per_batch, staleness = config.groups_per_batch, config.max_staleness or 0
+        try:
+            async with asyncio.TaskGroup() as rounds:
+                for batch, start in enumerate(range(0, len(prompts), per_batch)):
+                    await self.policy.wait_for_version(stream.start_version + batch - staleness, stream.deadline)
+                    stream.stats.generation_rounds += 1
+                    rounds.create_task(self._run_round(stream, range(start, min(len(prompts), start + per_batch))))
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None
+
+    async def _resample(self, stream: _Stream) -> None:
+        """Generate again the groups the consumer found too stale, as they come (runs for the whole stream)."""
+        try:
+            while True:
+                indices = [await stream.resample.get()]
+                while not stream.resample.empty():
+                    indices.append(stream.resample.get_nowait())
+                await self._run_round(stream, indices, resampled=True)
+        except Exception as error:
+            await stream.ready.put(error)
+
+    async def _run_round(self, stream: _Stream, indices: Sequence[int], resampled: bool = False) -> int:
+        """Generate and score ``indices``' groups; with aborting partial rollouts, groups an update interrupts
+        are generated again under the new weights. Returns how many groups were kept."""
+        remaining, kept = list(indices), 0
+        while remaining:
+            abort_on = self.policy.update_begun() if stream.request.config.abort_partial_rollouts else None
+            kept_now, remaining = await self._generate_round(stream, remaining, abort_on, resampled)
+            kept += kept_now
+            if remaining:
+                stream.stats.resampled_groups += len(remaining)
+                logger.info("%s: update began; %d unfinished groups aborted, resampled after it",
+                            stream.request.request_id, len(remaining))
+                await self.policy.wait_idle(stream.deadline)
+        return kept
+
+    async def _generate_round(
+        self, stream: _Stream, indices: Sequence[int], abort_on: asyncio.Event | None, resampled: bool
+    ) -> tuple[int, list[int]]:
+        """Generate ``indices`` prompts and score each group as it completes.
+
+        Returns (groups kept, prompt indices left unfinished because ``abort_on`` fired first).
+        """
+        request = stream.request
         n = request.config.n_samples_per_prompt
         generation = GenerationRequest(
-            request_id=f"{request.request_id}-r{round_number}",
+            request_id=f"{request.request_id}-r{next(stream.round_ids)}",
             prompts=tuple(request.prompts[i].token_ids for i in indices),
             sampling=request.sampling,
             n_samples_per_prompt=n,
         )
         pending: dict[int, list[CompletionRecord]] = {}
+        complete: set[int] = set()
         scoring: set[asyncio.Task[bool]] = set()
-        try:
-            async with contextlib.aclosing(self._generator.generate(generation, deadline)) as records:
+
+        async def consume() -> None:
+            async with contextlib.aclosing(self._generator.generate(generation, stream.deadline)) as records:
                 async for record in records:
                     record = dataclasses.replace(record, prompt_index=indices[record.prompt_index])
                     group = pending.setdefault(record.prompt_index, [])
                     group.append(record)
                     if len(group) == n:
                         del pending[record.prompt_index]
+                        complete.add(record.prompt_index)
                         completions = tuple(sorted(group, key=lambda c: c.sample_index))
-                        scoring.add(asyncio.create_task(self._score_group(request, completions, deadline, ready)))
+                        scoring.add(asyncio.create_task(self._score_group(stream, completions, resampled)))
                     for task in [t for t in scoring if t.done()]:
                         task.result()  # a scoring failure stops the round
+
+        generating = asyncio.create_task(consume())
+        aborted = False
+        try:
+            if abort_on is None:
+                await generating
+            else:
+                watcher = asyncio.create_task(abort_on.wait())
+                try:
+                    await asyncio.wait({generating, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watcher.cancel()
+                aborted = not generating.done()
+                if aborted:  # closing the stream aborts the generator's unfinished samples
+                    generating.cancel()
+                    await asyncio.gather(generating, return_exceptions=True)
+                else:
+                    generating.result()
         except asyncio.CancelledError:
+            generating.cancel()
             for task in scoring:
                 task.cancel()
             raise
         finally:
-            # groups already complete are scored and delivered even when generation failed
+            # groups already complete are scored and delivered even when generation failed or was aborted
             results = await asyncio.gather(*scoring, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return sum(results)
+        unfinished = [i for i in indices if i not in complete] if aborted else []
+        return sum(results), unfinished
 
-    async def _score_group(
-        self,
-        request: ExperienceRequest,
-        completions: tuple[CompletionRecord, ...],
-        deadline: Deadline,
-        ready: asyncio.Queue[_Item],
-    ) -> bool:
+    async def _score_group(self, stream: _Stream, completions: tuple[CompletionRecord, ...], resampled: bool) -> bool:
         """Score one group and hand it to the consumer, or drop it (dynamic sampling); True when kept."""
+        request = stream.request
         prompt_index = completions[0].prompt_index
         spec = request.prompts[prompt_index]
         try:
@@ -260,16 +433,16 @@ class ExperienceMaker:
                 prompts=[spec.text] * len(completions),
                 labels=[spec.label] * len(completions),
                 references=[spec.reference] * len(completions),
-                deadline=deadline,
+                deadline=stream.deadline,
             )
         except RewardFailed as error:
             raise RewardFailed(f"prompt {prompt_index}: {error}") from error
         config = request.config
         if config.dynamic_sampling and bool(zero_variance_groups(scores.rewards, config.n_samples_per_prompt)[0]):
-            await ready.put(_Dropped(prompt_index))
+            await stream.ready.put(_Dropped(prompt_index, resampled))
             logger.debug("%s: dropped prompt %d (all rewards equal)", request.request_id, prompt_index)
             return False
-        await ready.put(_ScoredGroup(completions, scores))
+        await stream.ready.put(_ScoredGroup(completions, scores, resampled))
         return True
 
     # ------------------------------------------------------------------------------------------------------------
@@ -278,7 +451,8 @@ class ExperienceMaker:
 
     async def _prepare(
         self, groups: list[_ScoredGroup], request: ExperienceRequest
-    ) -> tuple[Rollout, ForwardOutputs, torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> tuple[Rollout, ForwardOutputs, torch.Tensor, dict[str, torch.Tensor], int]:
+        """The batch's rollout, forward outputs, rewards, metrics, and the actor version that scored it."""
         completions = [c for g in groups for c in g.completions]
         rollout = build_rollout(completions, request.prompts, self._pad_token_id)
         rewards = torch.cat([g.scores.rewards.float() for g in groups])
@@ -293,7 +467,8 @@ class ExperienceMaker:
         }
         async with self._forward_lock:
             forward = await asyncio.to_thread(self._forward, rollout, request.config)
-        return rollout, forward, rewards, metrics
+            actor_version = self._actor_version
+        return rollout, forward, rewards, metrics, actor_version
 
     def _forward(self, rollout: Rollout, config: ExperienceConfig) -> ForwardOutputs:
         """Actor, reference (and critic) passes over the rollout's rows (runs in a worker thread)."""

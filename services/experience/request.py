@@ -22,6 +22,7 @@ DEFAULT_KL_HORIZON = 10_000  # OpenRLHF/LightRFT --kl_horizon
 DEFAULT_MAX_EXTRA_ROUNDS = 3
 MAX_EXTRA_ROUNDS = 16
 MAX_RUN_ID_CHARS = 256
+MAX_STALENESS = 1024  # policy versions; larger bounds are "unbounded" in practice: leave max_staleness unset
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class ExperienceConfig:
     return_action_entropy: bool = False
     packing_samples: bool = False
     return_packed: bool = False
+    max_staleness: int | None = None  # off-policy bound in policy versions (None: unbounded)
+    abort_partial_rollouts: bool = False  # PARTIAL_ROLLOUT_ABORT: resample generations an update interrupts
 
     @property
     def groups_per_batch(self) -> int:
@@ -182,7 +185,27 @@ def _decode_config(
         return_action_entropy=message.return_action_entropy,
         packing_samples=message.packing_samples,
         return_packed=message.return_packed,
+        max_staleness=_decode_max_staleness(message),
+        abort_partial_rollouts=_decode_partial_rollout(message.partial_rollout),
     )
+
+
+def _decode_max_staleness(message: experience_pb2.MakeExperiencesRequest) -> int | None:
+    if not message.HasField("max_staleness"):
+        return None
+    if message.dynamic_sampling.enabled:
+        raise InvalidRequest(
+            "max_staleness", "is not supported together with dynamic_sampling (refill rounds have no batch index)"
+        )
+    if message.max_staleness > MAX_STALENESS:
+        raise InvalidRequest("max_staleness", f"at most {MAX_STALENESS}, got {message.max_staleness}")
+    return message.max_staleness
+
+
+def _decode_partial_rollout(value: int) -> bool:
+    if value not in experience_pb2.PartialRollout.values():
+        raise InvalidRequest("partial_rollout", f"unknown value {value}")
+    return value == experience_pb2.PARTIAL_ROLLOUT_ABORT
 
 
 def _decode_kl(kl: experience_pb2.KLSettings) -> KLOptions:

@@ -20,8 +20,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 import torch
 
-from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc, tensor_pb2
+from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.common.sampling import SamplingOptions
+from services.common.weights import Target, weight_chunks
 from services.experience.packing import unpack_experience
 from services.experience.types import Experience
 from services.experience.value_model import save_value_model
@@ -29,7 +30,7 @@ from services.experience.wire import experience_from_pb
 
 __all__ = [
     "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "Sampling", "build_request", "save_value_model",
-    "unpack_experience", "update_policy_weights", "weight_chunks",
+    "unpack_experience", "update_generator_weights", "weight_chunks",
 ]
 
 #: A prompt: raw text, or chat messages ``[{"role": ..., "content": ...}, ...]`` rendered with the chat template.
@@ -172,6 +173,36 @@ class ExperienceClient:
         finally:
             stream.cancel()
 
+    def update_weights(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]] = (),
+        *,
+        target: Target = "policy",
+        checkpoint_dir: str | None = None,
+        chunk_bytes: int = 4 * 1024 * 1024,
+        timeout_s: float = 600.0,
+    ) -> generation_pb2.UpdateWeightsResponse:
+        """Replace the policy's (generator and actor replica) or the critic's weights; returns once they are live.
+
+        Args:
+            tensors: ``(name, tensor)`` pairs in checkpoint names, e.g. ``model.state_dict().items()`` or the
+                tensors a step changed; sent one at a time in ``chunk_bytes`` pieces, in their own float dtype.
+            target: ``"policy"`` or ``"critic"`` (names as :func:`save_value_model` writes them).
+            checkpoint_dir: instead of tensors, a safetensors folder both services can read (shared storage).
+
+        Returns:
+            The response: ``policy_version`` (every experience sampled after a policy update carries it),
+            ``critic_version``, ``num_tensors``, ``num_bytes``.
+
+        Raises:
+            grpc.RpcError: INVALID_ARGUMENT naming a bad tensor (nothing was applied anywhere),
+                RESOURCE_EXHAUSTED while another update runs, UNAVAILABLE, DEADLINE_EXCEEDED.
+        """
+        return self._stub.UpdateWeights(
+            weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target),
+            timeout=timeout_s,
+        )
+
     def wait_until_ready(self, timeout_s: float) -> None:
         """Block until the service's channel is ready. Raises ``grpc.FutureTimeoutError`` after ``timeout_s``."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
@@ -186,45 +217,7 @@ class ExperienceClient:
         self.close()
 
 
-_WIRE_DTYPES = {
-    torch.float32: tensor_pb2.DTYPE_FLOAT32,
-    torch.float16: tensor_pb2.DTYPE_FLOAT16,
-    torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
-    torch.float64: tensor_pb2.DTYPE_FLOAT64,
-}
-
-
-def weight_chunks(
-    tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = 4 * 1024 * 1024,
-    checkpoint_dir: str | None = None,
-) -> Iterator[generation_pb2.WeightsChunk]:
-    """The ``UpdateWeights`` messages for named tensors (checkpoint/HF names), ``chunk_bytes`` of data each.
-
-    Tensors are sent in their own floating dtype (the generator casts to the model's), one at a time, so the
-    sender holds one CPU copy of one tensor. With ``checkpoint_dir`` only the header is sent.
-
-    Raises:
-        ValueError: a tensor is not floating point.
-    """
-    named = [] if checkpoint_dir else list(tensors)
-    yield generation_pb2.WeightsChunk(
-        header=generation_pb2.WeightsHeader(checkpoint_dir=checkpoint_dir or "", num_tensors=len(named))
-    )
-    for name, tensor in named:
-        if tensor.dtype not in _WIRE_DTYPES:
-            raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point weight dtype")
-        data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
-        shape = list(tensor.shape)
-        for start in range(0, max(len(data), 1), chunk_bytes):
-            yield generation_pb2.WeightsChunk(
-                tensor=generation_pb2.TensorChunk(
-                    name=name, dtype=_WIRE_DTYPES[tensor.dtype], shape=shape,
-                    data=data[start : start + chunk_bytes].tobytes(),
-                )
-            )
-
-
-def update_policy_weights(
+def update_generator_weights(
     generator_address: str,
     tensors: Iterable[tuple[str, torch.Tensor]] = (),
     *,
@@ -232,7 +225,10 @@ def update_policy_weights(
     chunk_bytes: int = 4 * 1024 * 1024,
     timeout_s: float = 600.0,
 ) -> int:
-    """Send new policy weights to the generator (streamed, or a folder on shared storage); returns the new version.
+    """Send new policy weights straight to a generator (generator-only deployments); returns the new version.
+
+    With an experience service, call :meth:`ExperienceClient.update_weights` instead: it also updates the actor
+    replica, so ``action_log_probs`` follow the new policy.
 
     Args:
         tensors: ``(name, tensor)`` pairs, e.g. ``model.state_dict().items()`` or a subset of it.

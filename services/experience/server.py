@@ -15,6 +15,7 @@ from services.common.settings import ExperienceSettings
 from services.experience.clients import GeneratorClient, ScorerClient, open_channel
 from services.experience.logprobs import LogProbModel
 from services.experience.pipeline import ExperienceMaker, ForwardModels
+from services.experience.policy import PolicyState
 from services.experience.runs import RunStore
 from services.experience.servicer import ExperienceServicer
 from services.experience.value_model import ValueModel
@@ -46,7 +47,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
 
     generator_channel = open_channel(settings.generator_address, settings.max_message_bytes)
     scorer_channel = open_channel(settings.scorer_address, settings.max_message_bytes)
-    generator = GeneratorClient(generator_channel, settings.generate_timeout_s)
+    generator = GeneratorClient(generator_channel, settings.generate_timeout_s, settings.update_weights_timeout_s)
     scorer = ScorerClient(scorer_channel, settings.score_timeout_s)
     actor_path = resolve_model(settings.actor_model)
     reference_path = resolve_model(settings.reference_model)
@@ -59,8 +60,19 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     tokenizer = AutoTokenizer.from_pretrained(actor_path)
     info = await generator.model_info(settings.connect_timeout_s)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    maker = ExperienceMaker(generator, scorer, models, pad_token_id=pad, runs=RunStore(settings.max_runs))
-    servicer = ExperienceServicer(maker, tokenizer, settings.request_limits(), info.max_model_len)
+    if info.policy_version:
+        logger.warning(
+            "the generator serves policy version %d, but the actor replica was loaded from %s: action_log_probs "
+            "follow the loaded weights until the next policy update through this service",
+            info.policy_version, actor_path,
+        )
+    maker = ExperienceMaker(
+        generator, scorer, models, pad_token_id=pad, runs=RunStore(settings.max_runs),
+        policy=PolicyState(info.policy_version),
+    )
+    servicer = ExperienceServicer(
+        maker, tokenizer, settings.request_limits(), info.max_model_len, settings.weights_staging_dir
+    )
     running = await create_server(
         host=settings.host,
         port=settings.port,

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
-from fastexp.v1 import experience_pb2, experience_pb2_grpc
+from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from services.common.deadlines import Deadline
+from services.common.errors import Overloaded
 from services.common.sampling import RequestLimits
+from services.common.weights import WeightStager, receive_update
 from services.experience.pipeline import ExperienceMaker, StreamStats
 from services.experience.request import decode_request
 from services.experience.wire import experience_to_pb
@@ -19,11 +22,20 @@ from services.experience.wire import experience_to_pb
 class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     """``fastexp.v1.ExperienceService`` over an :class:`ExperienceMaker`."""
 
-    def __init__(self, maker: ExperienceMaker, tokenizer: Any, limits: RequestLimits, max_model_len: int) -> None:
+    def __init__(
+        self,
+        maker: ExperienceMaker,
+        tokenizer: Any,
+        limits: RequestLimits,
+        max_model_len: int,
+        weights_staging_dir: str | None = None,
+    ) -> None:
         self._maker = maker
         self._tokenizer = tokenizer
         self._limits = limits
         self._max_model_len = max_model_len
+        self._weights_staging_dir = weights_staging_dir
+        self._updating = asyncio.Lock()
 
     async def MakeExperiences(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext
@@ -41,4 +53,22 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
             context.set_trailing_metadata((
                 ("fastexp-dropped-groups", str(stats.dropped_groups)),
                 ("fastexp-generation-rounds", str(stats.generation_rounds)),
+                ("fastexp-resampled-groups", str(stats.resampled_groups)),
             ))
+
+    async def UpdateWeights(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext
+    ) -> generation_pb2.UpdateWeightsResponse:
+        if self._updating.locked():
+            raise Overloaded("another weight update is in progress")
+        async with self._updating:
+            stager = WeightStager(self._weights_staging_dir)
+            try:
+                update = await receive_update(request_iterator, stager)
+                await self._maker.update_weights(update, Deadline.from_remaining(context.time_remaining()))
+            finally:
+                await asyncio.to_thread(stager.discard)
+        return generation_pb2.UpdateWeightsResponse(
+            policy_version=self._maker.policy.version, critic_version=self._maker.critic_version,
+            num_tensors=len(update.entries), num_bytes=update.num_bytes,
+        )

@@ -59,6 +59,8 @@ class Experience(NamedTuple):
     reward_norm_mean: float = 0.0  # running mean subtracted (reward_running_norm_minus_mean)
     reward_norm_std: float = 1.0  # running std divided by (reward_running_norm)
     dropped_prompt_indices: tuple[int, ...] = ()  # dynamic sampling drops since the previous batch
+    actor_policy_version: int = 0  # policy version of the actor replica that computed action_log_probs
+    resampled_groups: int = 0  # groups resampled since the previous batch (too stale, or aborted by an update)
 
 
 class ForwardOutputs(NamedTuple):

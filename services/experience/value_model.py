@@ -92,6 +92,14 @@ class ValueModel:
         logger.info("loaded critic %s (%s, %s)", path, dtype, device)
         return cls(backbone.to(device).eval(), head.to(device).eval())
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The live tensors under their checkpoint names (``model.layers.0...``, ``value_head.weight``), the names
+        a critic update uses (:func:`save_value_model` writes them)."""
+        prefix = self._backbone.base_model_prefix
+        named = {f"{prefix}.{k}": v for k, v in self._backbone.state_dict(keep_vars=True).items()}
+        named.update({f"value_head.{k}": v for k, v in self._value_head.state_dict(keep_vars=True).items()})
+        return named
+
     @torch.inference_mode()
     def values(self, chunks: Sequence[ForwardChunk]) -> torch.Tensor:
         """Critic values for the response positions of one Rollout, (B, A) float32 on the CPU (head in float32).

@@ -15,6 +15,7 @@ _TENSORS = (
 _OPTIONAL_TENSORS = ("values", "action_entropy", "packed_seq_lens")
 _SCALARS = (
     "kl_coef", "batch_index", "reward_clip_frac", "advantage_clip_frac", "reward_norm_mean", "reward_norm_std",
+    "actor_policy_version", "resampled_groups",
 )
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from services.common.sampling import SamplingOptions
+from services.common.weights import TensorEntry, copy_into, update_entries
 from services.generator.engine import CompletionRecord, GenerationRequest, ModelDescription
-from services.generator.weights import TensorEntry, update_entries
 
 logger = logging.getLogger(__name__)
 
@@ -193,19 +193,13 @@ class HFEngine:
         return records
 
     async def update_weights(self, kind: str, folder: str) -> int:
-        """Copy the update into the model's tensors under the generation lock (between ``generate`` chunks).
-
-        Tied tensors (e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) are one tensor, so updating
-        either updates both, as in the checkpoint.
-        """
+        """Copy the update into the model's tensors under the generation lock (between ``generate`` chunks)."""
         entries = update_entries(kind, folder)
         return await asyncio.to_thread(self._apply, entries)
 
     def _apply(self, entries: list[TensorEntry]) -> int:
-        targets = self._model.state_dict(keep_vars=True)
-        with self._lock, torch.inference_mode():
-            for entry in entries:
-                targets[entry.name].data.copy_(entry.load())
+        with self._lock:
+            copy_into(self._model.state_dict(keep_vars=True), entries)
             self._policy_version += 1
             return self._policy_version
 

@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from fastexp.v1 import generation_pb2, generation_pb2_grpc, tensor_pb2
+from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common.errors import InvalidRequest, Overloaded
 from services.common.sampling import validate_batch
 from services.common.settings import GeneratorSettings
 from services.common.tensor_codec import from_numpy
+from services.common.weights import WeightStager, check_update, model_spec, receive_update
 from services.generator.engine import CompletionRecord, GenerationEngine, GenerationRequest
-from services.generator.weights import TensorEntry, WeightStager, check_update, checkpoint_entries, model_spec
 
 _FINISH = {
     "stop": generation_pb2.FINISH_REASON_STOP,
@@ -109,40 +109,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         async with self._updating:
             stager = WeightStager(self._settings.weights_staging_dir)
             try:
-                kind, folder, entries = await self._receive(request_iterator, stager)
+                update = await receive_update(request_iterator, stager)
+                if update.target != "policy":
+                    raise InvalidRequest("header.target", "the generator serves the policy only (send critic "
+                                         "updates to the experience service)")
                 if not self._spec:
                     raise InvalidRequest("tensors", "the served model has no safetensors files to check updates against")
-                check_update(entries, self._spec)
-                version = await self._engine.update_weights(kind, folder)
+                check_update(update.entries, self._spec)
+                version = await self._engine.update_weights(update.kind, update.folder)
             finally:
                 await asyncio.to_thread(stager.discard)
         return generation_pb2.UpdateWeightsResponse(
-            policy_version=version, num_tensors=len(entries), num_bytes=sum(e.num_bytes for e in entries)
+            policy_version=version, num_tensors=len(update.entries), num_bytes=update.num_bytes
         )
-
-    @staticmethod
-    async def _receive(
-        messages: AsyncIterator[generation_pb2.WeightsChunk], stager: WeightStager
-    ) -> tuple[str, str, list[TensorEntry]]:
-        """Read the stream: the header, then tensor chunks staged on disk. Returns (kind, folder, entries)."""
-        header = None
-        async for message in messages:
-            part = message.WhichOneof("kind")
-            if header is None:
-                if part != "header":
-                    raise InvalidRequest("header", "the first message must carry the header")
-                header = message.header
-            elif part == "header":
-                raise InvalidRequest("header", "sent twice")
-            elif header.checkpoint_dir:
-                raise InvalidRequest("tensor", "no tensor chunks may follow a checkpoint_dir header")
-            else:
-                chunk = message.tensor
-                dtype = tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower()  # e.g. "bfloat16"
-                await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data)
-        if header is None:
-            raise InvalidRequest("header", "the stream was empty")
-        if header.checkpoint_dir:
-            return "checkpoint", header.checkpoint_dir, checkpoint_entries(header.checkpoint_dir)
-        entries = await asyncio.to_thread(stager.finish, header.num_tensors or None)
-        return "staged", str(stager.folder), entries

@@ -19,7 +19,7 @@ class WeightLoaderExtension:
         Returns:
             The number of tensors read.
         """
-        from services.generator.weights import update_entries
+        from services.common.weights import update_entries
 
         entries = update_entries(kind, folder)
         # vLLM's in-place reload: restores the loaders that post-load processing (weight repacking for CPU/GPU

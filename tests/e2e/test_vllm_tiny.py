@@ -149,7 +149,7 @@ def test_weight_update_inside_the_running_vllm_engine(cluster, tiny_model_path):
 
     from fastexp.v1 import generation_pb2, generation_pb2_grpc
     from services.common.tensor_codec import to_numpy
-    from services.experience.sdk import update_policy_weights
+    from services.experience.sdk import update_generator_weights
 
     original = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     updated = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
@@ -158,7 +158,7 @@ def test_weight_update_inside_the_running_vllm_engine(cluster, tiny_model_path):
         for parameter in updated.parameters():
             parameter.add_(0.5 * torch.randn(parameter.shape, generator=g))
     generator = cluster.address("generator")
-    assert update_policy_weights(generator, updated.state_dict().items(), chunk_bytes=1 << 16) == 1
+    assert update_generator_weights(generator, updated.state_dict().items(), chunk_bytes=1 << 16) == 1
     with grpc.insecure_channel(generator) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         request = generation_pb2.GenerateRequest(

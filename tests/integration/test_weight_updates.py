@@ -12,7 +12,7 @@ import torch
 from fastexp.v1 import generation_pb2, generation_pb2_grpc, tensor_pb2
 from services.common.settings import GeneratorSettings
 from services.common.tensor_codec import to_numpy
-from services.experience.sdk import update_policy_weights, weight_chunks
+from services.experience.sdk import update_generator_weights, weight_chunks
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
 
@@ -73,7 +73,7 @@ async def test_streamed_then_folder_updates_change_sampling_as_predicted(generat
 
     first = perturbed(tiny_model_path, seed=1)
     tensors = list(first.state_dict().items())
-    version = await asyncio.to_thread(update_policy_weights, generator["address"], tensors, chunk_bytes=4096)
+    version = await asyncio.to_thread(update_generator_weights, generator["address"], tensors, chunk_bytes=4096)
     assert version == 1
     after = await sample(stub)
     assert after.policy_version == 1
@@ -83,7 +83,7 @@ async def test_streamed_then_folder_updates_change_sampling_as_predicted(generat
 
     second = perturbed(tiny_model_path, seed=2)
     second.save_pretrained(tmp_path)
-    version = await asyncio.to_thread(update_policy_weights, generator["address"], checkpoint_dir=str(tmp_path))
+    version = await asyncio.to_thread(update_generator_weights, generator["address"], checkpoint_dir=str(tmp_path))
     assert version == 2
     latest = await sample(stub)
     assert latest.policy_version == 2

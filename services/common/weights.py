@@ -5,21 +5,27 @@ engine applies it), so memory on the receiving side stays bounded by one tensor:
 one file per tensor in a staging folder (with a ``manifest.json`` that vLLM's worker processes read too), and a
 checkpoint folder's safetensors files are opened lazily. :func:`check_update` rejects the update as a whole,
 before anything is applied, naming the first bad tensor.
+
+Shared by the generator and the experience service (which checks a policy update against its actor replica,
+forwards it to the generator with :func:`weight_chunks`, and copies it into the replica with :func:`copy_into`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 
+from fastexp.v1 import generation_pb2, tensor_pb2
 from services.common.errors import InvalidRequest
 
 MANIFEST = "manifest.json"
@@ -29,6 +35,11 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
 }
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+_WIRE_DTYPES = {torch_dtype: getattr(tensor_pb2, f"DTYPE_{name.upper()}") for name, torch_dtype in FLOAT_DTYPES.items()}
+
+UpdateKind = Literal["staged", "checkpoint"]
+Target = Literal["policy", "critic"]
+_TARGETS: dict[int, Target] = {generation_pb2.WEIGHTS_TARGET_POLICY: "policy", generation_pb2.WEIGHTS_TARGET_CRITIC: "critic"}
 
 
 @dataclass(frozen=True)
@@ -209,3 +220,123 @@ def staged_entries(folder: str | Path) -> list[TensorEntry]:
 def update_entries(kind: str, folder: str) -> list[TensorEntry]:
     """Entries of an update by kind: ``"staged"`` (a :class:`WeightStager` folder) or ``"checkpoint"``."""
     return staged_entries(folder) if kind == "staged" else checkpoint_entries(folder)
+
+
+def module_spec(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    """The spec of live tensors by checkpoint name (e.g. ``model.state_dict(keep_vars=True)``)."""
+    return {name: TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()}
+
+
+def copy_into(targets: Mapping[str, torch.Tensor], entries: Iterable[TensorEntry]) -> None:
+    """Copy each entry into the live tensor of its name, in place (cast to the tensor's dtype and device).
+
+    Tied tensors (``lm_head.weight`` / ``model.embed_tokens.weight``) are one storage, so updating either
+    updates both, as in the checkpoint. The caller holds whatever lock keeps forwards off the model and has
+    checked the entries (:func:`check_update`), so this cannot fail half-way on a bad name or shape.
+    """
+    with torch.no_grad():
+        for entry in entries:
+            targets[entry.name].data.copy_(entry.load())
+
+
+@dataclass(frozen=True)
+class ReceivedUpdate:
+    """An ``UpdateWeights`` stream, read: where its tensors are and what they replace."""
+
+    target: Target
+    kind: UpdateKind
+    folder: str  # the staging folder (``staged``) or the named checkpoint folder (``checkpoint``)
+    entries: list[TensorEntry]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(entry.num_bytes for entry in self.entries)
+
+
+async def receive_update(
+    messages: AsyncIterator[generation_pb2.WeightsChunk], stager: WeightStager
+) -> ReceivedUpdate:
+    """Read an ``UpdateWeights`` stream: the header, then tensor chunks staged on disk by ``stager``.
+
+    Raises:
+        InvalidRequest: no header first, a second header, chunks after a ``checkpoint_dir`` header, an unknown
+            target, a bad chunk (see :meth:`WeightStager.add`), a missing folder, or a count mismatch.
+    """
+    header = None
+    async for message in messages:
+        part = message.WhichOneof("kind")
+        if header is None:
+            if part != "header":
+                raise InvalidRequest("header", "the first message must carry the header")
+            header = message.header
+        elif part == "header":
+            raise InvalidRequest("header", "sent twice")
+        elif header.checkpoint_dir:
+            raise InvalidRequest("tensor", "no tensor chunks may follow a checkpoint_dir header")
+        else:
+            chunk = message.tensor
+            dtype = tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower()  # e.g. "bfloat16"
+            await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data)
+    if header is None:
+        raise InvalidRequest("header", "the stream was empty")
+    if header.target not in _TARGETS:
+        raise InvalidRequest("header.target", f"unknown target {header.target}")
+    target = _TARGETS[header.target]
+    if header.checkpoint_dir:
+        entries = await asyncio.to_thread(checkpoint_entries, header.checkpoint_dir)
+        return ReceivedUpdate(target, "checkpoint", header.checkpoint_dir, entries)
+    entries = await asyncio.to_thread(stager.finish, header.num_tensors or None)
+    return ReceivedUpdate(target, "staged", str(stager.folder), entries)
+
+
+def weight_chunks(
+    tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = 4 * 1024 * 1024,
+    checkpoint_dir: str | None = None, target: Target = "policy", num_tensors: int | None = None,
+) -> Iterator[generation_pb2.WeightsChunk]:
+    """The ``UpdateWeights`` messages for named tensors (checkpoint/HF names), ``chunk_bytes`` of data each.
+
+    Tensors are sent in their own floating dtype (the receiver casts to the model's), one at a time, so the
+    sender holds one CPU copy of one tensor. With ``checkpoint_dir`` only the header is sent. ``num_tensors``
+    (when ``tensors`` is a lazy iterator) is announced in the header; otherwise ``tensors`` is listed first.
+
+    Raises:
+        ValueError: a tensor is not floating point; ``chunk_bytes`` < 1.
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    if checkpoint_dir:
+        tensors, num_tensors = (), 0
+    elif num_tensors is None:
+        tensors = list(tensors)
+        num_tensors = len(tensors)
+    wire_target = {name: number for number, name in _TARGETS.items()}[target]
+    yield generation_pb2.WeightsChunk(
+        header=generation_pb2.WeightsHeader(
+            checkpoint_dir=checkpoint_dir or "", num_tensors=num_tensors, target=wire_target
+        )
+    )
+    for name, tensor in tensors:
+        if tensor.dtype not in _WIRE_DTYPES:
+            raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point weight dtype")
+        data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
+        shape = list(tensor.shape)
+        for start in range(0, max(len(data), 1), chunk_bytes):
+            yield generation_pb2.WeightsChunk(
+                tensor=generation_pb2.TensorChunk(
+                    name=name, dtype=_WIRE_DTYPES[tensor.dtype], shape=shape,
+                    data=data[start : start + chunk_bytes].tobytes(),
+                )
+            )
+
+
+def entry_chunks(
+    update: ReceivedUpdate, *, chunk_bytes: int = 4 * 1024 * 1024
+) -> Iterator[generation_pb2.WeightsChunk]:
+    """Re-send a received update (e.g. to the generator): the folder's name for a checkpoint, else its staged
+    tensors read one at a time from disk."""
+    if update.kind == "checkpoint":
+        return weight_chunks((), checkpoint_dir=update.folder, target=update.target)
+    return weight_chunks(
+        ((e.name, e.load()) for e in update.entries), chunk_bytes=chunk_bytes, target=update.target,
+        num_tensors=len(update.entries),
+    )
