@@ -226,7 +226,7 @@ class ExperienceMaker:
         try:
             batch_index = 0
             dropped: list[int] = []
-            resampled = 0
+            resampled_reported = 0
             awaiting = 0  # groups sent back for resampling, not yet returned
             producer_done = False
             failure: BaseException | None = None  # raised once the groups scored before it are delivered
@@ -262,7 +262,6 @@ class ExperienceMaker:
                         for group in stale:
                             stream.resample.put_nowait(group.prompt_index)
                         awaiting += len(stale)
-                        resampled += len(stale)
                         stream.stats.resampled_groups += len(stale)
                         logger.info("%s: batch %d: %d groups older than version %d resampled",
                                     request.request_id, batch_index, len(stale), oldest)
@@ -277,9 +276,12 @@ class ExperienceMaker:
                     self._runs.put(config.run_id, state)
                 else:
                     local_state = state
-                experience = experience._replace(actor_policy_version=actor_version, resampled_groups=resampled)
+                experience = experience._replace(
+                    actor_policy_version=actor_version,
+                    resampled_groups=stream.stats.resampled_groups - resampled_reported,
+                )
+                resampled_reported = stream.stats.resampled_groups
                 dropped.clear()
-                resampled = 0
                 yield pack_experience(experience) if config.return_packed else experience
                 batch_index += 1
             if failure is not None:

@@ -16,6 +16,7 @@ Errors arrive as ``grpc.RpcError`` with the service's status code (INVALID_ARGUM
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Literal
 
 import grpc
 import torch
@@ -71,6 +72,8 @@ def build_request(
     return_action_entropy: bool = False,
     packing_samples: bool = False,
     return_packed: bool = False,
+    max_staleness: int | None = None,
+    partial_rollout: Literal["finish", "abort"] = "finish",
     request_id: str = "",
 ) -> experience_pb2.MakeExperiencesRequest:
     """A ``MakeExperiencesRequest`` from Python values (names and meanings as in ``experience.proto``).
@@ -78,7 +81,8 @@ def build_request(
     ``overlong_buffer_len > 0`` turns the overlong penalty on; ``dynamic_sampling_num_groups > 0`` turns dynamic
     sampling on (deliver that many groups, refilling from the following prompts); ``kl_target`` makes beta
     adaptive. Statistics of ``reward_running_norm`` and an adaptive beta persist across requests with one
-    ``run_id``.
+    ``run_id``. ``max_staleness`` bounds off-policy streaming (the trainer calls :meth:`ExperienceClient.update_weights`
+    once per batch); ``partial_rollout`` says what happens to generations in flight across an update.
 
     Raises:
         ValueError: ``references``/``labels`` given with a length other than ``len(prompts)``.
@@ -131,6 +135,8 @@ def build_request(
         return_action_entropy=return_action_entropy,
         packing_samples=packing_samples,
         return_packed=return_packed,
+        max_staleness=max_staleness,
+        partial_rollout=experience_pb2.PartialRollout.Value(f"PARTIAL_ROLLOUT_{partial_rollout.upper()}"),
     )
 
 

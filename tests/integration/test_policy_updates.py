@@ -1,0 +1,171 @@
+"""Policy and critic updates through the experience service, and off-policy streaming (HF backend, tiny Llama,
+float32, the three services in process): the generator and the actor replica follow an update together, versions
+tag the right experiences, ``max_staleness`` is never exceeded, aborting partial rollouts resample."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc
+from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
+from services.common.weights import weight_chunks
+from services.experience.sdk import Sampling, build_request
+from services.experience.server import start_experience
+from services.experience.wire import experience_from_pb
+from services.generator.hf_engine import HFEngine
+from services.generator.server import start_generator
+from services.scorer.server import build_scorer, start_scorer
+
+N = 2
+
+
+@pytest.fixture(scope="module")
+async def stack(tiny_model_path):
+    # one sample per generate() call: an update can land (and an abort can cut in) between any two samples
+    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=1)
+    generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
+    scorer_settings = ScorerSettings(port=0, sources=[
+        {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}])
+    scorer_core = build_scorer(scorer_settings)
+    scorer = await start_scorer(scorer_settings, scorer_core)
+    experience = await start_experience(ExperienceSettings(
+        port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
+        actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
+    ))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
+    generator_channel = grpc.aio.insecure_channel(f"127.0.0.1:{generator.port}")
+    yield {
+        "experience": experience_pb2_grpc.ExperienceServiceStub(channel),
+        "generator": generation_pb2_grpc.GenerationServiceStub(generator_channel),
+    }
+    for closing in (channel, generator_channel):
+        await closing.close()
+    await experience.running.stop(1)
+    await experience.close()
+    await scorer.stop(1)
+    await scorer_core.close()
+    await generator.stop(1)
+    await engine.close()
+
+
+def _model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+async def _update(stub, tensors, target="policy"):
+    async def messages():
+        for message in weight_chunks(tensors, chunk_bytes=1 << 15, target=target):
+            yield message
+
+    return await stub.UpdateWeights(messages(), timeout=60)
+
+
+async def _version(stack) -> int:
+    return (await stack["generator"].GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)).policy_version
+
+
+def _request(num_prompts, **options):
+    prompts = [f"Count from {i}: {i}, {i + 1}," for i in range(num_prompts)]
+    options.setdefault("sampling", Sampling(temperature=1.0, max_new_tokens=8))
+    return build_request(prompts, n_samples_per_prompt=N, advantage_estimator="rloo", **options)
+
+
+def _forward_log_probs(model, experience, row):
+    mask = experience.action_mask[row]
+    width = mask.shape[0]
+    with torch.inference_mode():
+        logits = model(input_ids=experience.sequences[row : row + 1],
+                       attention_mask=experience.attention_mask[row : row + 1]).logits[0, -width - 1 : -1]
+    tokens = experience.sequences[row, -width:]
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0][mask]
+
+
+async def test_a_policy_update_moves_the_generator_and_the_actor_replica_together(stack, tiny_model_path):
+    before = await _version(stack)
+    perturbed = _model(tiny_model_path)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in perturbed.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=g))
+    response = await _update(stack["experience"], list(perturbed.state_dict().items()))
+    assert response.policy_version == before + 1 == await _version(stack)
+    assert response.num_tensors == len(perturbed.state_dict())
+    batches = [experience_from_pb(m) async for m in stack["experience"].MakeExperiences(_request(2), timeout=120)]
+    original = _model(tiny_model_path)
+    for e in batches:
+        assert set(e.policy_version) == {before + 1} and e.actor_policy_version == before + 1
+        for row in range(len(e.policy_version)):
+            sampled = e.rollout_log_probs[row][e.action_mask[row]]
+            # the generator sampled with the new weights, and the actor replica scores with them
+            torch.testing.assert_close(sampled, _forward_log_probs(perturbed, e, row), atol=1e-4, rtol=0)
+            torch.testing.assert_close(e.action_log_probs[row][e.action_mask[row]], sampled, atol=1e-4, rtol=0)
+            assert (sampled - _forward_log_probs(original, e, row)).abs().max() > 1e-2
+
+
+async def test_a_bad_update_is_rejected_everywhere_and_the_versions_stay(stack, tiny_model_path):
+    before = await _version(stack)
+    good = _model(tiny_model_path).state_dict()["model.norm.weight"]
+    bad_updates = [
+        ([("model.norm.weight", good), ("model.no_such.weight", good)], "policy", "tensors[model.no_such.weight]"),
+        ([("model.norm.weight", good[:-1])], "policy", "tensors[model.norm.weight]"),
+        ([("value_head.weight", torch.zeros(1, 64))], "critic", "header.target"),
+    ]
+    for tensors, target, field in bad_updates:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await _update(stack["experience"], tensors, target)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in error.value.details()
+    assert await _version(stack) == before
+    [batch] = [experience_from_pb(m) async for m in stack["experience"].MakeExperiences(_request(1), timeout=60)]
+    assert batch.actor_policy_version == before and set(batch.policy_version) == {before}
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+async def test_max_staleness_is_never_exceeded_while_the_trainer_updates_per_batch(stack, tiny_model_path,
+                                                                                   max_staleness):
+    """The trainer loop of one-step off-policy RL: receive batch b, 'train', UpdateWeights, receive b + 1."""
+    unchanged = [("model.norm.weight", _model(tiny_model_path).state_dict()["model.norm.weight"])]
+    v0 = await _version(stack)
+    request = _request(6, micro_rollout_batch_size=N, max_staleness=max_staleness)
+    rows = []
+    async for message in stack["experience"].MakeExperiences(request, timeout=120):
+        e = experience_from_pb(message)
+        assert min(e.policy_version) >= v0 + e.batch_index - max_staleness, (e.batch_index, e.policy_version)
+        if max_staleness == 0:  # generated only once the previous batch's update was live: exactly on-policy
+            assert set(e.policy_version) == {v0 + e.batch_index} == {e.actor_policy_version}
+        rows += list(zip(e.prompt_index, e.sample_index, strict=True))
+        await _update(stack["experience"], unchanged)
+    assert sorted(rows) == [(p, s) for p in range(6) for s in range(N)]
+
+
+async def test_a_stream_waiting_for_the_trainers_update_ends_at_its_deadline(stack):
+    request = _request(4, micro_rollout_batch_size=N, max_staleness=0)
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        async for message in stack["experience"].MakeExperiences(request, timeout=8):
+            received.append(message)  # no UpdateWeights: batch 1 may never be streamed
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert len(received) == 1
+
+
+async def test_aborting_partial_rollouts_resample_what_an_update_interrupts(stack, tiny_model_path):
+    unchanged = [("model.norm.weight", _model(tiny_model_path).state_dict()["model.norm.weight"])]
+    v0 = await _version(stack)
+    request = _request(8, micro_rollout_batch_size=N, partial_rollout="abort",
+                       sampling=Sampling(temperature=1.0, max_new_tokens=24, min_new_tokens=24))
+    call = stack["experience"].MakeExperiences(request, timeout=120)
+    batches = []
+    async for message in call:
+        batches.append(experience_from_pb(message))
+        if len(batches) == 1:
+            await _update(stack["experience"], unchanged)  # lands while the other prompts are generating
+    metadata = dict(await call.trailing_metadata())
+    rows = sorted((p, s) for e in batches for p, s in zip(e.prompt_index, e.sample_index, strict=True))
+    assert rows == [(p, s) for p in range(8) for s in range(N)]  # each group exactly once
+    assert int(metadata["fastexp-resampled-groups"]) == sum(e.resampled_groups for e in batches) >= 1
+    for e in batches:  # a group is sampled by one policy: interrupted groups were resampled whole
+        assert len(set(e.policy_version)) == 1
+    assert {v for e in batches for v in e.policy_version} == {v0, v0 + 1}
