@@ -237,3 +237,23 @@ async def test_scorer_api_directly(stack):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stack["scorer"].Score(scoring_pb2.ScoreRequest(queries=["a"], prompts=["b"]), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "queries[0]" in info.value.details()
+
+
+async def test_a_critic_update_is_live_for_the_next_batch_and_leaves_the_policy_alone(stack):
+    """Runs last here: it replaces the critic. A value head of zeros plus a bias makes every value that bias."""
+    from services.common.weights import weight_chunks
+
+    hidden = 64
+    tensors = [("value_head.weight", torch.zeros(1, hidden)), ("value_head.bias", torch.tensor([0.5]))]
+
+    async def messages():
+        for message in weight_chunks(tensors, target="critic"):
+            yield message
+
+    response = await stack["experience"].UpdateWeights(messages(), timeout=60)
+    assert (response.critic_version, response.policy_version, response.num_tensors) == (1, 0, 2)
+    request = build_request(PROMPTS[:1], n_samples_per_prompt=2, advantage_estimator="gae",
+                            sampling=Sampling(max_new_tokens=6))
+    [e] = [experience_from_pb(m) async for m in stack["experience"].MakeExperiences(request, timeout=60)]
+    assert torch.all(e.values[e.action_mask] == 0.5)
+    assert e.actor_policy_version == 0 and set(e.policy_version) == {0}
