@@ -139,6 +139,7 @@ def main(
             evals.append({"step": step, "held_out_accuracy": accuracy})
             log.write(json.dumps(evals[-1]) + "\n")
             log.flush()
+            write_results(out, curve, evals)
             tqdm.write(f"step {step}: held-out greedy accuracy {accuracy:.3f}")
 
         record_eval(0)
@@ -178,17 +179,24 @@ def main(
                             length=f"{row['response_length_mean']:.0f}")
             if step % eval_every == 0 or step == steps:
                 record_eval(step)
+    print(json.dumps(write_results(out, curve, evals), indent=2))
+
+
+def write_results(out: Path, curve: list[dict], evals: list[dict]) -> dict:
+    """Write ``summary.json`` and ``reward_curve.png`` for the steps so far (after every evaluation, so a run
+    stopped early keeps its results); returns the summary."""
     summary = {
-        "steps": steps, "prompts_per_step": prompts_per_step, "n_samples_per_prompt": n_samples_per_prompt,
-        "held_out_problems": eval_size, "held_out_accuracy_before": evals[0]["held_out_accuracy"],
+        "steps": len(curve), "held_out_accuracy_by_step": {e["step"]: e["held_out_accuracy"] for e in evals},
+        "held_out_accuracy_before": evals[0]["held_out_accuracy"],
         "held_out_accuracy_after": evals[-1]["held_out_accuracy"],
-        "train_reward_first_5_steps": sum(r["reward_mean"] for r in curve[:5]) / len(curve[:5]),
-        "train_reward_last_5_steps": sum(r["reward_mean"] for r in curve[-5:]) / len(curve[-5:]),
-        "evaluations": evals,
     }
+    if curve:
+        first, last = curve[:5], curve[-5:]
+        summary["train_reward_first_5_steps"] = sum(r["reward_mean"] for r in first) / len(first)
+        summary["train_reward_last_5_steps"] = sum(r["reward_mean"] for r in last) / len(last)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(curve, evals, out / "reward_curve.png")
-    print(json.dumps(summary, indent=2))
+    return summary
 
 
 def plot(curve: list[dict], evals: list[dict], path: Path) -> None:
