@@ -13,6 +13,7 @@ forwards it to the generator with :func:`weight_chunks`, and copies it into the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import shutil
@@ -250,7 +251,25 @@ class ReceivedUpdate:
 
     @property
     def num_bytes(self) -> int:
+        """Bytes of tensor data in the update."""
         return sum(entry.num_bytes for entry in self.entries)
+
+
+@contextlib.asynccontextmanager
+async def staged_update(
+    messages: AsyncIterator[generation_pb2.WeightsChunk], staging_dir: str | None
+) -> AsyncIterator[ReceivedUpdate]:
+    """Receive an ``UpdateWeights`` stream into a fresh staging folder under ``staging_dir`` (None: the system temp
+    folder); the folder is removed when the block exits, applied or not.
+
+    Raises:
+        InvalidRequest: as :func:`receive_update`.
+    """
+    stager = WeightStager(staging_dir)
+    try:
+        yield await receive_update(messages, stager)
+    finally:
+        await asyncio.to_thread(stager.discard)
 
 
 async def receive_update(

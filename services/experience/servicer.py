@@ -13,7 +13,7 @@ from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from services.common.deadlines import Deadline
 from services.common.errors import Overloaded
 from services.common.sampling import RequestLimits
-from services.common.weights import WeightStager, receive_update
+from services.common.weights import staged_update
 from services.experience.pipeline import ExperienceMaker, StreamStats
 from services.experience.request import decode_request
 from services.experience.wire import experience_to_pb
@@ -62,12 +62,8 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         if self._updating.locked():
             raise Overloaded("another weight update is in progress")
         async with self._updating:
-            stager = WeightStager(self._weights_staging_dir)
-            try:
-                update = await receive_update(request_iterator, stager)
+            async with staged_update(request_iterator, self._weights_staging_dir) as update:
                 await self._maker.update_weights(update, Deadline.from_remaining(context.time_remaining()))
-            finally:
-                await asyncio.to_thread(stager.discard)
         return generation_pb2.UpdateWeightsResponse(
             policy_version=self._maker.policy.version, critic_version=self._maker.critic_version,
             num_tensors=len(update.entries), num_bytes=update.num_bytes,

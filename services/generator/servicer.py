@@ -14,7 +14,7 @@ from services.common.errors import InvalidRequest, Overloaded
 from services.common.sampling import validate_batch
 from services.common.settings import GeneratorSettings
 from services.common.tensor_codec import from_numpy
-from services.common.weights import WeightStager, check_update, model_spec, receive_update
+from services.common.weights import check_update, model_spec, staged_update
 from services.generator.engine import CompletionRecord, GenerationEngine, GenerationRequest
 
 _FINISH = {
@@ -107,9 +107,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if self._updating.locked():
             raise Overloaded("another weight update is in progress")
         async with self._updating:
-            stager = WeightStager(self._settings.weights_staging_dir)
-            try:
-                update = await receive_update(request_iterator, stager)
+            async with staged_update(request_iterator, self._settings.weights_staging_dir) as update:
                 if update.target != "policy":
                     raise InvalidRequest("header.target", "the generator serves the policy only (send critic "
                                          "updates to the experience service)")
@@ -117,8 +115,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     raise InvalidRequest("tensors", "the served model has no safetensors files to check updates against")
                 check_update(update.entries, self._spec)
                 version = await self._engine.update_weights(update.kind, update.folder)
-            finally:
-                await asyncio.to_thread(stager.discard)
         return generation_pb2.UpdateWeightsResponse(
             policy_version=version, num_tensors=len(update.entries), num_bytes=update.num_bytes
         )
