@@ -109,6 +109,7 @@ class GeneratorSettings(_GenerationLimits):
     )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM memory fraction if no KV size")
     enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (faster start, slower steps)")
+    max_num_seqs: int | None = Field(None, ge=1, description="vLLM: most sequences per scheduler step (None: vLLM's default)")
     hf_max_batch_size: int = Field(32, ge=1, description="HF backend: sequences per generate() call")
     weights_staging_dir: str | None = Field(
         None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
@@ -172,6 +173,14 @@ class ExperienceSettings(_GenerationLimits):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = Field("cpu", description="torch device for actor/reference forward passes")
     forward_micro_batch_size: int = Field(8, ge=1, description="rows per actor/reference/critic forward pass (packed or padded)")
+    forward_share_prompt: bool = Field(
+        True, description="packed forwards (packing_samples) compute each prompt group's prompt once, not n times"
+    )
+    max_groups_ahead: int = Field(
+        64, ge=1,
+        description="backpressure: most prompt groups of one stream generated or generating and not yet streamed "
+        "(at least one batch's groups; the whole request with normalization_scope ROLLOUT)",
+    )
     generate_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Generate stream")
     score_timeout_s: float = Field(120.0, gt=0, description="deadline of one Score call")
     connect_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the generator at start")

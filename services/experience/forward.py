@@ -1,6 +1,6 @@
-"""Model inputs for the actor/reference/critic forward passes: padded rows or packed rows (pure).
+"""Model inputs for the actor/reference/critic forward passes: padded, packed or shared-prompt rows (pure).
 
-Both layouts describe the same thing to a model: token ids, position ids, and which positions' hidden states
+All layouts describe the same thing to a model: token ids, position ids, and which positions' hidden states
 predict the response tokens. A model runs a :class:`ForwardChunk`, reads its outputs at ``hidden_index``, and
 :meth:`ForwardChunk.to_rows` puts them back into (rows, A), so every model class is layout-agnostic.
 
@@ -9,6 +9,11 @@ predict the response tokens. A model runs a :class:`ForwardChunk`, reads its out
   each sequence and without an attention mask; transformers then builds a block-diagonal causal mask from the
   position-id resets (no attention across sequences; flash-attention-2 uses the same resets for varlen kernels).
   Padding tokens are never computed, which is where mixed-length batches lose most time.
+- **shared prompt**: packed, but the n samples of a prompt group share one copy of the prompt:
+  ``[prompt, response_1, ..., response_n]`` with a (1, 1, T, T) attention mask in which each response attends to
+  the prompt and causally to itself only, and position ids continuing the prompt's in each response. The prompt
+  is computed once per group instead of n times (the prompt is usually most of a GSM8K row). Every response
+  token sees exactly the context it has in the other layouts, so outputs agree up to float rounding.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ class ForwardChunk:
     """One forward pass worth of rows.
 
     Shape:
-        input_ids, position_ids: (b, L) int64 (b = rows, or 1 when packed);
-        attention_mask: (b, L) int64, or None when packed;
+        input_ids, position_ids: (b, L) int64 (b = rows, or 1 when packed or shared);
+        attention_mask: (b, L) int64 padded; None packed; (1, 1, L, L) bool shared (true = may attend);
         hidden_index: (K,) int64 positions in L whose outputs predict action tokens
-            (K = A padded; K = sum of the rows' response lengths packed);
+            (padded: K = the chunk's longest response; packed, shared: K = sum of the rows' response lengths;
+            shared: a group's first response tokens are all predicted from its prompt's last position);
         targets: (b, K) int64 action tokens those positions predict;
         action_mask: (rows, A) bool of the chunk's rows.
     """
@@ -43,37 +49,52 @@ class ForwardChunk:
     action_mask: torch.Tensor
 
     @property
-    def packed(self) -> bool:
-        return self.attention_mask is None
+    def padded(self) -> bool:
+        return self.attention_mask is not None and self.attention_mask.dim() == 2
+
+    def model_mask(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+        """The attention mask to pass to a transformers model: the padded (b, L) mask, None (packed), or the shared
+        layout's 4D mask as an additive float mask in ``dtype`` (0 where allowed, the dtype's min elsewhere),
+        which transformers uses as given for eager and SDPA attention."""
+        mask = self.attention_mask
+        if mask is None or mask.dim() == 2:
+            return None if mask is None else mask.to(device)
+        additive = torch.zeros(mask.shape, dtype=dtype)
+        additive.masked_fill_(~mask, torch.finfo(dtype).min)
+        return additive.to(device)
 
     def to_rows(self, outputs: torch.Tensor) -> torch.Tensor:
         """Per-position outputs (b, K) -> (rows, A) float32, 0 where a packed row has no action token."""
-        if not self.packed:
-            return outputs.float()
+        if self.padded:  # (b, A_chunk) -> (b, A): the chunk was trimmed to its own rows' longest response
+            return torch.nn.functional.pad(outputs.float(), (0, self.action_mask.shape[1] - outputs.shape[1]))
         out = torch.zeros(self.action_mask.shape, dtype=torch.float32)
         out[self.action_mask] = outputs[0].float().cpu()
         return out
 
 
 def padded_chunks(rollout: Rollout, micro_batch_size: int) -> Iterator[ForwardChunk]:
-    """The Rollout's padded rows, ``micro_batch_size`` at a time.
+    """The Rollout's padded rows, ``micro_batch_size`` at a time, each chunk trimmed to its own rows.
 
-    Position ids count real tokens only (``cumsum(attention_mask) - 1``), so left padding does not shift
-    positions; the last A + 1 positions but one predict the A response slots.
+    A chunk keeps only the columns its rows need: left prompt padding beyond its longest prompt and response slots
+    beyond its longest response are cut (so rows sorted by length waste little padding). Position ids count real
+    tokens only (``cumsum(attention_mask) - 1``), so left padding does not shift positions; the chunk's last
+    A_c + 1 positions but one predict its A_c response slots, and :meth:`ForwardChunk.to_rows` pads back to A.
     """
-    num_actions = rollout.action_mask.shape[1]
-    width = rollout.sequences.shape[1]
-    hidden_index = torch.arange(width - num_actions - 1, width - 1)
+    prompt_width = rollout.sequences.shape[1] - rollout.action_mask.shape[1]
     for start in range(0, rollout.sequences.shape[0], micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        ids = rollout.sequences[rows]
-        mask = rollout.attention_mask[rows]
+        response_length = rollout.response_length[rows]
+        num_actions = max(1, int(response_length.max()))
+        left = prompt_width - int((rollout.total_length[rows] - response_length).max())
+        ids = rollout.sequences[rows, left : prompt_width + num_actions]
+        mask = rollout.attention_mask[rows, left : prompt_width + num_actions]
+        width = ids.shape[1]
         yield ForwardChunk(
             rows=rows,
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(dim=1) - 1).clamp_(min=0),
-            hidden_index=hidden_index,
+            hidden_index=torch.arange(width - num_actions - 1, width - 1),
             targets=ids[:, -num_actions:],
             action_mask=rollout.action_mask[rows],
         )
@@ -105,8 +126,56 @@ def packed_chunks(rollout: Rollout, micro_batch_size: int) -> Iterator[ForwardCh
         )
 
 
-def chunks(rollout: Rollout, micro_batch_size: int, packed: bool) -> list[ForwardChunk]:
-    """:func:`packed_chunks` or :func:`padded_chunks` of ``rollout``."""
-    make = packed_chunks if packed else padded_chunks
-    return list(make(rollout, micro_batch_size))
+def shared_prompt_chunks(rollout: Rollout, micro_batch_size: int) -> Iterator[ForwardChunk]:
+    """The Rollout's rows without padding, ``micro_batch_size`` rows per (1, T) chunk, consecutive rows of one prompt
+    sharing a single copy of it (see the module docstring). Rows of a group split across chunks get a copy each.
+    """
+    total_rows = rollout.sequences.shape[0]
+    for start in range(0, total_rows, micro_batch_size):
+        rows = slice(start, min(total_rows, start + micro_batch_size))
+        pieces, positions, hidden_index, targets, spans = [], [], [], [], []
+        offset, prompt_start, prompt = 0, 0, None
+        for row in range(rows.start, rows.stop):
+            real = rollout.sequences[row][rollout.attention_mask[row].bool()]
+            response_length = int(rollout.response_length[row])
+            prompt_length = real.shape[0] - response_length
+            if prompt is None or not torch.equal(prompt, real[:prompt_length]):
+                prompt, prompt_start = real[:prompt_length], offset
+                pieces.append(prompt)
+                positions.append(torch.arange(prompt_length))
+                spans.append((offset, prompt_length, None))
+                offset += prompt_length
+            response = real[prompt_length:]
+            pieces.append(response)
+            positions.append(torch.arange(prompt_length, prompt_length + response_length))
+            # token 0 is predicted from the prompt's last position, token j > 0 from response token j - 1
+            hidden_index.append(torch.cat([
+                torch.tensor([prompt_start + prompt_length - 1]), torch.arange(offset, offset + max(0, response_length - 1))
+            ])[:response_length])
+            targets.append(response)
+            spans.append((offset, response_length, (prompt_start, prompt_length)))
+            offset += response_length
+        mask = torch.zeros((offset, offset), dtype=torch.bool)
+        for begin, length, context in spans:
+            mask[begin : begin + length, begin : begin + length] = torch.ones(length, length, dtype=torch.bool).tril()
+            if context is not None:
+                mask[begin : begin + length, context[0] : context[0] + context[1]] = True
+        yield ForwardChunk(
+            rows=rows,
+            input_ids=torch.cat(pieces).unsqueeze(0),
+            attention_mask=mask[None, None],
+            position_ids=torch.cat(positions).unsqueeze(0),
+            hidden_index=torch.cat(hidden_index),
+            targets=torch.cat(targets).unsqueeze(0),
+            action_mask=rollout.action_mask[rows],
+        )
+
+
+LAYOUTS = {"padded": padded_chunks, "packed": packed_chunks, "shared_prompt": shared_prompt_chunks}
+
+
+def chunks(rollout: Rollout, micro_batch_size: int, packed: bool, share_prompt: bool = False) -> list[ForwardChunk]:
+    """:func:`padded_chunks`, :func:`packed_chunks`, or with ``share_prompt`` :func:`shared_prompt_chunks`."""
+    layout = ("shared_prompt" if share_prompt else "packed") if packed else "padded"
+    return list(LAYOUTS[layout](rollout, micro_batch_size))
 

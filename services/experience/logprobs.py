@@ -61,7 +61,7 @@ class LogProbModel:
         for chunk in chunks:
             logits = self._model(
                 input_ids=chunk.input_ids.to(device),
-                attention_mask=None if chunk.attention_mask is None else chunk.attention_mask.to(device),
+                attention_mask=chunk.model_mask(self._model.dtype, device),
                 position_ids=chunk.position_ids.to(device),
                 logits_to_keep=chunk.hidden_index.to(device),
                 use_cache=False,

@@ -1,11 +1,16 @@
-"""The experience pipeline: generate -> score each group -> (drop, refill) -> batch -> forward -> estimate -> stream.
+"""The experience pipeline: generate -> score each group -> forward ready groups -> batch -> estimate -> stream.
 
 Stages are plain functions and small Protocols; gRPC lives only in :mod:`services.experience.clients` and the
-servicer. A background task runs the generation rounds: every prompt group is scored as soon as its n samples
+servicer. Background tasks run the generation rounds: every prompt group is scored as soon as its n samples
 finish (while the engine keeps generating), and dynamic sampling drops zero-variance groups and starts a refill
-round for the shortfall. The consumer batches scored groups, runs the actor/reference/critic forwards in a worker
-thread and the experience math in the event loop, so the first ExperienceBatch streams long before the last
-sample is generated.
+round for the shortfall. The consumer runs the actor/reference/critic forwards on whatever scored groups are
+ready (in a worker thread, rows sorted by length), assembles ExperienceBatches from forwarded groups, and runs
+the experience math in the event loop, so the first batch streams long before the last sample is generated.
+
+Backpressure: at most ``max_groups_ahead`` groups are generated or generating and not yet streamed; the next
+prompts are sent to the generator only as batches are delivered, so a slow trainer slows generation instead of
+growing memory. Cancelling the stream cancels every task, which closes the generator streams (the generator
+aborts their engine requests).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest, RewardFailed
 from services.common.weights import ReceivedUpdate, check_update, copy_into, module_spec
+from services.experience.batching import concat_forward, split_experience, split_forward
 from services.experience.estimate import estimate_experience
 from services.experience.forward import chunks
 from services.experience.logprobs import LogProbModel
@@ -79,6 +85,7 @@ class ForwardModels:
     reference: LogProbModel
     critic: ValueModel | None = None
     micro_batch_size: int = 8
+    share_prompt: bool = True  # packed forwards compute each group's prompt once (forward.shared_prompt_chunks)
 
 
 @dataclass
@@ -107,6 +114,15 @@ class _ScoredGroup:
 
 
 @dataclass(frozen=True)
+class _ForwardedGroup:
+    """A scored group with its forward outputs, (n, a) with a = the group's longest response."""
+
+    scored: _ScoredGroup
+    forward: ForwardOutputs
+    actor_version: int  # the actor replica's version when it computed action_log_probs
+
+
+@dataclass(frozen=True)
 class _Dropped:
     prompt_index: int
     resampled: bool = False
@@ -128,9 +144,53 @@ class _Stream:
     deadline: Deadline
     stats: StreamStats
     start_version: int  # v0: the policy version when the request started
+    window: asyncio.Semaphore | None = None  # one slot per group generated and not yet streamed (backpressure)
     ready: asyncio.Queue[_Item] = field(default_factory=asyncio.Queue)
     resample: asyncio.Queue[int] = field(default_factory=asyncio.Queue)  # prompt indices to generate again
     round_ids: itertools.count = field(default_factory=itertools.count)
+
+    def release(self, groups: int) -> None:
+        """``groups`` groups were streamed or dropped: their slots admit the next prompts."""
+        if self.window is not None:
+            for _ in range(groups):
+                self.window.release()
+
+
+@dataclass
+class _Inbox:
+    """What the consumer has received: scored groups waiting for a forward pass, forwarded groups waiting for a
+    batch, dynamic-sampling drops, and whether more can come."""
+
+    pending: list[_ScoredGroup] = field(default_factory=list)
+    forwarded: list[_ForwardedGroup] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    awaiting: int = 0  # groups sent back for resampling, not yet returned
+    producer_done: bool = False
+    failure: BaseException | None = None  # raised once the groups received before it are delivered
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more will arrive."""
+        return self.failure is not None or (self.producer_done and self.awaiting == 0)
+
+    def take(self, item: _Item, stream: _Stream) -> None:
+        if isinstance(item, BaseException):
+            self.failure = self.failure or item
+        elif isinstance(item, _Done):
+            self.producer_done = True
+        else:
+            self.awaiting -= item.resampled
+            if isinstance(item, _Dropped):
+                self.dropped.append(item.prompt_index)
+                stream.stats.dropped_groups += 1
+                stream.release(1)
+            else:
+                self.pending.append(item)
+
+    def batch_ready(self, config: ExperienceConfig) -> bool:
+        """A batch can be assembled: enough forwarded groups, or the last ones (all of them for rollout scope)."""
+        last = self.finished and not self.pending and bool(self.forwarded)
+        return last or (not config.rollout_scope and len(self.forwarded) >= config.groups_per_batch)
 
 
 class ExperienceMaker:
@@ -147,7 +207,10 @@ class ExperienceMaker:
         pad_token_id: int,
         runs: RunStore | None = None,
         policy: PolicyState | None = None,
+        max_groups_ahead: int = 64,
     ) -> None:
+        """``max_groups_ahead``: the most prompt groups of one stream generated or generating and not yet streamed
+        (raised to a batch's groups; the whole request with ``normalization_scope = rollout``)."""
         self._generator = generator
         self._scorer = scorer
         self._models = models
@@ -157,6 +220,7 @@ class ExperienceMaker:
         self.policy = policy if policy is not None else PolicyState()
         self._actor_version = self.policy.version  # changed under the forward lock, with the actor's weights
         self.critic_version = 0
+        self._max_groups_ahead = max_groups_ahead
 
     @property
     def has_critic(self) -> bool:
@@ -212,6 +276,7 @@ class ExperienceMaker:
 
         With ``max_staleness`` s, batch b waits for policy version v0 + b - s and holds only groups sampled at that
         version or later; older groups go back for resampling (see ``MakeExperiencesRequest.max_staleness``).
+        With ``normalization_scope = rollout`` the whole request is estimated at once, then streamed in batches.
 
         Raises:
             NotReady, UpstreamTimeout, InvalidRequest: from the generator or scorer clients; UpstreamTimeout also
@@ -219,77 +284,84 @@ class ExperienceMaker:
             RewardFailed: a reward source could not score a group (the message names the prompt and source).
         """
         config = request.config
-        stream = _Stream(request, deadline, stats if stats is not None else StreamStats(), self.policy.version)
+        window = None if config.rollout_scope else max(self._max_groups_ahead, config.groups_per_batch)
+        stream = _Stream(
+            request, deadline, stats if stats is not None else StreamStats(), self.policy.version,
+            window=None if window is None else asyncio.Semaphore(window),
+        )
         producer = asyncio.create_task(self._produce(stream), name=request.request_id)
         resampler = asyncio.create_task(self._resample(stream), name=f"{request.request_id}-resample")
+        inbox = _Inbox()
         local_state = _initial_state(config)
         try:
-            batch_index = 0
-            dropped: list[int] = []
-            resampled_reported = 0
-            awaiting = 0  # groups sent back for resampling, not yet returned
-            producer_done = False
-            failure: BaseException | None = None  # raised once the groups scored before it are delivered
-            groups: list[_ScoredGroup] = []
+            batch_index, resampled_reported = 0, 0
             while True:
-                while (
-                    len(groups) < config.groups_per_batch and failure is None and not (producer_done and awaiting == 0)
-                ):
-                    item = await stream.ready.get()
-                    if isinstance(item, BaseException):
-                        failure = item
+                while not stream.ready.empty():
+                    inbox.take(stream.ready.get_nowait(), stream)
+                if inbox.batch_ready(config):  # deliver before forwarding more: the trainer is waiting
+                    groups = await self._take_batch(stream, inbox, batch_index)
+                    if not groups:
                         continue
-                    if isinstance(item, _Done):
-                        producer_done = True
-                        continue
-                    awaiting -= item.resampled
-                    if isinstance(item, _Dropped):
-                        dropped.append(item.prompt_index)
-                        stream.stats.dropped_groups += 1
+                    state = self._runs.get(config.run_id, _initial_state(config)) if config.run_id else local_state
+                    experience, state = estimate_experience(
+                        *self._assemble(groups, request), config, state, batch_index, tuple(inbox.dropped)
+                    )
+                    if config.run_id:
+                        self._runs.put(config.run_id, state)
                     else:
-                        groups.append(item)
-                if not groups:
+                        local_state = state
+                    inbox.dropped.clear()
+                    experience = experience._replace(
+                        actor_policy_version=min(g.actor_version for g in groups),
+                        resampled_groups=stream.stats.resampled_groups - resampled_reported,
+                    )
+                    resampled_reported = stream.stats.resampled_groups
+                    parts = split_experience(experience, config.groups_per_batch * config.n_samples_per_prompt)
+                    for part in parts:
+                        yield pack_experience(part) if config.return_packed else part
+                        stream.release(len(part.reward) // config.n_samples_per_prompt)
+                    batch_index += len(parts)
+                elif inbox.pending:
+                    inbox.forwarded.extend(await self._forward_ready(inbox, request))
+                elif inbox.finished:
                     break
-                if config.max_staleness is not None:
-                    oldest = stream.start_version + batch_index - config.max_staleness
-                    await self.policy.wait_for_version(oldest, deadline)
-                    stale = [g for g in groups if g.policy_version < oldest]
-                    groups = [g for g in groups if g.policy_version >= oldest]
-                    if stale and failure is not None:  # cannot be resampled any more; never streamed
-                        logger.warning("%s: %d stale groups not delivered after a failure", request.request_id, len(stale))
-                        continue
-                    if stale:
-                        for group in stale:
-                            stream.resample.put_nowait(group.prompt_index)
-                        awaiting += len(stale)
-                        stream.stats.resampled_groups += len(stale)
-                        logger.info("%s: batch %d: %d groups older than version %d resampled",
-                                    request.request_id, batch_index, len(stale), oldest)
-                        continue
-                batch, groups = groups[: config.groups_per_batch], groups[config.groups_per_batch :]
-                rollout, forward, rewards, metrics, actor_version = await self._prepare(batch, request)
-                state = self._runs.get(config.run_id, _initial_state(config)) if config.run_id else local_state
-                experience, state = estimate_experience(
-                    rollout, rewards, metrics, forward, config, state, batch_index, tuple(dropped)
-                )
-                if config.run_id:
-                    self._runs.put(config.run_id, state)
                 else:
-                    local_state = state
-                experience = experience._replace(
-                    actor_policy_version=actor_version,
-                    resampled_groups=stream.stats.resampled_groups - resampled_reported,
-                )
-                resampled_reported = stream.stats.resampled_groups
-                dropped.clear()
-                yield pack_experience(experience) if config.return_packed else experience
-                batch_index += 1
-            if failure is not None:
-                raise failure
+                    inbox.take(await stream.ready.get(), stream)
+            if inbox.failure is not None:
+                raise inbox.failure
         finally:
             for task in (producer, resampler):
                 task.cancel()
             await asyncio.gather(producer, resampler, return_exceptions=True)
+
+    async def _take_batch(self, stream: _Stream, inbox: _Inbox, batch_index: int) -> list[_ForwardedGroup]:
+        """The next batch's groups (all of them with rollout scope); [] when stale groups went back for resampling.
+
+        With ``max_staleness`` s, waits for policy version v0 + b - s first (the trainer's update) and sends every
+        forwarded group sampled before it back to the generator (dropped instead after a failure).
+        """
+        config = stream.request.config
+        if config.max_staleness is not None:
+            oldest = stream.start_version + batch_index - config.max_staleness
+            await self.policy.wait_for_version(oldest, stream.deadline)
+            stale = [g for g in inbox.forwarded if g.scored.policy_version < oldest]
+            if stale:
+                inbox.forwarded = [g for g in inbox.forwarded if g.scored.policy_version >= oldest]
+                if inbox.failure is not None:  # cannot be resampled any more; never streamed
+                    logger.warning("%s: %d stale groups not delivered after a failure",
+                                   stream.request.request_id, len(stale))
+                    stream.release(len(stale))
+                    return []
+                for group in stale:
+                    stream.resample.put_nowait(group.scored.prompt_index)
+                inbox.awaiting += len(stale)
+                stream.stats.resampled_groups += len(stale)
+                logger.info("%s: batch %d: %d groups older than version %d resampled",
+                            stream.request.request_id, batch_index, len(stale), oldest)
+                return []
+        size = len(inbox.forwarded) if config.rollout_scope else config.groups_per_batch
+        groups, inbox.forwarded = inbox.forwarded[:size], inbox.forwarded[size:]
+        return groups
 
     # ------------------------------------------------------------------------------------------------------------
     # Producer: generation rounds, per-group scoring, dynamic sampling, off-policy admission, resampling
@@ -346,6 +418,30 @@ class ExperienceMaker:
             await stream.ready.put(error)
 
     async def _run_round(self, stream: _Stream, indices: Sequence[int], resampled: bool = False) -> int:
+        """Generate and score ``indices``' groups; returns how many were kept.
+
+        Each prompt takes a window slot first (backpressure): the prompts whose slots are free now go to the
+        generator together, the rest as slots free up. Resampled groups reuse the slot they already hold.
+        """
+        if resampled or stream.window is None:
+            return await self._run_slice(stream, indices, resampled)
+        window, tasks, position = stream.window, [], 0
+        try:
+            async with asyncio.TaskGroup() as slices:
+                while position < len(indices):
+                    await window.acquire()
+                    count = 1
+                    while position + count < len(indices) and not window.locked():
+                        await window.acquire()  # a free slot: returns at once
+                        count += 1
+                    part = indices[position : position + count]
+                    tasks.append(slices.create_task(self._run_slice(stream, part, resampled)))
+                    position += count
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None
+        return sum(task.result() for task in tasks)
+
+    async def _run_slice(self, stream: _Stream, indices: Sequence[int], resampled: bool) -> int:
         """Generate and score ``indices``' groups; with aborting partial rollouts, groups an update interrupts
         are generated again under the new weights. Returns how many groups were kept."""
         remaining, kept = list(indices), 0
@@ -451,38 +547,66 @@ class ExperienceMaker:
     # Consumer: forwards
     # ------------------------------------------------------------------------------------------------------------
 
-    async def _prepare(
-        self, groups: list[_ScoredGroup], request: ExperienceRequest
-    ) -> tuple[Rollout, ForwardOutputs, torch.Tensor, dict[str, torch.Tensor], int]:
-        """The batch's rollout, forward outputs, rewards, metrics, and the actor version that scored it."""
-        completions = [c for g in groups for c in g.completions]
-        rollout = build_rollout(completions, request.prompts, self._pad_token_id)
-        rewards = torch.cat([g.scores.rewards.float() for g in groups])
-        names = sorted({name for g in groups for name in g.scores.metrics})
-        metrics = {
-            name: torch.cat([
-                g.scores.metrics[name].float() if name in g.scores.metrics
-                else torch.full((len(g.completions),), float("nan"))
-                for g in groups
-            ])
-            for name in names
-        }
+    async def _forward_ready(self, inbox: _Inbox, request: ExperienceRequest) -> list[_ForwardedGroup]:
+        """Run the forward passes on the scored groups that are ready, oldest first, up to a batch's rows (at
+        least the models' micro-batch and one group); they leave ``inbox.pending``."""
+        config, n = request.config, request.config.n_samples_per_prompt
+        budget = max(config.micro_rollout_batch_size, self._models.micro_batch_size, n)
+        count = max(1, min(len(inbox.pending), budget // n))
+        groups, inbox.pending = inbox.pending[:count], inbox.pending[count:]
         async with self._forward_lock:
-            forward = await asyncio.to_thread(self._forward, rollout, request.config)
+            forwards = await asyncio.to_thread(self._forward_groups, groups, request)
             actor_version = self._actor_version
-        return rollout, forward, rewards, metrics, actor_version
+        return [_ForwardedGroup(g, f, actor_version) for g, f in zip(groups, forwards, strict=True)]
+
+    def _forward_groups(self, groups: list[_ScoredGroup], request: ExperienceRequest) -> list[ForwardOutputs]:
+        """Per-group forward outputs (n, a_g) of ``groups`` (runs in a worker thread).
+
+        Padded forwards sort the rows by length first, so each micro-batch pads only to rows of similar length.
+        """
+        completions = [c for g in groups for c in g.completions]
+        order = list(range(len(completions)))
+        if not request.config.packing_samples:
+            order.sort(key=lambda i: len(completions[i].prompt_token_ids) + len(completions[i].output_token_ids))
+        rollout = build_rollout([completions[i] for i in order], request.prompts, self._pad_token_id)
+        forward = self._forward(rollout, request.config)
+        inverse = torch.empty(len(order), dtype=torch.int64)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        forward = ForwardOutputs(*(None if t is None else t[inverse] for t in forward))
+        widths = [max(1, max(len(c.output_token_ids) for c in g.completions)) for g in groups]
+        return split_forward(forward, [len(g.completions) for g in groups], widths)
 
     def _forward(self, rollout: Rollout, config: ExperienceConfig) -> ForwardOutputs:
         """Actor, reference (and critic) passes over the rollout's rows (runs in a worker thread)."""
-        parts = chunks(rollout, self._models.micro_batch_size, packed=config.packing_samples)
-        actor, entropy = self._models.actor.action_log_probs(parts, with_entropy=config.return_action_entropy)
-        reference, _ = self._models.reference.action_log_probs(parts)
+        models = self._models
+        parts = chunks(rollout, models.micro_batch_size, packed=config.packing_samples, share_prompt=models.share_prompt)
+        actor, entropy = models.actor.action_log_probs(parts, with_entropy=config.return_action_entropy)
+        reference, _ = models.reference.action_log_probs(parts)
         values = None
         if config.estimator.needs_critic:
-            if self._models.critic is None:
+            if models.critic is None:
                 raise ValueError("gae needs a critic")  # request validation rejects this first
-            values = self._models.critic.values(parts)
+            values = models.critic.values(parts)
         return ForwardOutputs(actor, reference, values, entropy)
+
+    def _assemble(
+        self, groups: list[_ForwardedGroup], request: ExperienceRequest
+    ) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor], ForwardOutputs]:
+        """A batch's rollout, rewards (B,), reward metrics (B,) each (NaN for rows whose scorer lacks one) and
+        forward outputs (B, A), from its forwarded groups in order."""
+        rollout = build_rollout([c for g in groups for c in g.scored.completions], request.prompts, self._pad_token_id)
+        forward = concat_forward([g.forward for g in groups], rollout.action_mask.shape[1])
+        scores = [g.scored.scores for g in groups]
+        rewards = torch.cat([s.rewards.float() for s in scores])
+        names = sorted({name for s in scores for name in s.metrics})
+        metrics = {
+            name: torch.cat([
+                s.metrics[name].float() if name in s.metrics else torch.full((len(s.rewards),), float("nan"))
+                for s in scores
+            ])
+            for name in names
+        }
+        return rollout, rewards, metrics, forward
 
 
 def _initial_state(config: ExperienceConfig) -> RunState:

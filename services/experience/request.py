@@ -94,6 +94,12 @@ class ExperienceConfig:
     return_packed: bool = False
     max_staleness: int | None = None  # off-policy bound in policy versions (None: unbounded)
     abort_partial_rollouts: bool = False  # PARTIAL_ROLLOUT_ABORT: resample generations an update interrupts
+    normalization_scope: str = "batch"  # "batch" | "rollout": rows advantages_norm / reward_running_norm cover
+
+    @property
+    def rollout_scope(self) -> bool:
+        """Whether batch-wide statistics cover the whole request (nothing streams before the last group)."""
+        return self.normalization_scope == "rollout"
 
     @property
     def groups_per_batch(self) -> int:
@@ -187,7 +193,20 @@ def _decode_config(
         return_packed=message.return_packed,
         max_staleness=_decode_max_staleness(message),
         abort_partial_rollouts=_decode_partial_rollout(message.partial_rollout),
+        normalization_scope=_decode_normalization_scope(message),
     )
+
+
+def _decode_normalization_scope(message: experience_pb2.MakeExperiencesRequest) -> str:
+    scope = message.normalization_scope
+    if scope not in experience_pb2.NormalizationScope.values():
+        raise InvalidRequest("normalization_scope", f"unknown value {scope}")
+    if scope == experience_pb2.NORMALIZATION_SCOPE_ROLLOUT and message.HasField("max_staleness"):
+        raise InvalidRequest(
+            "normalization_scope",
+            "ROLLOUT waits for the whole request before streaming; max_staleness needs batches to stream first",
+        )
+    return "rollout" if scope == experience_pb2.NORMALIZATION_SCOPE_ROLLOUT else "batch"
 
 
 def _decode_max_staleness(message: experience_pb2.MakeExperiencesRequest) -> int | None:

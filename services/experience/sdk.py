@@ -74,6 +74,7 @@ def build_request(
     return_packed: bool = False,
     max_staleness: int | None = None,
     partial_rollout: Literal["finish", "abort"] = "finish",
+    normalization_scope: Literal["batch", "rollout"] = "batch",
     request_id: str = "",
 ) -> experience_pb2.MakeExperiencesRequest:
     """A ``MakeExperiencesRequest`` from Python values (names and meanings as in ``experience.proto``).
@@ -83,6 +84,8 @@ def build_request(
     adaptive. Statistics of ``reward_running_norm`` and an adaptive beta persist across requests with one
     ``run_id``. ``max_staleness`` bounds off-policy streaming (the trainer calls :meth:`ExperienceClient.update_weights`
     once per batch); ``partial_rollout`` says what happens to generations in flight across an update.
+    ``normalization_scope="rollout"`` takes ``advantages_norm``/``reward_running_norm`` statistics over the whole
+    request (streaming starts after the last group) instead of each batch.
 
     Raises:
         ValueError: ``references``/``labels`` given with a length other than ``len(prompts)``.
@@ -137,6 +140,7 @@ def build_request(
         return_packed=return_packed,
         max_staleness=max_staleness,
         partial_rollout=experience_pb2.PartialRollout.Value(f"PARTIAL_ROLLOUT_{partial_rollout.upper()}"),
+        normalization_scope=experience_pb2.NormalizationScope.Value(f"NORMALIZATION_SCOPE_{normalization_scope.upper()}"),
     )
 
 

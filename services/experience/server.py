@@ -56,7 +56,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     critic = None
     if settings.critic_model:
         critic = ValueModel.load(resolve_model(settings.critic_model), dtype=settings.dtype, device=settings.device)
-    models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size)
+    models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, settings.forward_share_prompt)
     tokenizer = AutoTokenizer.from_pretrained(actor_path)
     info = await generator.model_info(settings.connect_timeout_s)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -68,7 +68,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         )
     maker = ExperienceMaker(
         generator, scorer, models, pad_token_id=pad, runs=RunStore(settings.max_runs),
-        policy=PolicyState(info.policy_version),
+        policy=PolicyState(info.policy_version), max_groups_ahead=settings.max_groups_ahead,
     )
     servicer = ExperienceServicer(
         maker, tokenizer, settings.request_limits(), info.max_model_len, settings.weights_staging_dir

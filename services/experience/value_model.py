@@ -111,7 +111,7 @@ class ValueModel:
         for chunk in chunks:
             hidden = self._backbone(
                 input_ids=chunk.input_ids.to(device),
-                attention_mask=None if chunk.attention_mask is None else chunk.attention_mask.to(device),
+                attention_mask=chunk.model_mask(self._backbone.dtype, device),
                 position_ids=chunk.position_ids.to(device),
                 use_cache=False,
             ).last_hidden_state[:, chunk.hidden_index.to(device)]

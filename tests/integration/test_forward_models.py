@@ -1,4 +1,5 @@
-"""Actor/reference/critic forwards on a real (tiny) Llama: packed rows equal padded rows; critic checkpoints load."""
+"""Actor/reference/critic forwards on a real (tiny) Llama: packed and shared-prompt rows equal padded rows; critic
+checkpoints load."""
 
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ def _rollout():
     return build_rollout(records, specs, PAD)
 
 
+def _group_rollout():
+    """Two prompt groups of three samples (rows of a group consecutive), one with an empty response."""
+    prompts = [(11, 12, 13, 14, 15), (21, 22, 23)]
+    responses = [[(101, 102), (103,), (104, 105, 106, 107)], [(201, 202, 203), (), (204, 205)]]
+    specs = tuple(PromptSpec(f"p{i}", p, "", "") for i, p in enumerate(prompts))
+    records = [
+        CompletionRecord(i, s, prompts[i], r, np.zeros(len(r), np.float32), "stop", "x", 0)
+        for i, group in enumerate(responses) for s, r in enumerate(group)
+    ]
+    return build_rollout(records, specs, PAD)
+
+
 @pytest.fixture(scope="module")
 def actor(tiny_model_path):
     return LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
@@ -48,6 +61,20 @@ def test_packed_forward_equals_padded_forward(actor, micro_batch_size):
     # entropy is between 0 and log(V) and log-probs are <= 0
     assert torch.all(packed_entropy[mask] >= 0) and torch.all(packed_entropy[mask] <= np.log(49152) + 1e-4)
     assert torch.all(packed[mask] <= 0)
+
+
+@pytest.mark.parametrize("micro_batch_size", [2, 3, 6])  # 2: a group split across chunks
+def test_shared_prompt_forward_equals_padded_forward(actor, micro_batch_size):
+    rollout = _group_rollout()
+    mask = rollout.action_mask
+    padded, padded_entropy = actor.action_log_probs(chunks(rollout, micro_batch_size, packed=False), True)
+    parts = chunks(rollout, micro_batch_size, packed=True, share_prompt=True)
+    shared, shared_entropy = actor.action_log_probs(parts, True)
+    assert torch.allclose(padded[mask], shared[mask], atol=1e-5)
+    assert torch.allclose(padded_entropy[mask], shared_entropy[mask], atol=1e-5)
+    assert torch.all(shared[~mask] == 0)
+    if micro_batch_size == 6:  # each prompt once: 5 + 3 prompt tokens + 7 + 5 response tokens
+        assert parts[0].input_ids.shape == (1, 20)
 
 
 def test_packed_rows_do_not_attend_to_each_other(actor):
@@ -71,6 +98,10 @@ def test_critic_checkpoint_round_trip_and_init(tiny_model_path, tmp_path):
     packed = critic.values(chunks(rollout, 2, packed=True))
     mask = rollout.action_mask
     assert padded.shape == mask.shape and torch.allclose(padded[mask], packed[mask], atol=1e-5)
+    groups = _group_rollout()
+    shared = critic.values(chunks(groups, 6, packed=True, share_prompt=True))
+    alone = critic.values(chunks(groups, 6, packed=False))
+    assert torch.allclose(shared[groups.action_mask], alone[groups.action_mask], atol=1e-5)
     # by hand: V at the hidden state that precedes action j, with the saved head
     with torch.no_grad():
         row = rollout.sequences[1][rollout.attention_mask[1].bool()].unsqueeze(0)
@@ -129,5 +160,5 @@ def test_packing_benchmark_smoke(tiny_model_path):
     from benchmarks import packing
 
     figures = packing.run(tiny_model_path, rows=4, max_response=12, micro_batch_size=2, repeats=1, dtype="float32")
-    assert {"packing_forward_speedup", "packing_padding_fraction", "packing_max_abs_logprob_diff"} <= set(figures)
+    assert {"packed_vs_padded", "packing_padding_fraction", "packing_max_abs_logprob_diff"} <= set(figures)
     assert 0 < figures["packing_padding_fraction"] < 1 and figures["packing_max_abs_logprob_diff"] < 1e-4

@@ -82,6 +82,7 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
         (_request(dynamic_sampling_num_groups=1, dynamic_sampling_max_extra_rounds=17),
          "dynamic_sampling.max_extra_rounds", "at most 16"),
         (_request(run_id="r" * 257), "run_id", "at most 256"),
+        (_request(normalization_scope="rollout", max_staleness=1), "normalization_scope", "max_staleness"),
     ],
 )
 def test_bad_input_names_the_field(tokenizer, request_, field, why):
@@ -97,7 +98,7 @@ def test_all_options_decode_into_the_config(tokenizer):
         reward_running_norm=True, reward_running_norm_minus_mean=True, reward_clip=5.0, overlong_buffer_len=16,
         overlong_buffer_penalty_factor=0.5, advantages_norm=True, advantage_clip=2.0, dynamic_sampling_num_groups=2,
         dynamic_sampling_max_extra_rounds=1, run_id="run-7", return_action_entropy=True, packing_samples=True,
-        return_packed=True, sampling=Sampling(max_new_tokens=64),
+        return_packed=True, normalization_scope="rollout", sampling=Sampling(max_new_tokens=64),
     )
     config = decode_request(message, tokenizer, LIMITS, MAX_MODEL_LEN, has_critic=True).config
     assert (config.gamma, config.lambd) == (0.0, pytest.approx(0.95))
@@ -108,6 +109,7 @@ def test_all_options_decode_into_the_config(tokenizer):
     assert (config.dynamic_sampling.num_groups, config.dynamic_sampling.max_extra_rounds) == (2, 1)
     assert config.run_id == "run-7" and config.return_action_entropy and config.packing_samples
     assert config.return_packed and config.estimator.needs_critic
+    assert config.normalization_scope == "rollout" and config.rollout_scope
 
 
 def test_defaults_are_the_seeds(tokenizer):
@@ -116,6 +118,7 @@ def test_defaults_are_the_seeds(tokenizer):
                                                                                       None)
     assert config.reward.overlong_buffer_len == 0 and config.dynamic_sampling is None
     assert not config.advantage.advantages_norm and config.advantage.advantage_clip == 0.0
+    assert config.normalization_scope == "batch" and not config.rollout_scope
 
 
 def test_reinforce_accepts_a_single_sample(tokenizer):

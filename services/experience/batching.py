@@ -1,0 +1,102 @@
+"""Per-group pieces into ExperienceBatches and back (pure).
+
+The pipeline runs forward passes on whatever prompt groups are ready, so a batch's forward outputs arrive as
+per-group pieces, each padded only to its own group's response length ``a``; :func:`concat_forward` re-pads them
+to the batch's A. With ``normalization_scope = ROLLOUT`` the experience of the whole request is estimated at once
+and :func:`split_experience` cuts it into batches, trimming the padding each batch does not need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.experience.types import Experience, ForwardOutputs
+
+#: (B, A) fields of an Experience; (B, S) fields are ``sequences`` and ``attention_mask``.
+_ACTION_FIELDS = frozenset({
+    "action_mask", "action_log_probs", "base_action_log_probs", "values", "returns", "advantages", "kl",
+    "rollout_log_probs", "action_entropy",
+})
+_SEQUENCE_FIELDS = frozenset({"sequences", "attention_mask"})
+#: per-row (B,) tensors and tuples
+_ROW_FIELDS = frozenset({
+    "reward", "response_length", "total_length", "shaped_reward", "prompt_index", "sample_index", "prompt_texts",
+    "response_texts", "policy_version",
+})
+
+
+def pad_actions(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad (rows, a) to (rows, ``width``) with zeros (``width >= a``)."""
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+
+
+def concat_forward(parts: Sequence[ForwardOutputs], width: int) -> ForwardOutputs:
+    """Stack per-group forward outputs (rows_g, a_g) into (sum rows_g, ``width``), zero on the added padding.
+
+    ``values``/``action_entropy`` must be present in every part or in none.
+    """
+
+    def cat(name: str) -> torch.Tensor | None:
+        tensors = [getattr(part, name) for part in parts]
+        if all(t is None for t in tensors):
+            return None
+        return torch.cat([pad_actions(t, width) for t in tensors])
+
+    return ForwardOutputs(*(cat(name) for name in ForwardOutputs._fields))
+
+
+def split_forward(forward: ForwardOutputs, rows: Sequence[int], widths: Sequence[int]) -> list[ForwardOutputs]:
+    """Cut (B, A) forward outputs into consecutive pieces of ``rows[i]`` rows, each trimmed to ``widths[i]``."""
+    pieces, start = [], 0
+    for count, width in zip(rows, widths, strict=True):
+        pieces.append(ForwardOutputs(*(
+            None if t is None else t[start : start + count, :width].contiguous() for t in forward
+        )))
+        start += count
+    if start != forward.action_log_probs.shape[0]:
+        raise ValueError(f"pieces cover {start} rows of {forward.action_log_probs.shape[0]}")
+    return pieces
+
+
+def split_experience(experience: Experience, rows_per_batch: int) -> list[Experience]:
+    """Cut a padded Experience into consecutive batches of ``rows_per_batch`` rows (the last may be shorter).
+
+    Each batch keeps the fields of the whole (scalars, ``kl_coef``, clip fractions, the normalization statistics)
+    and gets ``batch_index`` = its position after the first's; ``dropped_prompt_indices`` and
+    ``resampled_groups`` go with the first batch only. Each batch's (B, S) and (B, A) tensors are trimmed to the
+    widest prompt and response among its own rows (A >= 1), so it is laid out as if it had been built alone.
+
+    Raises:
+        ValueError: ``experience`` is in the packed layout, or ``rows_per_batch < 1``.
+    """
+    if experience.packed_seq_lens is not None:
+        raise ValueError("split_experience takes the padded layout")
+    if rows_per_batch < 1:
+        raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
+    total = experience.reward.shape[0]
+    prompt_width = experience.sequences.shape[1] - experience.action_mask.shape[1]
+    batches = []
+    for number, start in enumerate(range(0, total, rows_per_batch)):
+        rows = slice(start, min(total, start + rows_per_batch))
+        response_length = experience.response_length[rows]
+        num_actions = max(1, int(response_length.max()))
+        left = prompt_width - int((experience.total_length[rows] - response_length).max())
+        fields = {}
+        for name, value in zip(Experience._fields, experience, strict=True):
+            if name in _SEQUENCE_FIELDS:
+                value = value[rows, left : prompt_width + num_actions]
+            elif name in _ACTION_FIELDS:
+                value = None if value is None else value[rows, :num_actions]
+            elif name == "reward_metrics":
+                value = {key: metric[rows] for key, metric in value.items()}
+            elif name in _ROW_FIELDS:
+                value = value[rows]
+            fields[name] = value
+        fields["batch_index"] = experience.batch_index + number
+        if number:
+            fields["dropped_prompt_indices"] = ()
+            fields["resampled_groups"] = 0
+        batches.append(Experience(**fields))
+    return batches
