@@ -55,12 +55,14 @@ def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | Non
 class LocalCluster:
     """Generator, scorer and experience processes on loopback ports; a context manager.
 
+    ``services`` picks which of the three to run (a benchmark may want the generator alone).
     ``overrides`` maps a service name to settings fields (``{"generator": {"backend": "hf"}}``), passed to each
     process as ``FASTEXP_<SERVICE>_<FIELD>`` environment variables; ``config_file`` is passed as ``--config``.
     """
 
     host: str = "127.0.0.1"
     ports: Mapping[str, int] | None = None
+    services: tuple[str, ...] = SERVICES
     config_file: Path | None = None
     overrides: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     start_timeout_s: float = 600.0
@@ -74,11 +76,11 @@ class LocalCluster:
         return f"{self.host}:{self.ports[service]}"
 
     def start(self) -> LocalCluster:
-        """Start all three and wait until each is SERVING (the experience service waits for the generator)."""
+        """Start the services and wait until each is SERVING (the experience service waits for the generator)."""
         try:
-            for name in SERVICES:
+            for name in self.services:
                 self._spawn(name)
-            for name in SERVICES:
+            for name in self.services:
                 wait_serving(self.address(name), self.start_timeout_s, self.processes[name])
         except BaseException:
             self.stop()

@@ -35,6 +35,7 @@ def build_engine(settings: GeneratorSettings) -> GenerationEngine:
             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             enforce_eager=settings.enforce_eager,
+            max_num_seqs=settings.max_num_seqs,
         )
     from services.generator.hf_engine import HFEngine
 

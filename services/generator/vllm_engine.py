@@ -27,6 +27,44 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def engine_options(
+    model: str,
+    *,
+    dtype: str = "bfloat16",
+    max_model_len: int = 2048,
+    seed: int = 0,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    enforce_eager: bool = True,
+    max_num_seqs: int | None = None,
+) -> dict[str, Any]:
+    """vLLM engine arguments of the generator (``AsyncEngineArgs``/``LLM`` keywords); benchmarks build their
+    in-process baseline from the same dict.
+
+    Args:
+        model: model folder (or hub id where a hub is reachable).
+        kv_cache_memory_bytes: KV-cache size in bytes (host memory on CPU); ``None`` uses
+            ``gpu_memory_utilization`` of the device's memory instead.
+        max_num_seqs: most sequences in one scheduler step (``None``: vLLM's default).
+    """
+    options: dict[str, Any] = dict(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        worker_extension_cls="services.generator.vllm_worker.WeightLoaderExtension",
+        logits_processors=["services.generator.vllm_logits:FirstTokenTemperature"],
+    )
+    if max_num_seqs is not None:
+        options["max_num_seqs"] = max_num_seqs
+    return options
+
+
 class VLLMEngine:
     """A :class:`~services.generator.engine.GenerationEngine` on vLLM's ``AsyncLLM``."""
 
@@ -39,40 +77,15 @@ class VLLMEngine:
         self._live.set()
 
     @classmethod
-    def start(
-        cls,
-        model: str,
-        *,
-        dtype: str = "bfloat16",
-        max_model_len: int = 2048,
-        seed: int = 0,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = True,
-    ) -> VLLMEngine:
+    def start(cls, model: str, **options: Any) -> VLLMEngine:
         """Start the engine (spawns vLLM's engine-core process; call from a ``__main__``-guarded program).
 
-        Args:
-            model: model folder (or hub id where a hub is reachable).
-            kv_cache_memory_bytes: KV-cache size in bytes (host memory on CPU); ``None`` uses
-                ``gpu_memory_utilization`` of the device's memory instead.
+        ``options``: keyword arguments of :func:`engine_options` (dtype, max_model_len, seed, KV size, ...).
         """
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
-            model=model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=True,
-            disable_log_stats=True,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            worker_extension_cls="services.generator.vllm_worker.WeightLoaderExtension",
-            logits_processors=["services.generator.vllm_logits:FirstTokenTemperature"],
-        )
+        args = AsyncEngineArgs(**engine_options(model, **options))
         engine = AsyncLLM.from_engine_args(args)
         tokenizer = engine.get_tokenizer()
         eos = tokenizer.eos_token_id
