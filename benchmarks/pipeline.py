@@ -69,8 +69,10 @@ def run(model: str, workload: Workload, log_dir: Path) -> dict:
 
     problems = reasoning_gym_problems("gsm_symbolic", workload.num_prompts, seed=workload.seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
+    # rendered and tokenized as the experience service does (request.decode_request), so all runs see the same ids
     prompt_ids = [
-        list(tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=True))
+        tokenizer(tokenizer.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False),
+                  add_special_tokens=False)["input_ids"]
         for p in problems
     ]
     engine = {
@@ -140,7 +142,7 @@ def _generate(address: str, prompt_ids: Sequence[Sequence[int]], n: int, samplin
     with grpc.insecure_channel(address, options=grpc_options(MAX_MESSAGE_BYTES)) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         started = time.perf_counter()
-        tokens = sum(len(c.output_token_ids) for c in stub.Generate(request, timeout=3600))
+        tokens = sum(len(c.output_token_ids) for r in stub.Generate(request, timeout=3600) for c in r.completions)
         seconds = time.perf_counter() - started
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
@@ -154,6 +156,7 @@ def _make_experiences(address: str, problems, workload: Workload, sampling: Samp
             [list(p.messages) for p in problems], references=[p.reference for p in problems],
             n_samples_per_prompt=workload.n_samples_per_prompt, sampling=sampling,
             advantage_estimator="group_norm", micro_rollout_batch_size=workload.n_samples_per_prompt,
+            packing_samples=True,
         ):
             arrivals.append(time.perf_counter() - started)
             batches.append(experience)

@@ -77,6 +77,7 @@ def _stream(client: ExperienceClient, problems, options: DemoOptions) -> dict:
         n_samples_per_prompt=options.n_samples_per_prompt,
         sampling=Sampling(temperature=1.0, max_new_tokens=options.max_new_tokens),
         advantage_estimator=options.advantage_estimator,
+        packing_samples=True,  # packed forwards, each group's prompt computed once
     )
     with (options.out / "experiences.jsonl").open("w") as jsonl, tqdm(
         total=len(problems), unit="prompt", desc="experiences"

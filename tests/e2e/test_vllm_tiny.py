@@ -181,3 +181,18 @@ def test_weight_update_inside_the_running_vllm_engine(cluster, tiny_model_path):
     # the bf16 engine against an fp32 forward: near the new weights (bf16 rounding of large perturbed logits;
     # measured 0.10) and far from the old ones (measured 6.7)
     assert to_new < 0.25 and to_old > 10 * to_new, (to_new, to_old)
+
+
+def test_seeded_requests_larger_than_one_prefill_step_leave_the_engine_alive(cluster):
+    # 24 prompts x 2 samples of ~300 tokens: more prefill than one scheduler step takes. With chunked prefill,
+    # vLLM rewinds a seeded request's CPU generator and the engine dies; the generator turns that off on CPU.
+    prompts = ["hello " * 300] * 24
+    with ExperienceClient(cluster.address("experience"), timeout_s=300) as client:
+        batches = list(client.make_experiences(
+            prompts, references=["1"] * 24, n_samples_per_prompt=2, micro_rollout_batch_size=16,
+            sampling=Sampling(max_new_tokens=4, seed=8), advantage_estimator="rloo",
+        ))
+        assert sum(len(e.reward) for e in batches) == 48
+        assert min(int(e.total_length.min()) for e in batches) > 250
+        assert len(list(client.make_experiences(["What is 1 + 1?"], n_samples_per_prompt=2,
+                                                sampling=Sampling(max_new_tokens=4, seed=9)))) == 1

@@ -1,0 +1,33 @@
+"""``make bench`` in small: every benchmark runs end to end and writes its figures (a smoke test; no thresholds,
+the small sizes measure nothing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import run
+
+pytestmark = [pytest.mark.vllm, pytest.mark.smollm2]
+
+FIGURES = {
+    "generator_service_vs_inprocess_vllm", "first_batch_vs_last", "experience_overhead_vs_generation",
+    "stream_vs_raw_bytes", "vllm_vs_hf", "packed_vs_padded", "gae_vectorized_speedup", "gae_max_abs_error",
+}
+
+
+def test_benchmarks_run_and_write_every_figure(tmp_path):
+    results = run.measure(tmp_path, small=True)
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert set(written) >= FIGURES and written["small"] is True
+    for key in FIGURES - {"experience_overhead_vs_generation"}:  # that one is a difference: any sign
+        assert isinstance(written[key], float) and written[key] > 0, key
+    assert written["machine"]["cores"] and written["machine"]["model"] == "smollm2-135m-instruct"
+    # the streamed experiences covered every prompt group, and the two generation runs sampled tokens
+    inputs = results["pipeline_inputs"]
+    assert inputs["experience_natural"]["batches"] == run.SMALL_WORKLOAD.num_prompts
+    assert inputs["generator_service_vllm_fixed"]["tokens"] == (
+        run.SMALL_WORKLOAD.num_prompts * run.SMALL_WORKLOAD.n_samples_per_prompt * run.SMALL_WORKLOAD.max_new_tokens
+    )
+    assert "| first_batch_vs_last |" in (tmp_path / "results.md").read_text()
