@@ -10,7 +10,7 @@ PROTO_SRC := $(wildcard proto/fastexp/v1/*.proto)
 PROTO_STAMP := fastexp/v1/.generated
 PYTEST_ARGS ?=
 
-.PHONY: venv proto test demo bench lint clean up
+.PHONY: venv proto test demo bench profile lint clean up
 
 venv: $(STAMP)
 
@@ -44,6 +44,13 @@ demo: $(PROTO_STAMP)
 
 bench: $(PROTO_STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# Where one `make demo` spends CPU time, every process sampled (py-spy); summary in out/profile/report.md.
+profile: $(PROTO_STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check py-spy==0.4.3
+	mkdir -p out/profile
+	$(BIN)/py-spy record --subprocesses --rate 50 --format raw -o out/profile/demo.txt -- $(BIN)/fastexp demo
+	$(BIN)/python -m benchmarks.profile_report out/profile/demo.txt --rate 50 --out out/profile/report.md
 
 up: $(PROTO_STAMP)
 	$(BIN)/fastexp up

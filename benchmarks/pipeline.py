@@ -61,6 +61,7 @@ class Workload:
     max_model_len: int = 1024
     seed: int = 0
     stream_replays: int = 20  # times the experience batches are replayed for ratio 4
+    experience_threads: int | None = 1  # the experience service's torch threads (None: one per core)
 
 
 def run(model: str, workload: Workload, log_dir: Path) -> dict:
@@ -85,7 +86,8 @@ def run(model: str, workload: Workload, log_dir: Path) -> dict:
     offline = _offline_vllm(model, engine, prompt_ids, workload, fixed, log_dir)
     overrides = {
         "generator": {"model": model, "backend": "vllm", **engine},
-        "experience": {"actor_model": model, "reference_model": model},
+        # the forwards share the host's cores with the CPU engine: one thread avoids oversubscribing them
+        "experience": {"actor_model": model, "reference_model": model, "torch_threads": workload.experience_threads},
     }
     with LocalCluster(overrides=overrides, log_dir=log_dir / "vllm") as cluster:
         generator = cluster.address("generator")

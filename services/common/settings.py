@@ -173,6 +173,10 @@ class ExperienceSettings(_GenerationLimits):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = Field("cpu", description="torch device for actor/reference forward passes")
     forward_micro_batch_size: int = Field(8, ge=1, description="rows per actor/reference/critic forward pass (packed or padded)")
+    torch_threads: int | None = Field(
+        None, ge=1, description="CPU threads of the forward passes (None: torch's default, one per core); on a host "
+        "whose cores a CPU inference engine also uses, fewer avoid oversubscribing them",
+    )
     forward_share_prompt: bool = Field(
         True, description="packed forwards (packing_samples) compute each prompt group's prompt once, not n times"
     )

@@ -43,8 +43,11 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     Raises:
         NotReady: the generator did not answer within ``connect_timeout_s``.
     """
+    import torch
     from transformers import AutoTokenizer
 
+    if settings.torch_threads is not None:
+        torch.set_num_threads(settings.torch_threads)
     generator_channel = open_channel(settings.generator_address, settings.max_message_bytes)
     scorer_channel = open_channel(settings.scorer_address, settings.max_message_bytes)
     generator = GeneratorClient(generator_channel, settings.generate_timeout_s, settings.update_weights_timeout_s)
