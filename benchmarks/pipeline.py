@@ -19,14 +19,16 @@ Figures (each a ratio of two timings taken here, in this run):
 3. ``experience_overhead_vs_generation``: (time to the last ExperienceBatch - natural generation time) /
    natural generation time: what scoring, the reference/actor forwards and streaming add to generation.
 4. ``stream_vs_raw_bytes``: MB/s of the experience stream (the servicer's encoder, gRPC, the SDK's decoder into
-   tensors; the ExperienceBatches of run 2 replayed) / MB/s of the same serialized bytes sent as raw bytes over
-   the same channel (no encoding or decoding).
+   tensors; the ExperienceBatches of run 2 replayed by a server process of its own) / MB/s of the same
+   serialized bytes sent as raw bytes over the same channel (no encoding or decoding).
 5. ``vllm_vs_hf``: generator-service tokens/s with the vLLM backend / with the HF backend (fixed length).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,7 +62,7 @@ class Workload:
     kv_cache_memory_bytes: int = 2 * 1024**3
     max_model_len: int = 1024
     seed: int = 0
-    stream_replays: int = 20  # times the experience batches are replayed for ratio 4
+    stream_replays: int = 100  # times the experience batches are replayed for ratio 4
     experience_threads: int | None = 1  # the experience service's torch threads (None: one per core)
 
 
@@ -174,14 +176,54 @@ def _make_experiences(address: str, problems, workload: Workload, sampling: Samp
 # ---------------------------------------------------------------------------------------------------------------
 
 _SERVICE = "fastexp.bench.StreamBench"
+_STREAM_ROUNDS = 3
 
 
 def stream_vs_raw(batches: Sequence[Experience], replays: int) -> dict:
-    """Stream ``batches`` ``replays`` times as ExperienceBatch (encoded per message on the server, decoded into
-    tensors on the client) and their serialized bytes as raw messages, over one loopback channel; MB/s of each
-    (MB = 10^6 bytes of serialized ExperienceBatch)."""
+    """Stream ``batches`` ``replays`` times as ExperienceBatch (encoded per message by the server, decoded into
+    tensors by the client) and their serialized bytes as raw messages, over one loopback channel; MB/s of each
+    (MB = 10^6 bytes of serialized ExperienceBatch), the median of ``_STREAM_ROUNDS`` alternated rounds.
+
+    The server runs in a process of its own, as the experience service does: in one process the encoder and the
+    decoder would take turns on one interpreter lock, which a trainer and the service never share.
+    """
     blobs = [experience_to_pb(e).SerializeToString() for e in batches]
     total = sum(len(b) for b in blobs) * replays
+    context = multiprocessing.get_context("spawn")
+    ports = context.Queue()
+    server = context.Process(target=_serve_stream, args=(blobs, replays, ports), daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=120)
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=grpc_options(MAX_MESSAGE_BYTES)) as channel:
+            decode = channel.unary_stream(f"/{_SERVICE}/Experiences", request_serializer=_identity,
+                                          response_deserializer=experience_pb2.ExperienceBatch.FromString)
+            plain = channel.unary_stream(f"/{_SERVICE}/Raw", request_serializer=_identity,
+                                         response_deserializer=_identity)
+            _consume(plain, lambda blob: None)  # warm the channel and the server up
+            _consume(decode, experience_from_pb)
+            raw_runs, experience_runs = [], []
+            for _ in range(_STREAM_ROUNDS):  # alternated, so drift on the machine touches both alike
+                raw_runs.append(_consume(plain, lambda blob: None))
+                experience_runs.append(_consume(decode, experience_from_pb))
+            raw_s, experience_s = statistics.median(raw_runs), statistics.median(experience_runs)
+    finally:
+        server.terminate()
+        server.join(timeout=30)
+    return {
+        "bytes": total, "messages": len(blobs) * replays,
+        "experience_mb_per_s": total / experience_s / 1e6, "raw_mb_per_s": total / raw_s / 1e6,
+    }
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def _serve_stream(blobs: list[bytes], replays: int, ports) -> None:
+    """The ratio-4 server (child process): ``Experiences`` encodes each Experience per message as the servicer
+    does; ``Raw`` sends the already-serialized bytes."""
+    batches = [experience_from_pb(experience_pb2.ExperienceBatch.FromString(b)) for b in blobs]
 
     def experiences(_request: bytes, _context) -> Iterator[experience_pb2.ExperienceBatch]:
         for _ in range(replays):
@@ -192,33 +234,17 @@ def stream_vs_raw(batches: Sequence[Experience], replays: int) -> dict:
         for _ in range(replays):
             yield from blobs
 
-    def identity(data: bytes) -> bytes:
-        return data
-
     handler = grpc.method_handlers_generic_handler(_SERVICE, {
         "Experiences": grpc.unary_stream_rpc_method_handler(
-            experiences, request_deserializer=identity, response_serializer=lambda m: m.SerializeToString()),
-        "Raw": grpc.unary_stream_rpc_method_handler(raw, request_deserializer=identity, response_serializer=identity),
+            experiences, request_deserializer=_identity, response_serializer=lambda m: m.SerializeToString()),
+        "Raw": grpc.unary_stream_rpc_method_handler(raw, request_deserializer=_identity,
+                                                    response_serializer=_identity),
     })
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=grpc_options(MAX_MESSAGE_BYTES))
     server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
+    ports.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=grpc_options(MAX_MESSAGE_BYTES)) as channel:
-            decode = channel.unary_stream(f"/{_SERVICE}/Experiences", request_serializer=identity,
-                                          response_deserializer=experience_pb2.ExperienceBatch.FromString)
-            plain = channel.unary_stream(f"/{_SERVICE}/Raw", request_serializer=identity,
-                                         response_deserializer=identity)
-            _consume(plain, lambda blob: None)  # warm the channel up
-            raw_s = _consume(plain, lambda blob: None)
-            experience_s = _consume(decode, experience_from_pb)
-    finally:
-        server.stop(grace=None)
-    return {
-        "bytes": total, "messages": len(blobs) * replays,
-        "experience_mb_per_s": total / experience_s / 1e6, "raw_mb_per_s": total / raw_s / 1e6,
-    }
+    server.wait_for_termination()
 
 
 def _consume(method, handle) -> float:

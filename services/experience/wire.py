@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fastexp.v1 import experience_pb2
-from services.common.tensor_codec import from_torch, to_torch
+from services.common.tensor_codec import to_torch, write_torch
 from services.experience.types import Experience
 
 _TENSORS = (
@@ -31,12 +31,12 @@ def experience_to_pb(experience: Experience) -> experience_pb2.ExperienceBatch:
         **{name: getattr(experience, name) for name in _SCALARS},
     )
     for name in _TENSORS:
-        getattr(message, name).CopyFrom(from_torch(getattr(experience, name)))
+        write_torch(getattr(experience, name), getattr(message, name))
     for name in _OPTIONAL_TENSORS:
         if getattr(experience, name) is not None:
-            getattr(message, name).CopyFrom(from_torch(getattr(experience, name)))
+            write_torch(getattr(experience, name), getattr(message, name))
     for name, values in experience.reward_metrics.items():
-        message.reward_metrics[name].CopyFrom(from_torch(values))
+        write_torch(values, message.reward_metrics[name])
     return message
 
 

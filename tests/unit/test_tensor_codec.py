@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fastexp.v1 import tensor_pb2
-from services.common.tensor_codec import TensorDecodeError, from_numpy, from_torch, to_numpy, to_torch
+from services.common.tensor_codec import TensorDecodeError, from_numpy, from_torch, to_numpy, to_torch, write_torch
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,18 @@ def test_malformed_messages_are_rejected():
         to_numpy(tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_UINT8, shape=[-1], data=b""))
     with pytest.raises(TypeError):
         from_numpy(np.array(["a"]))
+
+
+def test_write_torch_replaces_a_field_in_place_and_takes_any_layout():
+    holder = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64, shape=[7, 7], data=b"\0" * 392)
+    source = torch.arange(12, dtype=torch.float32).reshape(3, 4).T.requires_grad_()  # strided, needs grad
+    write_torch(source, holder)
+    assert holder.shape == [4, 3] and holder.dtype == tensor_pb2.DTYPE_FLOAT32
+    assert torch.equal(to_torch(holder), source.detach())
+
+
+def test_decoded_tensor_owns_writable_memory():
+    message = from_torch(torch.ones(3))
+    decoded = to_torch(message)
+    decoded += 1  # would fail on a read-only view of the message's bytes
+    assert torch.equal(to_torch(message), torch.ones(3))
