@@ -30,13 +30,21 @@ def _frame_name(frame: str) -> str:
     return f"{match['function']} ({path})"
 
 
-def _process_name(header: str) -> str:
-    command = header.split(":", 1)[-1].strip('"')
-    if "fastexp.cli serve" in command:
-        return "service " + command.split("fastexp.cli serve", 1)[1].split()[0]
-    if "multiprocessing" in command or "spawn_main" in command:
-        return "child process (vLLM engine core / worker, rule workers)"
-    return command[:80]
+def _process_name(headers: list[str]) -> str:
+    """Name the innermost of a stack's ``process PID:"command"`` frames (py-spy nests a child's under its
+    parent's): a service by its name, a spawned child by its parent service."""
+    names = []
+    for header in headers:
+        command = header.split(":", 1)[-1].strip('"')
+        if "fastexp.cli serve" in command:
+            names.append("service " + command.split("fastexp.cli serve", 1)[1].split()[0])
+        elif "multiprocessing" in command or "spawn_main" in command:
+            names.append("child process")
+        else:
+            names.append(command[:80])
+    if len(names) > 1 and names[-1] == "child process":
+        return f"{names[-2]}: child process"
+    return names[-1]
 
 
 def summarize(raw: Path, rate: int, top: int = 8) -> str:
@@ -48,8 +56,10 @@ def summarize(raw: Path, rate: int, top: int = 8) -> str:
         stack, _, count = line.rpartition(" ")
         if not count.isdigit() or not stack.startswith("process "):
             continue
-        header, *frames = stack.split(";")
-        process, samples = _process_name(header), int(count)
+        parts = stack.split(";")
+        depth = next((i for i, part in enumerate(parts) if not part.startswith("process ")), len(parts))
+        headers, frames = parts[:depth], parts[depth:]
+        process, samples = _process_name(headers), int(count)
         totals[process] += samples
         names = [_frame_name(f) for f in frames]
         if names:
