@@ -10,7 +10,7 @@ PROTO_SRC := $(wildcard proto/fastexp/v1/*.proto)
 PROTO_STAMP := fastexp/v1/.generated
 PYTEST_ARGS ?=
 
-.PHONY: venv proto test demo bench profile lint clean up
+.PHONY: venv proto tools test demo bench profile lint clean up
 
 venv: $(STAMP)
 
@@ -33,7 +33,19 @@ $(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 	touch $(PROTO_STAMP)
 
-test: $(PROTO_STAMP)
+# The ops tests run Debian's docker-compose (`docker-compose config`), prometheus (a real scrape) and kubectl
+# (`kubectl kustomize`); missing ones are installed with apt-get where that is possible (root on Debian).
+OPS_TOOLS := docker-compose:docker-compose prometheus:prometheus kubectl:kubernetes-client
+tools:
+	@missing=""; for pair in $(OPS_TOOLS); do command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "missing Debian packages for the ops tests:$$missing (apt-get install them)"; exit 1; fi; \
+	fi
+
+test: $(PROTO_STAMP) tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

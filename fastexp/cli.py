@@ -1,4 +1,5 @@
-"""The ``fastexp`` command: ``serve generator|scorer|experience|reward-server``, ``up``, ``demo``, ``init-critic``.
+"""The ``fastexp`` command: ``serve generator|scorer|experience|reward-server``, ``health``, ``up``, ``demo``,
+``init-critic``.
 
 Settings come from flags, then ``FASTEXP_<SERVICE>_<FIELD>`` environment variables, then a YAML file
 (``--config``, one section per service), then defaults; they are validated once, here at the edge.
@@ -33,8 +34,10 @@ class Backend(StrEnum):
     hf = "hf"
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _logging(level: str, fmt: str = "text") -> None:
+    from services.common.logs import configure_logging
+
+    configure_logging(level, fmt)  # type: ignore[arg-type]
 
 
 @app.command()
@@ -67,7 +70,12 @@ def serve(
     except ValidationError as error:
         typer.echo(f"invalid {service.value} settings:\n{error}", err=True)
         raise typer.Exit(2) from error
-    _logging(settings.log_level)
+    _logging(settings.log_level, settings.log_format)
+    if settings.metrics_port is not None:
+        from services.common.metrics import start_metrics_server
+
+        bound = start_metrics_server(settings.host, settings.metrics_port)
+        logging.getLogger("fastexp").info("metrics on http://%s:%d/metrics", settings.host, bound)
     try:
         run(settings)
     except ConfigError as error:
@@ -103,6 +111,30 @@ def _service_settings(service, config, common, *, model, backend, generator_addr
             critic_model=critic_model,
         )
     return settings, run
+
+
+@app.command()
+def health(
+    address: Annotated[str, typer.Argument(help="host:port of a fastexp gRPC service")],
+    service: Annotated[str, typer.Option(help="service name to check ('' = the whole server)")] = "",
+    timeout_s: Annotated[float, typer.Option(help="deadline of the check, seconds")] = 5.0,
+) -> None:
+    """Exit 0 if ``address`` reports SERVING over the gRPC health protocol, else 1 (container health checks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError as error:
+            typer.echo(f"{address}: {error.code().name} {error.details()}", err=True)
+            raise typer.Exit(1) from error
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    typer.echo(f"{address}: {status}")
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -1,7 +1,7 @@
 """Server bootstrap shared by the three services: create, serve, and stop in order.
 
-``create_server`` builds a ``grpc.aio`` server with the error-mapping interceptor, gRPC health checking and
-server reflection, bound to ``host:port`` (port 0 picks a free port, as tests do). ``serve_until_signalled``
+``create_server`` builds a ``grpc.aio`` server with the observing (metrics, request ids) and error-mapping
+interceptors, gRPC health checking and server reflection, bound to ``host:port`` (port 0 picks a free port, as tests do). ``serve_until_signalled``
 runs it until SIGTERM/SIGINT, then: health NOT_SERVING -> ``server.stop(grace)`` -> the service's own cleanup.
 """
 
@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ErrorMappingInterceptor
+from services.common.metrics import ObservingInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,9 @@ async def create_server(
     Raises:
         RuntimeError: the address could not be bound.
     """
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=grpc_options(max_message_bytes))
+    server = grpc.aio.server(
+        interceptors=[ObservingInterceptor(), ErrorMappingInterceptor()], options=grpc_options(max_message_bytes)
+    )
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -41,8 +41,13 @@ class ServiceSettings(BaseSettings):
     grace_period_s: float = Field(10.0, ge=0, description="SIGTERM: time in-flight calls get to finish")
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC message in or out")
     log_level: str = Field("INFO", description="Python logging level")
+    log_format: Literal["text", "json"] = Field("text", description="json: one object per line, with request_id")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Prometheus /metrics port on the same host (None: no metrics endpoint)"
+    )
 
-    model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__")
+    # env_parse_none_str: FASTEXP_GENERATOR_KV_CACHE_MEMORY_BYTES=null sets an optional field to None
+    model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", env_parse_none_str="null")
 
     @classmethod
     def settings_customise_sources(

@@ -23,6 +23,7 @@ from services.common.errors import (
     RewardFailed,
     UpstreamTimeout,
 )
+from services.common.logs import outbound_metadata
 from services.common.server import grpc_options
 from services.common.tensor_codec import to_numpy, to_torch
 from services.common.weights import ReceivedUpdate, entry_chunks
@@ -52,8 +53,12 @@ def translate_rpc_error(service: str, error: grpc.aio.AioRpcError) -> FastexpErr
 
 
 def open_channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
-    """An insecure channel with fastexp's message limits."""
-    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_bytes))
+    """An insecure channel with fastexp's message limits and the ``round_robin`` policy: behind a name that
+    resolves to several replicas (``dns:///fastexp-scorer:50052``, a Kubernetes headless Service) calls spread
+    over every ready one instead of pinning one connection."""
+    return grpc.aio.insecure_channel(
+        address, options=[*grpc_options(max_message_bytes), ("grpc.lb_policy_name", "round_robin")]
+    )
 
 
 class GeneratorClient:
@@ -78,7 +83,9 @@ class GeneratorClient:
                 yield message
 
         try:
-            response = await self._stub.UpdateWeights(messages(), timeout=deadline.timeout(self._update_timeout_s))
+            response = await self._stub.UpdateWeights(
+                messages(), timeout=deadline.timeout(self._update_timeout_s), metadata=outbound_metadata()
+            )
         except grpc.aio.AioRpcError as error:
             raise translate_rpc_error("generator", error) from error
         return response.policy_version
@@ -103,7 +110,7 @@ class GeneratorClient:
             sampling=request.sampling.to_pb(),
             n_samples_per_prompt=request.n_samples_per_prompt,
         )
-        call = self._stub.Generate(message, timeout=deadline.timeout(self._timeout_s))
+        call = self._stub.Generate(message, timeout=deadline.timeout(self._timeout_s), metadata=outbound_metadata())
         try:
             async for response in call:
                 for c in response.completions:
@@ -173,6 +180,8 @@ class ScorerClient:
 
     async def _score_once(self, message: scoring_pb2.ScoreRequest, deadline: Deadline) -> scoring_pb2.ScoreResponse:
         try:
-            return await self._stub.Score(message, timeout=deadline.timeout(self._timeout_s), wait_for_ready=True)
+            return await self._stub.Score(
+                message, timeout=deadline.timeout(self._timeout_s), wait_for_ready=True, metadata=outbound_metadata()
+            )
         except grpc.aio.AioRpcError as error:
             raise translate_rpc_error("scorer", error) from error

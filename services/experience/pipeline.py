@@ -20,12 +20,16 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
+import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest, RewardFailed
 from services.common.weights import ReceivedUpdate, check_update, copy_into, module_spec
@@ -156,7 +160,7 @@ class _Stream:
                 self.window.release()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Inbox:
     """What the consumer has received: scored groups waiting for a forward pass, forwarded groups waiting for a
     batch, dynamic-sampling drops, and whether more can come."""
@@ -193,6 +197,11 @@ class _Inbox:
         return last or (not config.rollout_scope and len(self.forwarded) >= config.groups_per_batch)
 
 
+_LIVE_INBOXES: weakref.WeakSet[_Inbox] = weakref.WeakSet()  # the streams being served, for the queue gauges
+metrics.QUEUE_DEPTH.labels("scored").set_function(lambda: sum(len(i.pending) for i in _LIVE_INBOXES))
+metrics.QUEUE_DEPTH.labels("forwarded").set_function(lambda: sum(len(i.forwarded) for i in _LIVE_INBOXES))
+
+
 class ExperienceMaker:
     """Makes experiences; calls may run concurrently (forward passes are serialized, they share the device).
 
@@ -219,6 +228,7 @@ class ExperienceMaker:
         self._forward_lock = asyncio.Lock()
         self.policy = policy if policy is not None else PolicyState()
         self._actor_version = self.policy.version  # changed under the forward lock, with the actor's weights
+        metrics.POLICY_VERSION.set_function(lambda: self.policy.version)
         self.critic_version = 0
         self._max_groups_ahead = max_groups_ahead
 
@@ -292,6 +302,8 @@ class ExperienceMaker:
         producer = asyncio.create_task(self._produce(stream), name=request.request_id)
         resampler = asyncio.create_task(self._resample(stream), name=f"{request.request_id}-resample")
         inbox = _Inbox()
+        _LIVE_INBOXES.add(inbox)
+        metrics.ACTIVE_STREAMS.inc()
         local_state = _initial_state(config)
         try:
             batch_index, resampled_reported = 0, 0
@@ -303,9 +315,11 @@ class ExperienceMaker:
                     if not groups:
                         continue
                     state = self._runs.get(config.run_id, _initial_state(config)) if config.run_id else local_state
-                    experience, state = estimate_experience(
-                        *self._assemble(groups, request), config, state, batch_index, tuple(inbox.dropped)
-                    )
+                    with metrics.stage_timer("advantages"):
+                        experience, state = estimate_experience(
+                            *self._assemble(groups, request), config, state, batch_index, tuple(inbox.dropped)
+                        )
+                    _observe_distributions(experience)
                     if config.run_id:
                         self._runs.put(config.run_id, state)
                     else:
@@ -318,7 +332,9 @@ class ExperienceMaker:
                     resampled_reported = stream.stats.resampled_groups
                     parts = split_experience(experience, config.groups_per_batch * config.n_samples_per_prompt)
                     for part in parts:
-                        yield pack_experience(part) if config.return_packed else part
+                        with metrics.stage_timer("stream"):  # how long the trainer takes to take it
+                            yield pack_experience(part) if config.return_packed else part
+                        metrics.EXPERIENCE_SAMPLES.inc(len(part.reward))
                         stream.release(len(part.reward) // config.n_samples_per_prompt)
                     batch_index += len(parts)
                 elif inbox.pending:
@@ -330,6 +346,8 @@ class ExperienceMaker:
             if inbox.failure is not None:
                 raise inbox.failure
         finally:
+            metrics.ACTIVE_STREAMS.dec()
+            _LIVE_INBOXES.discard(inbox)
             for task in (producer, resampler):
                 task.cancel()
             await asyncio.gather(producer, resampler, return_exceptions=True)
@@ -475,6 +493,8 @@ class ExperienceMaker:
         complete: set[int] = set()
         scoring: set[asyncio.Task[bool]] = set()
 
+        started = time.perf_counter()
+
         async def consume() -> None:
             async with contextlib.aclosing(self._generator.generate(generation, stream.deadline)) as records:
                 async for record in records:
@@ -482,6 +502,7 @@ class ExperienceMaker:
                     group = pending.setdefault(record.prompt_index, [])
                     group.append(record)
                     if len(group) == n:
+                        metrics.STAGE_SECONDS.labels("generate").observe(time.perf_counter() - started)
                         del pending[record.prompt_index]
                         complete.add(record.prompt_index)
                         completions = tuple(sorted(group, key=lambda c: c.sample_index))
@@ -526,13 +547,14 @@ class ExperienceMaker:
         prompt_index = completions[0].prompt_index
         spec = request.prompts[prompt_index]
         try:
-            scores = await self._scorer.score(
-                queries=[spec.text + c.text for c in completions],
-                prompts=[spec.text] * len(completions),
-                labels=[spec.label] * len(completions),
-                references=[spec.reference] * len(completions),
-                deadline=stream.deadline,
-            )
+            with metrics.stage_timer("score"):
+                scores = await self._scorer.score(
+                    queries=[spec.text + c.text for c in completions],
+                    prompts=[spec.text] * len(completions),
+                    labels=[spec.label] * len(completions),
+                    references=[spec.reference] * len(completions),
+                    deadline=stream.deadline,
+                )
         except RewardFailed as error:
             raise RewardFailed(f"prompt {prompt_index}: {error}") from error
         config = request.config
@@ -580,13 +602,16 @@ class ExperienceMaker:
         """Actor, reference (and critic) passes over the rollout's rows (runs in a worker thread)."""
         models = self._models
         parts = chunks(rollout, models.micro_batch_size, packed=config.packing_samples, share_prompt=models.share_prompt)
-        actor, entropy = models.actor.action_log_probs(parts, with_entropy=config.return_action_entropy)
-        reference, _ = models.reference.action_log_probs(parts)
+        with metrics.stage_timer("actor"):
+            actor, entropy = models.actor.action_log_probs(parts, with_entropy=config.return_action_entropy)
+        with metrics.stage_timer("reference"):
+            reference, _ = models.reference.action_log_probs(parts)
         values = None
         if config.estimator.needs_critic:
             if models.critic is None:
                 raise ValueError("gae needs a critic")  # request validation rejects this first
-            values = models.critic.values(parts)
+            with metrics.stage_timer("critic"):
+                values = models.critic.values(parts)
         return ForwardOutputs(actor, reference, values, entropy)
 
     def _assemble(
@@ -607,6 +632,17 @@ class ExperienceMaker:
             for name in names
         }
         return rollout, rewards, metrics, forward
+
+
+def _observe_distributions(experience: Experience) -> None:
+    """Each row's reward and mean per-token KL (nats, over ``action_mask``) into their histograms."""
+    mask = experience.action_mask.float()
+    kl = (experience.kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    for reward, row_kl in zip(experience.reward.tolist(), kl.tolist(), strict=True):
+        if math.isfinite(reward):  # a NaN would poison the histogram's sum for good
+            metrics.REWARD.observe(reward)
+        if math.isfinite(row_kl):
+            metrics.KL_NATS.observe(row_kl)
 
 
 def _initial_state(config: ExperienceConfig) -> RunState:

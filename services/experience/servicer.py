@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,7 @@ import grpc
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from services.common.deadlines import Deadline
 from services.common.errors import Overloaded
+from services.common.logs import bind_request_id, current_request_id
 from services.common.sampling import RequestLimits
 from services.common.weights import staged_update
 from services.experience.pipeline import ExperienceMaker, StreamStats
@@ -43,6 +45,9 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         decoded = decode_request(
             request, self._tokenizer, self._limits, self._max_model_len, has_critic=self._maker.has_critic
         )
+        if not request.request_id and current_request_id():  # the trainer's x-request-id names the stream
+            decoded = dataclasses.replace(decoded, request_id=current_request_id())
+        bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
         deadline = Deadline.from_remaining(context.time_remaining())
         stats = StreamStats()
         try:

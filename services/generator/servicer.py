@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
+from services.common import metrics
 from services.common.errors import InvalidRequest, Overloaded
 from services.common.sampling import validate_batch
 from services.common.settings import GeneratorSettings
@@ -78,14 +79,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._settings = settings
         self._spec = model_spec(engine.description.model_name)
         self._updating = asyncio.Lock()
+        self._tokens = metrics.GENERATED_TOKENS.labels(engine.description.backend)
+        metrics.POLICY_VERSION.set_function(lambda: engine.policy_version)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         decoded = decode_request(request, self._engine, self._settings)
-        async with contextlib.aclosing(self._engine.generate(decoded)) as records:
-            async for record in records:
-                yield generation_pb2.GenerateResponse(completions=[encode_completion(record)])
+        unfinished = len(decoded.prompts) * decoded.n_samples_per_prompt
+        metrics.GENERATION_REQUESTS_IN_FLIGHT.inc(unfinished)
+        try:
+            async with contextlib.aclosing(self._engine.generate(decoded)) as records:
+                async for record in records:
+                    unfinished -= 1
+                    metrics.GENERATION_REQUESTS_IN_FLIGHT.dec()
+                    self._tokens.inc(len(record.output_token_ids))
+                    yield generation_pb2.GenerateResponse(completions=[encode_completion(record)])
+        finally:
+            metrics.GENERATION_REQUESTS_IN_FLIGHT.dec(unfinished)  # aborted or failed: the engine dropped them
 
     async def GetModelInfo(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
+from services.common.metrics import REWARD_SOURCE_SECONDS
 from services.common.settings import ScorerSettings
 from services.scorer.config import (
     DEFAULT_RECIPE,
@@ -130,7 +132,7 @@ class RewardComposer:
         # 2. process
         running = {name: idx for name, idx in needed.items() if idx}
         answers = await asyncio.gather(
-            *(self._sources[name].score([items[i] for i in idx], deadline) for name, idx in running.items())
+            *(self._timed_score(name, [items[i] for i in idx], deadline) for name, idx in running.items())
         )
         for name, answer in zip(running, answers, strict=True):
             problems = [error for error in answer.errors if error]
@@ -175,6 +177,14 @@ class RewardComposer:
         failed = [bool(e) for e in errors]
         rewards = np.where(failed, np.float32(np.nan), rewards).astype(np.float32)
         return SourceScores(rewards, metrics, tuple("; ".join(e) if e else None for e in errors))
+
+    async def _timed_score(self, name: str, items: Sequence[ScoreItem], deadline: Deadline) -> SourceScores:
+        """``name``'s scores for ``items``, its wall time observed in ``fastexp_reward_source_duration_seconds``."""
+        started = time.perf_counter()
+        try:
+            return await self._sources[name].score(items, deadline)
+        finally:
+            REWARD_SOURCE_SECONDS.labels(name).observe(time.perf_counter() - started)
 
     def _call_reward_fn(
         self, matrix: np.ndarray, items: Sequence[ScoreItem], errors: list[list[str]]

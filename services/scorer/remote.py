@@ -24,6 +24,7 @@ import stamina
 
 from services.common.deadlines import Deadline
 from services.common.errors import UpstreamTimeout
+from services.common.metrics import REMOTE_REWARD_FAILURES, REMOTE_REWARD_REQUESTS, REMOTE_REWARD_RETRIES
 from services.scorer.config import RemoteConfig
 from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked_rewards
 
@@ -63,6 +64,9 @@ class RemoteScorer:
             *(self._score_batch(items[i : i + size], deadline) for i in range(0, len(items), size))
         )
         names = sorted({name for part in parts for name in part.metrics})
+        failed = sum(1 for part in parts for error in part.errors if error)
+        if failed:
+            REMOTE_REWARD_FAILURES.labels(self._config.name).inc(failed)
         return SourceScores(
             rewards=np.concatenate([p.rewards for p in parts]) if parts else np.zeros(0, np.float32),
             metrics={
@@ -111,12 +115,23 @@ class RemoteScorer:
             wait_initial=config.backoff_initial_s,
             wait_max=config.backoff_max_s,
         )
+        requests = REMOTE_REWARD_REQUESTS
         async for attempt in retries:
             with attempt:
-                async with self._slots:
-                    response = await self._client.post(
-                        config.url, json=payload, timeout=deadline.timeout(config.timeout_s)
-                    )
+                if attempt.num > 1:
+                    REMOTE_REWARD_RETRIES.labels(config.name).inc()
+                try:
+                    async with self._slots:
+                        response = await self._client.post(
+                            config.url, json=payload, timeout=deadline.timeout(config.timeout_s)
+                        )
+                except httpx.TimeoutException:
+                    requests.labels(config.name, "timeout").inc()
+                    raise
+                except httpx.TransportError:
+                    requests.labels(config.name, "error").inc()
+                    raise
+                requests.labels(config.name, "error" if response.is_error else "ok").inc()
                 if response.is_server_error:
                     logger.warning("%s: HTTP %d (try %d)", self._where, response.status_code, attempt.num)
                     raise _ServerError(f"HTTP {response.status_code}: {response.text[:200]}")

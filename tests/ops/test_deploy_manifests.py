@@ -1,0 +1,128 @@
+"""The deployment files validate with the tools ops teams run: ``docker-compose config``, ``kubectl kustomize`` and
+``kubernetes-validate`` (CI installs the first; the tests fail, not skip, when a tool is missing), and they agree
+with the code: image targets exist, ports match the settings, the dashboard's series are the services' metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from services.common import metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERLAYS = ("cpu-demo", "gpu")
+K8S_VERSION = "1.30.0"
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: .ci/run installs it (see README, Operations)")
+    return path
+
+
+def _kustomize(overlay: str) -> list[dict]:
+    out = subprocess.run([_tool("kubectl"), "kustomize", str(ROOT / "deploy/k8s/overlays" / overlay)],
+                         check=True, capture_output=True, text=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def _dockerfile_stages() -> dict[str, list[str]]:
+    stages: dict[str, list[str]] = {}
+    current = None
+    for line in (ROOT / "deploy/docker/Dockerfile").read_text().splitlines():
+        match = re.match(r"FROM \S+ AS (\S+)", line)
+        if match:
+            current = match[1]
+            stages[current] = []
+        elif current is not None:
+            stages[current].append(line)
+    return stages
+
+
+def test_docker_compose_config_is_valid_and_builds_existing_targets():
+    result = subprocess.run([_tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"), "config"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    assert {"generator", "scorer", "experience", "reward-server", "prometheus"} <= set(config["services"])
+    stages = _dockerfile_stages()
+    for name, service in config["services"].items():
+        if "build" in service:
+            assert service["build"]["target"] in stages, name
+            assert any("/cache" in str(v) for v in service["volumes"]), f"{name}: model cache volume"
+            assert "healthcheck" in service, name
+    experience = config["services"]["experience"]["environment"]
+    assert experience["FASTEXP_EXPERIENCE_GENERATOR_ADDRESS"] == "generator:50051"
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    for name in ("generator", "scorer", "experience"):
+        port = config["services"][name]["environment"][f"FASTEXP_{name.upper()}_METRICS_PORT"]
+        assert f"{name}:{port}" in targets
+
+
+def test_every_service_image_runs_as_non_root_with_a_health_check():
+    stages = _dockerfile_stages()
+    for target in ("generator-cpu", "generator-cuda", "scorer", "experience", "experience-cuda", "reward-server"):
+        body = "\n".join(stages[target])
+        assert "USER fastexp" in body, target
+        assert "HEALTHCHECK" in body, target
+        assert "ENTRYPOINT" in body, target
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kustomize_overlays_build_and_validate_against_the_kubernetes_schema(overlay):
+    documents = _kustomize(overlay)
+    for document in documents:
+        kubernetes_validate.validate(document, K8S_VERSION, strict=True)
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in documents}
+    for name in ("fastexp-generator", "fastexp-scorer", "fastexp-experience"):
+        assert ("Deployment", name) in kinds and ("Service", name) in kinds and ("PodDisruptionBudget", name) in kinds
+    assert {("HorizontalPodAutoscaler", "fastexp-scorer"), ("HorizontalPodAutoscaler", "fastexp-experience")} <= kinds
+    assert any(kind == "ConfigMap" for kind, _ in kinds)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_deployments_probe_grpc_health_and_drain_before_they_are_killed(overlay):
+    config_maps = [d for d in _kustomize(overlay) if d["kind"] == "ConfigMap"]
+    settings = yaml.safe_load(config_maps[0]["data"]["fastexp.yaml"])
+    for document in _kustomize(overlay):
+        if document["kind"] == "Service":
+            assert document["spec"]["clusterIP"] == "None"  # headless: client-side round_robin over pods
+        if document["kind"] != "Deployment":
+            continue
+        spec = document["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        service = document["metadata"]["name"].removeprefix("fastexp-")
+        grpc_port = settings[service]["port"]
+        assert container["readinessProbe"]["grpc"]["port"] == grpc_port
+        assert container["livenessProbe"]["grpc"]["port"] == grpc_port
+        assert spec["terminationGracePeriodSeconds"] > settings[service]["grace_period_s"] + 5  # preStop + drain
+        assert document["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+def test_gpu_overlay_gives_the_generator_a_gpu():
+    generator = next(d for d in _kustomize("gpu") if d["kind"] == "Deployment" and d["metadata"]["name"] == "fastexp-generator")
+    resources = generator["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == "1"
+    assert generator["spec"]["template"]["spec"]["containers"][0]["image"] == "fastexp/generator:cuda"
+
+
+def test_dashboard_queries_only_series_the_services_export():
+    exported = set()
+    for value in vars(metrics).values():
+        if hasattr(value, "_name") and hasattr(value, "_type"):
+            name = value._name
+            exported |= {name, f"{name}_total", f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    dashboard = json.loads((ROOT / "deploy/grafana/fastexp-dashboard.json").read_text())
+    used = {name for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"\bfastexp_[a-z_]+", target["expr"])}
+    assert used and used <= exported, used - exported
