@@ -59,6 +59,7 @@ def serve(
     """
     from pydantic import ValidationError
 
+    from services.common.security import SecurityConfigError
     from services.scorer.composition import ConfigError
 
     common = {"host": host, "port": port}
@@ -78,7 +79,7 @@ def serve(
         logging.getLogger("fastexp").info("metrics on http://%s:%d/metrics", settings.host, bound)
     try:
         run(settings)
-    except ConfigError as error:
+    except (ConfigError, SecurityConfigError) as error:
         typer.echo(f"{service.value} refuses to start: {error}", err=True)
         raise typer.Exit(2) from error
 
@@ -118,12 +119,24 @@ def health(
     address: Annotated[str, typer.Argument(help="host:port of a fastexp gRPC service")],
     service: Annotated[str, typer.Option(help="service name to check ('' = the whole server)")] = "",
     timeout_s: Annotated[float, typer.Option(help="deadline of the check, seconds")] = 5.0,
+    tls_ca_file: Annotated[Path | None, typer.Option(help="TLS: the CA of the server's certificate")] = None,
+    tls_cert_file: Annotated[Path | None, typer.Option(help="mTLS: this client's certificate")] = None,
+    tls_key_file: Annotated[Path | None, typer.Option(help="mTLS: this client's key")] = None,
+    tls_server_name: Annotated[str | None, typer.Option(help="TLS: name to check in the certificate")] = None,
 ) -> None:
-    """Exit 0 if ``address`` reports SERVING over the gRPC health protocol, else 1 (container health checks)."""
+    """Exit 0 if ``address`` reports SERVING over the gRPC health protocol, else 1 (container health checks;
+    health needs no token, TLS servers need ``--tls-ca-file``)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from services.common.security import ClientTLS
+
+    if tls_ca_file is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        tls = ClientTLS(tls_ca_file, tls_cert_file, tls_key_file, tls_server_name)
+        channel = grpc.secure_channel(address, tls.credentials(), options=tls.options())
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ErrorMappingInterceptor
 from services.common.metrics import ObservingInterceptor
+from services.common.security import AuthInterceptor, ServerTLS
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +62,23 @@ async def create_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: Sequence[str],
     max_message_bytes: int,
+    tls: ServerTLS | None = None,
+    auth: AuthInterceptor | None = None,
 ) -> RunningServer:
     """Build, bind and start a server; health reports NOT_SERVING until :meth:`RunningServer.set_serving`.
 
     Args:
         register: adds the service's servicers to the server.
         service_names: full names (``fastexp.v1.GenerationService``) for health and reflection.
+        tls: serve TLS (mTLS with a client CA) instead of plaintext.
+        auth: check bearer tokens (health and reflection stay open).
 
     Raises:
         RuntimeError: the address could not be bound.
+        services.common.security.SecurityConfigError: a TLS file is missing or empty.
     """
-    server = grpc.aio.server(
-        interceptors=[ObservingInterceptor(), ErrorMappingInterceptor()], options=grpc_options(max_message_bytes)
-    )
+    interceptors = [ObservingInterceptor(), *([auth] if auth else []), ErrorMappingInterceptor()]
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(max_message_bytes))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -81,7 +86,8 @@ async def create_server(
         (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"could not bind {host}:{port}")
     await server.start()

@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from services.common.models import SMOLLM2_ALIAS
 from services.common.sampling import RequestLimits
+from services.common.security import AuthInterceptor, ClientTLS, ServerTLS, read_tokens
 from services.scorer.config import RecipeEntry, SourceConfig, config_problems, default_sources
 
 _yaml_section: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_yaml_section", default=None)
@@ -46,8 +47,42 @@ class ServiceSettings(BaseSettings):
         None, ge=0, le=65535, description="Prometheus /metrics port on the same host (None: no metrics endpoint)"
     )
 
+    # Security (services.common.security): TLS when a certificate is set, mTLS with a client CA, bearer tokens
+    # when a token file is set. Files are PEM / one token per line (e.g. mounted Kubernetes Secrets).
+    tls_cert_file: Path | None = Field(None, description="server certificate chain (PEM); set: serve TLS only")
+    tls_key_file: Path | None = Field(None, description="server private key (PEM)")
+    tls_client_ca_file: Path | None = Field(None, description="CA of accepted client certificates (PEM): mTLS")
+    auth_tokens_file: Path | None = Field(None, description="bearer tokens that may call (not UpdateWeights)")
+    admin_tokens_file: Path | None = Field(None, description="bearer tokens that may call everything")
+
     # env_parse_none_str: FASTEXP_GENERATOR_KV_CACHE_MEMORY_BYTES=null sets an optional field to None
     model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", env_parse_none_str="null")
+
+    @model_validator(mode="after")
+    def _tls_files_pair_up(self) -> Self:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
+        return self
+
+    def server_tls(self) -> ServerTLS | None:
+        """The server's TLS files, or ``None`` for plaintext."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        return ServerTLS(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    def auth(self) -> AuthInterceptor | None:
+        """The bearer-token check, or ``None`` when no token file is set.
+
+        Raises:
+            SecurityConfigError: a token file is unreadable or empty.
+        """
+        if self.auth_tokens_file is None and self.admin_tokens_file is None:
+            return None
+        call = read_tokens(self.auth_tokens_file, "auth_tokens_file") if self.auth_tokens_file else ()
+        admin = read_tokens(self.admin_tokens_file, "admin_tokens_file") if self.admin_tokens_file else ()
+        return AuthInterceptor(call, admin)
 
     @classmethod
     def settings_customise_sources(
@@ -199,3 +234,29 @@ class ExperienceSettings(_GenerationLimits):
     weights_staging_dir: str | None = Field(
         None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
     )
+    upstream_tls_ca_file: Path | None = Field(
+        None, description="CA that signed the generator's and scorer's certificates (set: connect with TLS)"
+    )
+    upstream_tls_cert_file: Path | None = Field(None, description="this service's client certificate (mTLS)")
+    upstream_tls_key_file: Path | None = Field(None, description="this service's client key (mTLS)")
+    upstream_tls_server_name: str | None = Field(None, description="name to check in their certificates")
+    upstream_token_file: Path | None = Field(
+        None, description="bearer token sent to the generator and scorer (an admin token: it forwards updates)"
+    )
+
+    def upstream_tls(self) -> ClientTLS | None:
+        """TLS for the calls to the generator and scorer, or ``None`` for plaintext."""
+        if self.upstream_tls_ca_file is None:
+            return None
+        return ClientTLS(self.upstream_tls_ca_file, self.upstream_tls_cert_file, self.upstream_tls_key_file,
+                         self.upstream_tls_server_name)
+
+    def upstream_token(self) -> str | None:
+        """The bearer token for the generator and scorer (the file's first token), or ``None``.
+
+        Raises:
+            SecurityConfigError: the file is unreadable or empty.
+        """
+        if self.upstream_token_file is None:
+            return None
+        return read_tokens(self.upstream_token_file, "upstream_token_file")[0].decode()

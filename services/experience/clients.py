@@ -24,6 +24,7 @@ from services.common.errors import (
     UpstreamTimeout,
 )
 from services.common.logs import outbound_metadata
+from services.common.security import ClientTLS, bearer_metadata
 from services.common.server import grpc_options
 from services.common.tensor_codec import to_numpy, to_torch
 from services.common.weights import ReceivedUpdate, entry_chunks
@@ -52,13 +53,53 @@ def translate_rpc_error(service: str, error: grpc.aio.AioRpcError) -> FastexpErr
     return FastexpError(message)
 
 
-def open_channel(address: str, max_message_bytes: int) -> grpc.aio.Channel:
-    """An insecure channel with fastexp's message limits and the ``round_robin`` policy: behind a name that
-    resolves to several replicas (``dns:///fastexp-scorer:50052``, a Kubernetes headless Service) calls spread
-    over every ready one instead of pinning one connection."""
-    return grpc.aio.insecure_channel(
-        address, options=[*grpc_options(max_message_bytes), ("grpc.lb_policy_name", "round_robin")]
+def open_channel(
+    address: str, max_message_bytes: int, tls: ClientTLS | None = None, token: str | None = None
+) -> grpc.aio.Channel:
+    """A channel with fastexp's message limits and the ``round_robin`` policy: behind a name that resolves to
+    several replicas (``dns:///fastexp-scorer:50052``, a Kubernetes headless Service) calls spread over every
+    ready one instead of pinning one connection. ``tls``: verify the server (and present a client certificate);
+    ``token``: send ``authorization: Bearer`` on every call.
+
+    Raises:
+        services.common.security.SecurityConfigError: a TLS file is missing or empty.
+    """
+    options = [*grpc_options(max_message_bytes), ("grpc.lb_policy_name", "round_robin")]
+    interceptors = [kind(token) for kind in (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary)] if token else None
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        address, tls.credentials(), options=[*options, *tls.options()], interceptors=interceptors
     )
+
+
+class _BearerToken:
+    """Adds ``authorization: Bearer <token>`` to a call's metadata. grpc.aio files each interceptor under the
+    first call kind it implements, so each kind has its own subclass below."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer_metadata(token)
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+
+class _BearerUnaryUnary(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+class _BearerUnaryStream(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+class _BearerStreamUnary(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._details(client_call_details), request_iterator)
 
 
 class GeneratorClient:

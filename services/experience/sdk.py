@@ -23,6 +23,7 @@ import torch
 
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.common.sampling import SamplingOptions
+from services.common.security import ClientTLS, bearer_metadata
 from services.common.weights import Target, weight_chunks
 from services.experience.packing import unpack_experience
 from services.experience.types import Experience
@@ -147,14 +148,27 @@ def build_request(
 class ExperienceClient:
     """A blocking client of ``fastexp.v1.ExperienceService``; use as a context manager or call :meth:`close`."""
 
-    def __init__(self, address: str, *, timeout_s: float = 3600.0, max_message_bytes: int = 256 * 1024 * 1024):
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
-        )
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 3600.0,
+        max_message_bytes: int = 256 * 1024 * 1024,
+        tls: ClientTLS | None = None,
+        token: str | None = None,
+    ):
+        """``tls``: connect with TLS (``ClientTLS(ca_file, cert_file, key_file)``, mTLS with the last two);
+        ``token``: the bearer token the service's operator issued (an admin token for :meth:`update_weights`).
+
+        Raises:
+            services.common.security.SecurityConfigError: a TLS file is missing or empty.
+        """
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._channel = _channel(address, options, tls)
+        self._metadata = bearer_metadata(token)
         self._stub = experience_pb2_grpc.ExperienceServiceStub(self._channel)
         self._timeout_s = timeout_s
         #: ``fastexp-*`` trailing metadata of the last finished stream as ints, e.g. ``dropped-groups``,
@@ -170,7 +184,9 @@ class ExperienceClient:
         Raises:
             grpc.RpcError: the call failed (INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
         """
-        stream = self._stub.MakeExperiences(build_request(prompts, **options), timeout=self._timeout_s)
+        stream = self._stub.MakeExperiences(
+            build_request(prompts, **options), timeout=self._timeout_s, metadata=self._metadata
+        )
         self.last_stream_stats = {}
         try:
             for message in stream:
@@ -210,7 +226,7 @@ class ExperienceClient:
         """
         return self._stub.UpdateWeights(
             weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target),
-            timeout=timeout_s,
+            timeout=timeout_s, metadata=self._metadata,
         )
 
     def wait_until_ready(self, timeout_s: float) -> None:
@@ -227,6 +243,12 @@ class ExperienceClient:
         self.close()
 
 
+def _channel(address: str, options: list[tuple[str, int | str]], tls: ClientTLS | None) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
+
+
 def update_generator_weights(
     generator_address: str,
     tensors: Iterable[tuple[str, torch.Tensor]] = (),
@@ -234,6 +256,8 @@ def update_generator_weights(
     checkpoint_dir: str | None = None,
     chunk_bytes: int = 4 * 1024 * 1024,
     timeout_s: float = 600.0,
+    tls: ClientTLS | None = None,
+    token: str | None = None,
 ) -> int:
     """Send new policy weights straight to a generator (generator-only deployments); returns the new version.
 
@@ -243,15 +267,17 @@ def update_generator_weights(
     Args:
         tensors: ``(name, tensor)`` pairs, e.g. ``model.state_dict().items()`` or a subset of it.
         checkpoint_dir: instead of tensors, a safetensors folder the generator can read.
+        tls, token: as :class:`ExperienceClient` (the token must be an admin token).
 
     Raises:
         grpc.RpcError: INVALID_ARGUMENT naming a bad tensor (nothing was applied), RESOURCE_EXHAUSTED while
-            another update runs, UNAVAILABLE, DEADLINE_EXCEEDED.
+            another update runs, UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, PERMISSION_DENIED.
     """
     options = [("grpc.max_send_message_length", chunk_bytes + (1 << 20))]
-    with grpc.insecure_channel(generator_address, options=options) as channel:
+    with _channel(generator_address, options, tls) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         response = stub.UpdateWeights(
-            weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir), timeout=timeout_s
+            weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir), timeout=timeout_s,
+            metadata=bearer_metadata(token),
         )
     return response.policy_version

@@ -48,8 +48,9 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
 
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
-    generator_channel = open_channel(settings.generator_address, settings.max_message_bytes)
-    scorer_channel = open_channel(settings.scorer_address, settings.max_message_bytes)
+    tls, token = settings.upstream_tls(), settings.upstream_token()
+    generator_channel = open_channel(settings.generator_address, settings.max_message_bytes, tls, token)
+    scorer_channel = open_channel(settings.scorer_address, settings.max_message_bytes, tls, token)
     generator = GeneratorClient(generator_channel, settings.generate_timeout_s, settings.update_weights_timeout_s)
     scorer = ScorerClient(scorer_channel, settings.score_timeout_s)
     actor_path = resolve_model(settings.actor_model)
@@ -82,6 +83,8 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         register=lambda server: experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server),
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
+        tls=settings.server_tls(),
+        auth=settings.auth(),
     )
     await running.set_serving(True)
     logger.info(

@@ -53,6 +53,8 @@ async def start_generator(settings: GeneratorSettings, engine: GenerationEngine)
         register=lambda server: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server),
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
+        tls=settings.server_tls(),
+        auth=settings.auth(),
     )
     await engine.check_health()
     await running.set_serving(True)

@@ -38,6 +38,8 @@ async def start_scorer(settings: ScorerSettings, scorer: RewardComposer) -> Runn
         register=lambda server: scoring_pb2_grpc.add_ScoringServiceServicer_to_server(servicer, server),
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
+        tls=settings.server_tls(),
+        auth=settings.auth(),
     )
     try:
         await scorer.start()

@@ -102,11 +102,31 @@ def test_deployments_probe_grpc_health_and_drain_before_they_are_killed(overlay)
         container = spec["containers"][0]
         service = document["metadata"]["name"].removeprefix("fastexp-")
         grpc_port = settings[service]["port"]
-        assert container["readinessProbe"]["grpc"]["port"] == grpc_port
-        assert container["livenessProbe"]["grpc"]["port"] == grpc_port
+        for probe in ("readinessProbe", "livenessProbe"):
+            if "grpc" in container[probe]:
+                assert container[probe]["grpc"]["port"] == grpc_port
+            else:  # with TLS, Kubernetes' gRPC probes cannot connect: `fastexp health` with the pod's certificate
+                command = container[probe]["exec"]["command"]
+                assert command[:3] == ["fastexp", "health", f"localhost:{grpc_port}"] and "--tls-ca-file" in command
         assert spec["terminationGracePeriodSeconds"] > settings[service]["grace_period_s"] + 5  # preStop + drain
         assert document["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
         assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+def test_gpu_overlay_turns_on_mtls_and_tokens_from_secrets():
+    for document in _kustomize("gpu"):
+        if document["kind"] != "Deployment":
+            continue
+        spec = document["spec"]["template"]["spec"]
+        env = {e["name"]: e["value"] for e in spec["containers"][0]["env"]}
+        prefix = "FASTEXP_" + document["metadata"]["name"].removeprefix("fastexp-").upper()
+        for field in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CLIENT_CA_FILE", "AUTH_TOKENS_FILE", "ADMIN_TOKENS_FILE"):
+            assert f"{prefix}_{field}" in env, (prefix, field)
+        secrets = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        assert secrets == {"fastexp-tls", "fastexp-tokens"}
+        mounted = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert all(path.startswith(tuple(mounted)) for name, path in env.items() if name.endswith("_FILE"))
+    assert not any("TLS" in str(d) for d in _kustomize("cpu-demo") if d["kind"] == "Deployment")
 
 
 def test_gpu_overlay_gives_the_generator_a_gpu():

@@ -1,0 +1,177 @@
+"""Transport security and caller authentication for every fastexp gRPC server and client.
+
+- **TLS / mutual TLS** (:class:`ServerTLS`, :class:`ClientTLS`): PEM files named by operator settings. A server with
+  a certificate serves TLS only; with ``client_ca_file`` it also requires a client certificate signed by that CA
+  (mTLS). Clients verify the server against ``ca_file`` and present ``cert_file``/``key_file`` for mTLS.
+- **Bearer tokens** (:class:`AuthInterceptor`): ``authorization: Bearer <token>`` metadata checked in constant time
+  against the operator's token files (one token per line, e.g. a mounted Kubernetes Secret). Two privileges:
+  ``call`` (every method) and ``admin`` (also ``UpdateWeights``). No token files: authentication is off. gRPC
+  health checking and reflection stay open, for probes and ``grpcurl``. A missing or unknown token gets
+  UNAUTHENTICATED; a ``call`` token on ``UpdateWeights`` gets PERMISSION_DENIED. Tokens are never logged: the
+  interceptor's messages name the method, not the credential.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+AUTHORIZATION_KEY = "authorization"
+#: Methods that need the ``admin`` privilege (full method names' last part).
+ADMIN_METHODS = frozenset({"UpdateWeights"})
+#: Services anyone may call: health probes and reflection.
+OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                           "grpc.reflection.v1.ServerReflection"})
+
+
+class SecurityConfigError(ValueError):
+    """A TLS or token file is missing, empty or unreadable (raised at start-up, naming the setting)."""
+
+
+def _read(path: Path | str, setting: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise SecurityConfigError(f"{setting}: cannot read {path}: {error.strerror}") from error
+    if not data.strip():
+        raise SecurityConfigError(f"{setting}: {path} is empty")
+    return data
+
+
+def read_tokens(path: Path | str, setting: str) -> tuple[bytes, ...]:
+    """The tokens in ``path``: one per line, blank lines and ``#`` comments ignored.
+
+    Raises:
+        SecurityConfigError: unreadable, or no token in it.
+    """
+    lines = (line.strip() for line in _read(path, setting).splitlines())
+    tokens = tuple(line for line in lines if line and not line.startswith(b"#"))
+    if not tokens:
+        raise SecurityConfigError(f"{setting}: {path} holds no token")
+    return tokens
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """A server's certificate chain and key (PEM), and the CA its clients' certificates must chain to (mTLS)."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """gRPC server credentials; mTLS when ``client_ca_file`` is set.
+
+        Raises:
+            SecurityConfigError: a file is missing or empty.
+        """
+        key_pair = (_read(self.key_file, "tls_key_file"), _read(self.cert_file, "tls_cert_file"))
+        if self.client_ca_file is None:
+            return grpc.ssl_server_credentials([key_pair])
+        return grpc.ssl_server_credentials(
+            [key_pair], root_certificates=_read(self.client_ca_file, "tls_client_ca_file"), require_client_auth=True
+        )
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """What a client needs for TLS: the CA that signed the server's certificate, and its own certificate and key
+    for mTLS (both or neither). ``server_name`` overrides the name checked against the certificate."""
+
+    ca_file: Path
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials.
+
+        Raises:
+            SecurityConfigError: a file is missing or empty, or only one of cert/key is given.
+        """
+        if (self.cert_file is None) != (self.key_file is None):
+            raise SecurityConfigError("a client certificate needs both cert_file and key_file")
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_file, "ca_file"),
+            private_key=None if self.key_file is None else _read(self.key_file, "key_file"),
+            certificate_chain=None if self.cert_file is None else _read(self.cert_file, "cert_file"),
+        )
+
+    def options(self) -> list[tuple[str, str]]:
+        """Channel options (the certificate name override, when set)."""
+        return [] if self.server_name is None else [("grpc.ssl_target_name_override", self.server_name)]
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The ``authorization`` metadata for ``token`` (none for ``None``)."""
+    return ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks every call's bearer token (module docs). ``call_tokens`` may call anything but the admin methods;
+    ``admin_tokens`` may call everything."""
+
+    def __init__(self, call_tokens: Sequence[bytes], admin_tokens: Sequence[bytes]) -> None:
+        self._call_tokens = tuple(call_tokens)
+        self._admin_tokens = tuple(admin_tokens)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        service, _, method = handler_call_details.method.lstrip("/").partition("/")
+        if handler is None or service in OPEN_SERVICES:
+            return handler
+        token = _bearer_token(handler_call_details.invocation_metadata)
+        if token is None:
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, f"{method} needs 'authorization: Bearer <token>'")
+        admin = _known(token, self._admin_tokens)
+        if not admin and not _known(token, self._call_tokens):
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, f"{method}: the bearer token is not valid here")
+        if method in ADMIN_METHODS and not admin:
+            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, f"{method} needs an admin token")
+        return handler
+
+
+def _bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes | None:
+    for key, value in metadata or ():
+        if key == AUTHORIZATION_KEY:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            return token.strip().encode() if scheme.lower() == "bearer" and token.strip() else None
+    return None
+
+
+def _known(token: bytes, tokens: Sequence[bytes]) -> bool:
+    """Constant-time membership: every candidate is compared, whatever matches."""
+    found = False
+    for candidate in tokens:
+        found |= hmac.compare_digest(token, candidate)
+    return found
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s arity that rejects the call with ``code`` before the method runs."""
+
+    async def reject(_request_or_iterator, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    async def reject_stream(_request_or_iterator, context: grpc.aio.ServicerContext):
+        await context.abort(code, message)
+        yield  # an async generator, as stream handlers are; abort() raises first
+
+    codecs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(reject, **codecs)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(reject, **codecs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(reject_stream, **codecs)
+    return grpc.stream_stream_rpc_method_handler(reject_stream, **codecs)
