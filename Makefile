@@ -10,7 +10,7 @@ PROTO_SRC := $(wildcard proto/fastexp/v1/*.proto)
 PROTO_STAMP := fastexp/v1/.generated
 PYTEST_ARGS ?=
 
-.PHONY: venv proto tools test demo bench profile lint clean up
+.PHONY: venv proto tools test demo bench load profile lint clean up
 
 venv: $(STAMP)
 
@@ -56,6 +56,10 @@ demo: $(PROTO_STAMP)
 
 bench: $(PROTO_STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# N concurrent MakeExperiences streams on one generator (vLLM): throughput, p50/p99 time to first experience.
+load: $(PROTO_STAMP)
+	$(BIN)/python -m benchmarks.load
 
 # Where one `make demo` spends CPU time, every process sampled (py-spy); summary in out/profile/report.md.
 profile: $(PROTO_STAMP)

@@ -61,6 +61,18 @@ class RewardFailed(FastexpError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class StreamFailed(FastexpError):
+    """A stream failed after delivering some prompt groups. It carries the cause's status code; the message and
+    ``undelivered`` list the prompt indices that were not delivered (nor dropped by dynamic sampling), which is
+    exactly what a retry should send again."""
+
+    def __init__(self, cause: FastexpError, undelivered: list[int]) -> None:
+        super().__init__(f"{cause}; undelivered prompt indices: {','.join(map(str, undelivered)) or 'none'}")
+        self.code = cause.code
+        self.cause = cause
+        self.undelivered = undelivered
+
+
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The (code, message) a client sees for ``error``; non-domain errors are INTERNAL with an error id."""
     if isinstance(error, FastexpError):

@@ -220,6 +220,9 @@ class ExperienceSettings(_GenerationLimits):
     forward_share_prompt: bool = Field(
         True, description="packed forwards (packing_samples) compute each prompt group's prompt once, not n times"
     )
+    max_concurrent_streams: int = Field(
+        64, ge=1, description="MakeExperiences streams served at once; more get RESOURCE_EXHAUSTED"
+    )
     max_groups_ahead: int = Field(
         64, ge=1,
         description="backpressure: most prompt groups of one stream generated or generating and not yet streamed "

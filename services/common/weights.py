@@ -294,6 +294,8 @@ async def receive_update(
             raise InvalidRequest("tensor", "no tensor chunks may follow a checkpoint_dir header")
         else:
             chunk = message.tensor
+            if chunk.dtype not in tensor_pb2.DType.values():
+                raise InvalidRequest(f"tensor {chunk.name!r}: dtype", f"unknown DType value {chunk.dtype}")
             dtype = tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower()  # e.g. "bfloat16"
             await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data)
     if header is None:

@@ -31,7 +31,7 @@ import torch
 
 from services.common import metrics
 from services.common.deadlines import Deadline
-from services.common.errors import InvalidRequest, RewardFailed
+from services.common.errors import FastexpError, InvalidRequest, RewardFailed, StreamFailed
 from services.common.weights import ReceivedUpdate, check_update, copy_into, module_spec
 from services.experience.batching import concat_forward, split_experience, split_forward
 from services.experience.estimate import estimate_experience
@@ -99,6 +99,7 @@ class StreamStats:
     generation_rounds: int = 0
     dropped_groups: int = 0
     resampled_groups: int = 0
+    undelivered_prompt_indices: list[int] | None = None  # set when the stream failed: what a retry should send
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,7 @@ class ExperienceMaker:
         _LIVE_INBOXES.add(inbox)
         metrics.ACTIVE_STREAMS.inc()
         local_state = _initial_state(config)
+        handled: set[int] = set()  # prompt indices delivered to the trainer or reported dropped
         try:
             batch_index, resampled_reported = 0, 0
             while True:
@@ -324,6 +326,7 @@ class ExperienceMaker:
                         self._runs.put(config.run_id, state)
                     else:
                         local_state = state
+                    handled.update(inbox.dropped)
                     inbox.dropped.clear()
                     experience = experience._replace(
                         actor_policy_version=min(g.actor_version for g in groups),
@@ -335,6 +338,7 @@ class ExperienceMaker:
                         with metrics.stage_timer("stream"):  # how long the trainer takes to take it
                             yield pack_experience(part) if config.return_packed else part
                         metrics.EXPERIENCE_SAMPLES.inc(len(part.reward))
+                        handled.update(part.prompt_index)
                         stream.release(len(part.reward) // config.n_samples_per_prompt)
                     batch_index += len(parts)
                 elif inbox.pending:
@@ -344,7 +348,11 @@ class ExperienceMaker:
                 else:
                     inbox.take(await stream.ready.get(), stream)
             if inbox.failure is not None:
-                raise inbox.failure
+                if not isinstance(inbox.failure, FastexpError):
+                    raise inbox.failure
+                undelivered = [i for i in range(len(request.prompts)) if i not in handled]
+                stream.stats.undelivered_prompt_indices = undelivered
+                raise StreamFailed(inbox.failure, undelivered) from inbox.failure
         finally:
             metrics.ACTIVE_STREAMS.dec()
             _LIVE_INBOXES.discard(inbox)

@@ -243,6 +243,16 @@ class ExperienceClient:
         self.close()
 
 
+def undelivered_prompt_indices(error: grpc.RpcError) -> list[int] | None:
+    """The prompt indices a failed ``make_experiences`` stream did not deliver (what to send again), from the
+    error's trailing metadata; ``None`` when the service did not say (e.g. the request was rejected outright)."""
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == "fastexp-undelivered-prompt-indices":
+            return [int(i) for i in value.split(",") if i]
+    return None
+
+
 def _channel(address: str, options: list[tuple[str, int | str]], tls: ClientTLS | None) -> grpc.Channel:
     if tls is None:
         return grpc.insecure_channel(address, options=options)

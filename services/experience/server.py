@@ -75,7 +75,8 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         policy=PolicyState(info.policy_version), max_groups_ahead=settings.max_groups_ahead,
     )
     servicer = ExperienceServicer(
-        maker, tokenizer, settings.request_limits(), info.max_model_len, settings.weights_staging_dir
+        maker, tokenizer, settings.request_limits(), info.max_model_len, settings.weights_staging_dir,
+        settings.max_concurrent_streams,
     )
     running = await create_server(
         host=settings.host,

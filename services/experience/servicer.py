@@ -20,6 +20,10 @@ from services.experience.pipeline import ExperienceMaker, StreamStats
 from services.experience.request import decode_request
 from services.experience.wire import experience_to_pb
 
+#: Trailing metadata of a failed stream: the prompt indices not delivered, comma-separated (SDK:
+#: :func:`services.experience.sdk.undelivered_prompt_indices`).
+UNDELIVERED_KEY = "fastexp-undelivered-prompt-indices"
+
 
 class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     """``fastexp.v1.ExperienceService`` over an :class:`ExperienceMaker`."""
@@ -31,8 +35,11 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         limits: RequestLimits,
         max_model_len: int,
         weights_staging_dir: str | None = None,
+        max_concurrent_streams: int = 64,
     ) -> None:
         self._maker = maker
+        self._max_concurrent_streams = max_concurrent_streams
+        self._streams = 0
         self._tokenizer = tokenizer
         self._limits = limits
         self._max_model_len = max_model_len
@@ -42,6 +49,8 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     async def MakeExperiences(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
+        if self._streams >= self._max_concurrent_streams:
+            raise Overloaded(f"max_concurrent_streams: {self._streams} streams are being served; retry later")
         decoded = decode_request(
             request, self._tokenizer, self._limits, self._max_model_len, has_critic=self._maker.has_critic
         )
@@ -50,16 +59,22 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
         deadline = Deadline.from_remaining(context.time_remaining())
         stats = StreamStats()
+        self._streams += 1
         try:
             async with contextlib.aclosing(self._maker.make_experiences(decoded, deadline, stats)) as experiences:
                 async for experience in experiences:
                     yield experience_to_pb(experience)
         finally:
-            context.set_trailing_metadata((
+            self._streams -= 1
+            trailers = [
                 ("fastexp-dropped-groups", str(stats.dropped_groups)),
                 ("fastexp-generation-rounds", str(stats.generation_rounds)),
                 ("fastexp-resampled-groups", str(stats.resampled_groups)),
-            ))
+            ]
+            if stats.undelivered_prompt_indices is not None:
+                undelivered = ",".join(map(str, stats.undelivered_prompt_indices))
+                trailers.append((UNDELIVERED_KEY, undelivered))
+            context.set_trailing_metadata(tuple(trailers))
 
     async def UpdateWeights(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import torch
 
 from services.common.deadlines import Deadline
-from services.common.errors import NotReady
+from services.common.errors import NotReady, StreamFailed
 from services.common.sampling import SamplingOptions
 from services.experience.advantages import get_estimator
 from services.experience.logprobs import LogProbModel
@@ -91,12 +92,14 @@ async def test_groups_finished_before_a_generation_failure_are_delivered(engine,
         ExperienceConfig(2, get_estimator("rloo"), micro_rollout_batch_size=8),  # 4 groups per batch
     )
     delivered = []
-    with pytest.raises(NotReady, match="connection lost"):
+    with pytest.raises(StreamFailed, match="connection lost") as raised:
         async for experience in maker.make_experiences(request, Deadline()):
             delivered.extend(experience.prompt_index)
     # HF generates in chunks of 2 sequences = one group each; 4 completions = groups 0 and 1, which wait for a
     # full batch (4 groups) when the failure comes
     assert sorted(delivered) == [0, 0, 1, 1]
+    assert isinstance(raised.value.cause, NotReady) and raised.value.code == grpc.StatusCode.UNAVAILABLE
+    assert raised.value.undelivered == [2, 3]  # what a retry sends again: nothing delivered is repeated
 
 
 def _prompts(kinds: str) -> tuple[PromptSpec, ...]:
@@ -162,10 +165,11 @@ async def test_a_scorer_failure_stops_generation_and_is_raised_after_scored_grou
         ExperienceConfig(2, get_estimator("group_norm"), micro_rollout_batch_size=2),
     )
     delivered = []
-    with pytest.raises(NotReady, match="scorer"):
+    with pytest.raises(StreamFailed, match="scorer") as raised:
         async for experience in maker.make_experiences(request, Deadline()):
             delivered.extend(experience.prompt_index)
     assert delivered == [0, 0]  # the one group scored before the failure arrives; nothing is delivered twice
+    assert isinstance(raised.value.cause, NotReady) and raised.value.undelivered == [1, 2, 3]
 
 
 class CountingGenerator:

@@ -1,0 +1,65 @@
+"""Faults with real processes on loopback: the generator is SIGKILLed mid-stream. The stream ends within seconds
+with UNAVAILABLE listing the prompt indices not delivered; after a restart, a retry of exactly those delivers
+them, and nothing already streamed is repeated."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from fastexp.launcher import LocalCluster
+from services.experience.sdk import ExperienceClient, Sampling, undelivered_prompt_indices
+
+pytestmark = [pytest.mark.smollm2]
+
+PROMPTS = [f"Count from {i} to {i + 40}, one number per line." for i in range(6)]
+
+
+def test_generator_killed_mid_stream_lists_undelivered_prompts_and_a_retry_completes_them(smollm2_path, tmp_path):
+    overrides = {
+        # two sequences per HF generate call = one prompt group at a time, so groups finish one after another
+        "generator": {"model": smollm2_path, "backend": "hf", "hf_max_batch_size": 2},
+        "experience": {"actor_model": smollm2_path, "reference_model": smollm2_path, "torch_threads": 1},
+    }
+    options = {"n_samples_per_prompt": 2, "micro_rollout_batch_size": 2,
+               "sampling": Sampling(max_new_tokens=32, min_new_tokens=32)}
+    with LocalCluster(overrides=overrides, log_dir=tmp_path / "logs") as cluster:
+        delivered: list[int] = []
+        killed_at = None
+        with ExperienceClient(cluster.address("experience"), timeout_s=600) as client:
+            with pytest.raises(grpc.RpcError) as raised:
+                for experience in client.make_experiences(PROMPTS, **options):
+                    delivered.extend(experience.prompt_index)
+                    if killed_at is None:
+                        cluster.processes["generator"].kill()  # SIGKILL after the first batch: no drain
+                        killed_at = time.monotonic()
+            assert killed_at is not None and time.monotonic() - killed_at < 15, "the stream must end in seconds"
+        error = raised.value
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        undelivered = undelivered_prompt_indices(error)
+        assert undelivered is not None and "undelivered prompt indices" in error.details()
+        first = sorted(set(delivered))
+        assert first and sorted(first + undelivered) == list(range(len(PROMPTS)))  # each prompt in one list
+
+        cluster.restart("generator")
+        retried = _retry(cluster.address("experience"), [PROMPTS[i] for i in undelivered], options)
+        assert sorted(set(retried)) == list(range(len(undelivered)))  # each undelivered prompt now delivered once
+        assert len(retried) == 2 * len(undelivered)
+
+
+def _retry(address: str, prompts: list[str], options: dict) -> list[int]:
+    """The trainer's retry: UNAVAILABLE while the experience service reconnects to the new generator is retried."""
+    deadline = time.monotonic() + 60
+    while True:
+        got: list[int] = []
+        try:
+            with ExperienceClient(address, timeout_s=600) as client:
+                for experience in client.make_experiences(prompts, **options):
+                    got.extend(experience.prompt_index)
+            return got
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE or got or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
