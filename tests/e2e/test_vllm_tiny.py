@@ -8,10 +8,11 @@ from __future__ import annotations
 import time
 
 import grpc
+import httpx
 import pytest
 import torch
 
-from fastexp.launcher import LocalCluster
+from fastexp.launcher import LocalCluster, free_port
 from fastexp.v1 import experience_pb2_grpc
 from services.experience.sdk import ExperienceClient, Sampling, build_request
 
@@ -22,8 +23,9 @@ pytestmark = pytest.mark.vllm
 def cluster(tiny_model_path, tmp_path_factory):
     overrides = {
         "generator": {"model": tiny_model_path, "backend": "vllm", "max_model_len": 512,
-                      "kv_cache_memory_bytes": 256 * 1024**2},
-        "experience": {"actor_model": tiny_model_path, "reference_model": tiny_model_path, "dtype": "float32"},
+                      "kv_cache_memory_bytes": 256 * 1024**2, "metrics_port": free_port()},
+        "experience": {"actor_model": tiny_model_path, "reference_model": tiny_model_path, "dtype": "float32",
+                       "metrics_port": free_port()},
     }
     with LocalCluster(overrides=overrides, log_dir=tmp_path_factory.mktemp("logs")) as running:
         yield running
@@ -74,6 +76,11 @@ def test_cancelled_stream_aborts_generation_and_leaves_the_services_healthy(clus
     while "aborted" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "aborted" in log.read_text(), "the generator did not abort the cancelled request's samples"
+    # the work is freed: no sequence left in the engine, no stream or group held by the experience service
+    assert _metric(cluster, "generator", "fastexp_generation_requests_in_flight") == 0
+    assert _metric(cluster, "experience", "fastexp_active_streams") == 0
+    assert _metric(cluster, "experience", 'fastexp_queue_depth{queue="scored"}') == 0
+    assert _metric(cluster, "experience", 'fastexp_queue_depth{queue="forwarded"}') == 0
     with ExperienceClient(cluster.address("experience"), timeout_s=120) as client:
         stream = client.make_experiences(["x"] * 3, n_samples_per_prompt=2, advantage_estimator="reinforce",
                                          sampling=Sampling(max_new_tokens=4))
@@ -82,6 +89,21 @@ def test_cancelled_stream_aborts_generation_and_leaves_the_services_healthy(clus
         assert first.sequences.shape[0] == 2
         again = list(client.make_experiences(["x"], n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=4)))
     assert sum(e.sequences.shape[0] for e in again) == 2
+
+
+def _metric(cluster: LocalCluster, service: str, series: str, timeout_s: float = 10.0) -> float:
+    """``series`` (name and labels as exposed) on ``service``'s /metrics: polled until it reads 0 or ``timeout_s``
+    passes; the last value read."""
+    port = cluster.overrides[service]["metrics_port"]
+    deadline, value = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")]
+        value = values[0] if values else None
+        if value == 0:
+            return value
+        time.sleep(0.2)
+    return value
 
 
 def test_prompt_over_the_model_limit_is_invalid_argument(cluster):
