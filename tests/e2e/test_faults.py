@@ -63,3 +63,43 @@ def _retry(address: str, prompts: list[str], options: dict) -> list[int]:
             if error.code() != grpc.StatusCode.UNAVAILABLE or got or time.monotonic() > deadline:
                 raise
             time.sleep(1)
+
+
+def test_scorer_killed_and_restarted_three_times_every_group_arrives_exactly_once(smollm2_path, tmp_path):
+    """A long stream while the scorer process is SIGKILLed and replaced three times (an operator swapping reward
+    containers, or crashes): Score calls wait and retry, so every prompt group arrives once and none is lost."""
+    import threading
+
+    overrides = {
+        "generator": {"model": smollm2_path, "backend": "hf", "hf_max_batch_size": 2},
+        "experience": {"actor_model": smollm2_path, "reference_model": smollm2_path, "torch_threads": 1},
+    }
+    prompts = [f"Count from {i} to {i + 60}." for i in range(12)]
+    with LocalCluster(overrides=overrides, log_dir=tmp_path / "logs") as cluster:
+        received: list[tuple[int, int]] = []
+        errors: list[BaseException] = []
+        arrivals = threading.Semaphore(0)
+
+        def consume() -> None:
+            try:
+                with ExperienceClient(cluster.address("experience"), timeout_s=600) as client:
+                    for experience in client.make_experiences(
+                        prompts, n_samples_per_prompt=2, micro_rollout_batch_size=2,
+                        sampling=Sampling(max_new_tokens=40, min_new_tokens=40),
+                    ):
+                        received.extend(zip(experience.prompt_index, experience.sample_index, strict=True))
+                        arrivals.release()
+            except BaseException as error:  # surfaced below
+                errors.append(error)
+
+        stream = threading.Thread(target=consume)
+        stream.start()
+        pids = {cluster.processes["scorer"].pid}
+        for _ in range(3):
+            assert arrivals.acquire(timeout=300), "a batch arrives between the restarts"
+            cluster.restart("scorer", kill=True)
+            pids.add(cluster.processes["scorer"].pid)
+        stream.join(timeout=600)
+        assert not stream.is_alive() and errors == []
+        assert len(pids) == 4
+        assert sorted(received) == [(p, s) for p in range(12) for s in range(2)]
