@@ -10,7 +10,7 @@ PROTO_SRC := $(wildcard proto/fastexp/v1/*.proto)
 PROTO_STAMP := fastexp/v1/.generated
 PYTEST_ARGS ?=
 
-.PHONY: venv proto tools test demo bench load profile lint clean up
+.PHONY: venv proto tools test demo bench load fuzz profile lint clean up
 
 venv: $(STAMP)
 
@@ -56,6 +56,10 @@ demo: $(PROTO_STAMP)
 
 bench: $(PROTO_STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# The API fuzz tests' longer variant (CI runs 1,000 fixed examples; this, 20,000 new ones).
+fuzz: $(PROTO_STAMP)
+	FASTEXP_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest tests/e2e/test_fuzz.py --hypothesis-show-statistics
 
 # N concurrent MakeExperiences streams on one generator (vLLM): throughput, p50/p99 time to first experience.
 load: $(PROTO_STAMP)

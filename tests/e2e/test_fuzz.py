@@ -8,6 +8,8 @@ The services run as processes (HF backend, the tiny Llama) with small limits, so
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 import torch
@@ -21,7 +23,9 @@ from services.experience.wire import experience_from_pb
 
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 MAX_MESSAGE_BYTES = 1024 * 1024
-FUZZ = settings(max_examples=1000, deadline=None, derandomize=True, print_blob=True,
+# `make fuzz` runs the longer variant: FASTEXP_FUZZ_EXAMPLES=20000, new random examples instead of CI's fixed ones
+EXAMPLES = int(os.environ.get("FASTEXP_FUZZ_EXAMPLES", "1000"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 1000, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                        HealthCheck.data_too_large])
 
@@ -112,7 +116,7 @@ chunks = st.one_of(
 )
 
 
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ, max_examples=max(300, EXAMPLES // 3))
 @given(stream=st.lists(chunks, max_size=6))
 def test_update_weights_refuses_malformed_streams_cleanly(cluster, stream):
     with grpc.insecure_channel(cluster.address("generator")) as channel:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -65,6 +66,7 @@ def test_dynamic_sampling_refills_through_the_services_and_reports_drops(cluster
 
 def test_cancelled_stream_aborts_generation_and_leaves_the_services_healthy(cluster):
     log = cluster.log_dir / "generator.log"
+    rss_before = {name: _rss_bytes(cluster, name) for name in ("generator", "experience")}
     with grpc.insecure_channel(cluster.address("experience")) as channel:
         call = experience_pb2_grpc.ExperienceServiceStub(channel).MakeExperiences(
             build_request(["a b c"] * 16, n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=400)),
@@ -81,6 +83,9 @@ def test_cancelled_stream_aborts_generation_and_leaves_the_services_healthy(clus
     assert _metric(cluster, "experience", "fastexp_active_streams") == 0
     assert _metric(cluster, "experience", 'fastexp_queue_depth{queue="scored"}') == 0
     assert _metric(cluster, "experience", 'fastexp_queue_depth{queue="forwarded"}') == 0
+    for name, before in rss_before.items():  # nothing of the cancelled stream is kept (the engine's KV is
+        grown = _rss_bytes(cluster, name) - before  # preallocated; the model was warm before this test)
+        assert grown < 150 * 1024**2, (name, grown)
     with ExperienceClient(cluster.address("experience"), timeout_s=120) as client:
         stream = client.make_experiences(["x"] * 3, n_samples_per_prompt=2, advantage_estimator="reinforce",
                                          sampling=Sampling(max_new_tokens=4))
@@ -89,6 +94,12 @@ def test_cancelled_stream_aborts_generation_and_leaves_the_services_healthy(clus
         assert first.sequences.shape[0] == 2
         again = list(client.make_experiences(["x"], n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=4)))
     assert sum(e.sequences.shape[0] for e in again) == 2
+
+
+def _rss_bytes(cluster: LocalCluster, service: str) -> int:
+    """Resident memory of ``service``'s process (``/proc/<pid>/status`` VmRSS)."""
+    status = Path(f"/proc/{cluster.processes[service].pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
 
 
 def _metric(cluster: LocalCluster, service: str, series: str, timeout_s: float = 10.0) -> float:

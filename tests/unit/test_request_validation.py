@@ -131,3 +131,44 @@ def test_unset_sampling_fields_take_defaults(tokenizer):
     message.sampling.CopyFrom(generation_pb2.SamplingParams())
     sampling = decode_request(message, tokenizer, LIMITS, MAX_MODEL_LEN).sampling
     assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_new_tokens) == (1.0, 1.0, 0, 32)
+
+
+class _HeldMaker:
+    """An ExperienceMaker stand-in whose streams stay open until released."""
+
+    has_critic = False
+
+    def __init__(self):
+        import asyncio
+
+        self.release = asyncio.Event()
+
+    async def make_experiences(self, request, deadline, stats):
+        await self.release.wait()
+        return
+        yield
+
+
+class _Context:
+    def time_remaining(self):
+        return 60.0
+
+    def set_trailing_metadata(self, metadata):
+        self.trailers = metadata
+
+
+async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(tokenizer):
+    import asyncio
+
+    from services.common.errors import Overloaded
+    from services.experience.servicer import ExperienceServicer
+
+    maker = _HeldMaker()
+    servicer = ExperienceServicer(maker, tokenizer, LIMITS, MAX_MODEL_LEN, max_concurrent_streams=2)
+    held = [asyncio.create_task(anext(servicer.MakeExperiences(_request(), _Context()), None)) for _ in range(2)]
+    await asyncio.sleep(0.05)  # both streams are being served
+    with pytest.raises(Overloaded, match="max_concurrent_streams"):
+        await asyncio.wait_for(anext(servicer.MakeExperiences(_request(), _Context())), timeout=5)
+    maker.release.set()
+    await asyncio.gather(*held)
+    assert await anext(servicer.MakeExperiences(_request(), _Context()), None) is None  # a slot is free again
