@@ -282,17 +282,20 @@ class ExperienceMaker:
     ) -> AsyncIterator[Experience]:
         """Yield Experiences of whole prompt groups, each delivered group exactly once, as groups finish.
 
-        Groups scored before a generation failure are still delivered, then the failure is raised. ``stats``
-        (optional) is filled in as the stream runs: generation rounds, dynamic-sampling drops, resamples.
+        Groups scored before a generation failure are still delivered, then the failure is raised as
+        :class:`StreamFailed` listing the prompt indices neither delivered nor reported dropped. ``stats``
+        (optional) is filled in as the stream runs: generation rounds, dynamic-sampling drops, resamples, and on
+        failure the undelivered prompt indices.
 
         With ``max_staleness`` s, batch b waits for policy version v0 + b - s and holds only groups sampled at that
         version or later; older groups go back for resampling (see ``MakeExperiencesRequest.max_staleness``).
         With ``normalization_scope = rollout`` the whole request is estimated at once, then streamed in batches.
 
         Raises:
-            NotReady, UpstreamTimeout, InvalidRequest: from the generator or scorer clients; UpstreamTimeout also
-                when the deadline passes while waiting for the trainer's policy update.
-            RewardFailed: a reward source could not score a group (the message names the prompt and source).
+            StreamFailed: with the status code of its cause: NotReady, UpstreamTimeout or InvalidRequest from the
+                generator or scorer clients (UpstreamTimeout also when the deadline passes while waiting for the
+                trainer's policy update); RewardFailed when a reward source could not score a group (the
+                message names the prompt and source).
         """
         config = request.config
         window = None if config.rollout_scope else max(self._max_groups_ahead, config.groups_per_batch)
