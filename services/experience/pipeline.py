@@ -351,11 +351,11 @@ class ExperienceMaker:
                 else:
                     inbox.take(await stream.ready.get(), stream)
             if inbox.failure is not None:
-                if not isinstance(inbox.failure, FastexpError):
-                    raise inbox.failure
-                undelivered = [i for i in range(len(request.prompts)) if i not in handled]
-                stream.stats.undelivered_prompt_indices = undelivered
-                raise StreamFailed(inbox.failure, undelivered) from inbox.failure
+                raise inbox.failure
+        except FastexpError as error:  # a failed stream says which prompts to send again
+            undelivered = [i for i in range(len(request.prompts)) if i not in handled]
+            stream.stats.undelivered_prompt_indices = undelivered
+            raise StreamFailed(error, undelivered) from error
         finally:
             metrics.ACTIVE_STREAMS.dec()
             _LIVE_INBOXES.discard(inbox)
