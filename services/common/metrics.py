@@ -134,7 +134,8 @@ def _code_name(context: grpc.aio.ServicerContext, error: BaseException | None) -
         return next((c.name for c in grpc.StatusCode if c.value[0] == code), "UNKNOWN")
     if error is None:
         return "OK"
-    return "CANCELLED" if isinstance(error, asyncio.CancelledError) else "UNKNOWN"
+    # the call was cancelled (its task), or its response stream closed early (the client went away)
+    return "CANCELLED" if isinstance(error, asyncio.CancelledError | GeneratorExit) else "UNKNOWN"
 
 
 def _observe(service: str, method: str, started: float, context: grpc.aio.ServicerContext,
