@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -17,6 +18,8 @@ from services.common.settings import GeneratorSettings
 from services.common.tensor_codec import from_numpy
 from services.common.weights import check_update, model_spec, staged_update
 from services.generator.engine import CompletionRecord, GenerationEngine, GenerationRequest
+
+logger = logging.getLogger(__name__)
 
 _FINISH = {
     "stop": generation_pb2.FINISH_REASON_STOP,
@@ -87,6 +90,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         decoded = decode_request(request, self._engine, self._settings)
         unfinished = len(decoded.prompts) * decoded.n_samples_per_prompt
+        logger.debug("generate %s: %d prompts x %d samples", decoded.request_id, len(decoded.prompts),
+                     decoded.n_samples_per_prompt)
         metrics.GENERATION_REQUESTS_IN_FLIGHT.inc(unfinished)
         try:
             async with contextlib.aclosing(self._engine.generate(decoded)) as records:

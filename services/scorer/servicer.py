@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
@@ -11,6 +13,8 @@ from services.common.settings import ScorerSettings
 from services.common.tensor_codec import from_numpy
 from services.scorer.composition import RewardComposer
 from services.scorer.scorer import make_items
+
+logger = logging.getLogger(__name__)
 
 
 class ScoringServicer(scoring_pb2_grpc.ScoringServiceServicer):
@@ -26,6 +30,7 @@ class ScoringServicer(scoring_pb2_grpc.ScoringServiceServicer):
         if len(request.queries) > self._settings.max_queries_per_request:
             raise InvalidRequest("queries", f"at most {self._settings.max_queries_per_request} per request")
         items = make_items(request.queries, request.prompts, request.labels, request.references)
+        logger.debug("score %d items", len(items))
         result = await self._composer.score(items, Deadline.from_remaining(context.time_remaining()))
         return scoring_pb2.ScoreResponse(
             rewards=from_numpy(result.rewards),

@@ -4,6 +4,7 @@ reward and KL distributions."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -36,11 +37,12 @@ def prometheus_and_cluster(tmp_path_factory, smollm2_path):
          f"--web.listen-address=127.0.0.1:{web_port}"],
         stdout=(root / "prometheus.log").open("wb"), stderr=subprocess.STDOUT,
     )
+    logs = {"log_format": "json", "log_level": "DEBUG"}
     overrides = {
-        "generator": {"model": smollm2_path, "backend": "hf", "metrics_port": metrics_ports["generator"]},
-        "scorer": {"metrics_port": metrics_ports["scorer"]},
+        "generator": {"model": smollm2_path, "backend": "hf", "metrics_port": metrics_ports["generator"], **logs},
+        "scorer": {"metrics_port": metrics_ports["scorer"], **logs},
         "experience": {"actor_model": smollm2_path, "reference_model": smollm2_path, "torch_threads": 1,
-                       "metrics_port": metrics_ports["experience"]},
+                       "metrics_port": metrics_ports["experience"], **logs},
     }
     try:
         with LocalCluster(overrides=overrides, log_dir=root / "logs") as cluster:
@@ -48,6 +50,9 @@ def prometheus_and_cluster(tmp_path_factory, smollm2_path):
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
+
+
+REQUEST_ID = "trainer-run-7-step-3"
 
 
 def _query(base: str, expr: str) -> list[dict]:
@@ -74,7 +79,7 @@ def test_series_appear_after_a_make_experiences_call(prometheus_and_cluster):
     with ExperienceClient(cluster.address("experience"), timeout_s=600) as client:
         batches = list(client.make_experiences(
             [list(p.messages) for p in problems], references=[p.reference for p in problems],
-            n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=16),
+            n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=16), request_id=REQUEST_ID,
         ))
     assert sum(len(e.reward) for e in batches) == 4
 
@@ -93,3 +98,13 @@ def test_series_appear_after_a_make_experiences_call(prometheus_and_cluster):
     assert {r["metric"]["job"] for r in _eventually(base, "fastexp_policy_version")} >= {
         "fastexp-generator", "fastexp-experience"}
     assert _eventually(base, 'fastexp_reward_source_duration_seconds_count{job="fastexp-scorer"} > 0')
+
+
+def test_one_request_id_follows_the_stream_through_every_services_json_logs(prometheus_and_cluster):
+    """Runs after the stream above: its request id is on the generator's and the scorer's log records too."""
+    _, cluster = prometheus_and_cluster
+    for name in ("generator", "scorer"):
+        records = [json.loads(line) for line in (cluster.log_dir / f"{name}.log").read_text().splitlines()
+                   if line.startswith("{")]
+        assert records and all({"asctime", "level", "logger", "message", "request_id"} <= r.keys() for r in records)
+        assert any(r["request_id"] == REQUEST_ID for r in records), name
