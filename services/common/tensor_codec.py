@@ -108,7 +108,7 @@ def write_torch(tensor: torch.Tensor, target: tensor_pb2.Tensor) -> None:
 
 
 def to_torch(message: tensor_pb2.Tensor) -> torch.Tensor:
-    """Decode a ``Tensor`` into a CPU torch tensor that owns its memory (one copy of the message's bytes).
+    """Decode a ``Tensor`` into a CPU torch tensor that owns its memory (the bytes copied once, by us).
 
     Raises:
         TensorDecodeError: the message is malformed.

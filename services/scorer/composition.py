@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -180,11 +179,8 @@ class RewardComposer:
 
     async def _timed_score(self, name: str, items: Sequence[ScoreItem], deadline: Deadline) -> SourceScores:
         """``name``'s scores for ``items``, its wall time observed in ``fastexp_reward_source_duration_seconds``."""
-        started = time.perf_counter()
-        try:
+        with REWARD_SOURCE_SECONDS.labels(name).time():
             return await self._sources[name].score(items, deadline)
-        finally:
-            REWARD_SOURCE_SECONDS.labels(name).observe(time.perf_counter() - started)
 
     def _call_reward_fn(
         self, matrix: np.ndarray, items: Sequence[ScoreItem], errors: list[list[str]]
