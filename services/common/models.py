@@ -11,6 +11,7 @@ Any other value of a ``model`` setting is passed through unchanged: a local fold
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -99,3 +100,10 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out_dir)
+
+
+def is_vision_language(path: str) -> bool:
+    """Whether the model folder ``path`` is a vision-language model (its ``config.json`` has a ``vision_config``,
+    as Qwen2-VL's does). A hub id or a folder without a config is taken as text-only."""
+    config = Path(path) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())

@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from services.common.media import MediaLimits
 from services.common.models import SMOLLM2_ALIAS
 from services.common.sampling import RequestLimits
 from services.common.security import AuthInterceptor, ClientTLS, ServerTLS, read_tokens
@@ -121,6 +122,22 @@ class _GenerationLimits(ServiceSettings):
     max_samples_per_prompt: int = Field(256, ge=1)
     max_new_tokens_limit: int = Field(8192, ge=1, description="largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request leaves it 0")
+    # multimodal prompts (vision-language policies only)
+    max_images_per_prompt: int = Field(8, ge=0, description="images one prompt may carry")
+    max_videos_per_prompt: int = Field(2, ge=0, description="videos one prompt may carry")
+    max_video_frames: int = Field(64, ge=1, description="frames one video may carry")
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=1, description="pixel budget (width * height) of one image or video frame, checked before decoding"
+    )
+
+    def media_limits(self) -> MediaLimits:
+        """The multimodal limits as the plain record the media decoder takes."""
+        return MediaLimits(
+            max_images_per_prompt=self.max_images_per_prompt,
+            max_videos_per_prompt=self.max_videos_per_prompt,
+            max_video_frames=self.max_video_frames,
+            max_image_pixels=self.max_image_pixels,
+        )
 
     def request_limits(self) -> RequestLimits:
         """These four limits as the plain record the request validators take."""

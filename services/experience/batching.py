@@ -93,10 +93,13 @@ def split_experience(experience: Experience, rows_per_batch: int) -> list[Experi
                 value = {key: metric[rows] for key, metric in value.items()}
             elif name in _ROW_FIELDS:
                 value = value[rows]
+            elif name == "vision":
+                value = None if value is None else value.select(rows)
             fields[name] = value
         fields["batch_index"] = experience.batch_index + number
         if number:
             fields["dropped_prompt_indices"] = ()
             fields["resampled_groups"] = 0
+            fields["repaired_vision_tokens"] = 0  # counted with the first batch
         batches.append(Experience(**fields))
     return batches

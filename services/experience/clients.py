@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import stamina
 
-from fastexp.v1 import generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
+from fastexp.v1 import generation_pb2, generation_pb2_grpc, media_pb2, scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
 from services.common.errors import (
     FastexpError,
@@ -147,7 +147,10 @@ class GeneratorClient:
     async def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]:
         message = generation_pb2.GenerateRequest(
             request_id=request.request_id,
-            prompts=[generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=p)) for p in request.prompts],
+            prompts=[
+                generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=p), media=request.media_of(i))
+                for i, p in enumerate(request.prompts)
+            ],
             sampling=request.sampling.to_pb(),
             n_samples_per_prompt=request.n_samples_per_prompt,
         )
@@ -192,15 +195,20 @@ class ScorerClient:
         labels: Sequence[str],
         references: Sequence[str],
         deadline: Deadline,
+        media: Sequence[media_pb2.PromptMedia | None] = (),
     ) -> Scores:
-        """Rewards and metrics for ``queries``; UNAVAILABLE is retried within the budget (see the class).
+        """Rewards and metrics for ``queries`` (``media``: each query's prompt images/videos, or empty);
+        UNAVAILABLE is retried within the budget (see the class).
 
         Raises:
             NotReady: the scorer stayed unavailable for the whole budget.
             RewardFailed: the scorer answered, but some responses have no reward (its errors are in the message).
             UpstreamTimeout, InvalidRequest, Overloaded: from the scorer, not retried.
         """
-        message = scoring_pb2.ScoreRequest(queries=queries, prompts=prompts, labels=labels, references=references)
+        message = scoring_pb2.ScoreRequest(
+            queries=queries, prompts=prompts, labels=labels, references=references,
+            media=[m if m is not None else media_pb2.PromptMedia() for m in media],
+        )
         budget_s = deadline.timeout(self._timeout_s)
         retries = stamina.retry_context(
             on=NotReady, attempts=None, timeout=budget_s, wait_initial=0.1, wait_max=self._retry_wait_max_s

@@ -115,6 +115,8 @@ def estimate_experience(
         kl_coef=kl_coef,
         batch_index=batch_index,
         rollout_log_probs=rollout.rollout_log_probs,
+        vision=rollout.vision,
+        repaired_vision_tokens=rollout.repaired_vision_tokens,
         shaped_reward=shaped,
         action_entropy=None if forward.action_entropy is None else forward.action_entropy * mask,
         reward_clip_frac=reward_clip_frac,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from services.experience.types import Rollout
+from services.experience.vision import VisionInputs
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ class ForwardChunk:
             (padded: K = the chunk's longest response; packed, shared: K = sum of the rows' response lengths;
             shared: a group's first response tokens are all predicted from its prompt's last position);
         targets: (b, K) int64 action tokens those positions predict;
-        action_mask: (rows, A) bool of the chunk's rows.
+        action_mask: (rows, A) bool of the chunk's rows;
+        vision: the rows' images/videos (padded layout only; None when the rows are text-only). A model given
+            them computes its own multimodal positions (Qwen2-VL's M-RoPE) and ignores ``position_ids``.
     """
 
     rows: slice
@@ -47,6 +50,7 @@ class ForwardChunk:
     hidden_index: torch.Tensor
     targets: torch.Tensor
     action_mask: torch.Tensor
+    vision: VisionInputs | None = None
 
     @property
     def padded(self) -> bool:
@@ -97,6 +101,7 @@ def padded_chunks(rollout: Rollout, micro_batch_size: int) -> Iterator[ForwardCh
             hidden_index=torch.arange(width - num_actions - 1, width - 1),
             targets=ids[:, -num_actions:],
             action_mask=rollout.action_mask[rows],
+            vision=None if rollout.vision is None else rollout.vision.select(rows),
         )
 
 
@@ -175,7 +180,10 @@ LAYOUTS = {"padded": padded_chunks, "packed": packed_chunks, "shared_prompt": sh
 
 
 def chunks(rollout: Rollout, micro_batch_size: int, packed: bool, share_prompt: bool = False) -> list[ForwardChunk]:
-    """:func:`padded_chunks`, :func:`packed_chunks`, or with ``share_prompt`` :func:`shared_prompt_chunks`."""
-    layout = ("shared_prompt" if share_prompt else "packed") if packed else "padded"
+    """:func:`padded_chunks`, :func:`packed_chunks`, or with ``share_prompt`` :func:`shared_prompt_chunks`.
+
+    Rows with images or videos always take the padded layout (their positions are the model's own M-RoPE).
+    """
+    layout = ("shared_prompt" if share_prompt else "packed") if packed and rollout.vision is None else "padded"
     return list(LAYOUTS[layout](rollout, micro_batch_size))
 

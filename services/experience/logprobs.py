@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from services.common.models import is_vision_language
 from services.experience.forward import ForwardChunk
+from services.experience.vision import VisionTokens
 
 logger = logging.getLogger(__name__)
 
@@ -18,22 +21,59 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 class LogProbModel:
     """A frozen causal LM that scores response tokens (the actor replica or the reference model)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, vision_tokens: VisionTokens | None = None) -> None:
         self._model = model
+        self.vision_tokens = vision_tokens
+        self._accepts = frozenset(inspect.signature(model.forward).parameters)
 
     @classmethod
     def load(cls, path: str, *, dtype: str, device: str) -> LogProbModel:
-        """Load ``path`` with ``AutoModelForCausalLM`` in eval mode on ``device`` (``dtype``: a key of ``DTYPES``).
+        """Load ``path`` in eval mode on ``device`` (``dtype``: a key of ``DTYPES``): ``AutoModelForCausalLM``, or
+        ``AutoModelForImageTextToText`` for a vision-language model (a config with ``vision_config``).
 
         Raises:
             OSError: ``path`` is not a loadable model folder (from transformers).
             KeyError: unknown ``dtype`` (settings validate it first).
         """
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
-        logger.info("loaded %s (%s, %s)", path, dtype, device)
-        return cls(model)
+        vision = is_vision_language(path)
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+        tokens = None
+        if vision:
+            config = model.config
+            tokens = VisionTokens(config.image_token_id, config.video_token_id, config.vision_config.spatial_merge_size)
+        logger.info("loaded %s (%s, %s%s)", path, dtype, device, ", vision-language" if vision else "")
+        return cls(model, tokens)
+
+    def _inputs(self, chunk: ForwardChunk, device: torch.device) -> dict[str, Any]:
+        """The forward's keyword arguments for ``chunk``: with vision inputs, only those the model accepts, and no
+        position ids (the model derives its M-RoPE positions from the ids, grids and attention mask)."""
+        inputs: dict[str, Any] = {
+            "input_ids": chunk.input_ids.to(device),
+            "attention_mask": chunk.model_mask(self._model.dtype, device),
+            "position_ids": chunk.position_ids.to(device),
+            "logits_to_keep": chunk.hidden_index.to(device),
+            "use_cache": False,
+        }
+        vision = chunk.vision
+        if vision is None:
+            return inputs
+        if self.vision_tokens is None:
+            raise ValueError("rows with images or videos reached a text-only model")
+        inputs["position_ids"] = None
+        extra = {
+            "pixel_values": vision.pixel_values,
+            "image_grid_thw": vision.image_grid_thw if vision.pixel_values is not None else None,
+            "pixel_values_videos": vision.pixel_values_videos,
+            "video_grid_thw": vision.video_grid_thw if vision.pixel_values_videos is not None else None,
+            "mm_token_type_ids": self.vision_tokens.mm_token_type_ids(chunk.input_ids),
+        }
+        for name, value in extra.items():
+            if value is not None and name in self._accepts:
+                inputs[name] = value.to(device, self._model.dtype) if value.is_floating_point() else value.to(device)
+        return inputs
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The live tensors under their checkpoint names (``model.layers.0...``, ``lm_head.weight``)."""
@@ -59,13 +99,7 @@ class LogProbModel:
         device = self._model.device
         log_probs, entropies = [], []
         for chunk in chunks:
-            logits = self._model(
-                input_ids=chunk.input_ids.to(device),
-                attention_mask=chunk.model_mask(self._model.dtype, device),
-                position_ids=chunk.position_ids.to(device),
-                logits_to_keep=chunk.hidden_index.to(device),
-                use_cache=False,
-            ).logits.float()  # (b, K, V)
+            logits = self._model(**self._inputs(chunk, device)).logits.float()  # (b, K, V)
             normalizer = torch.logsumexp(logits, dim=-1)
             chosen = logits.gather(-1, chunk.targets.to(device).unsqueeze(-1)).squeeze(-1)
             log_probs.append(chunk.to_rows((chosen - normalizer).cpu()))

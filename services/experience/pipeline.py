@@ -29,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from fastexp.v1 import media_pb2
 from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FastexpError, InvalidRequest, RewardFailed, StreamFailed
@@ -78,6 +79,7 @@ class Scorer(Protocol):
         labels: Sequence[str],
         references: Sequence[str],
         deadline: Deadline,
+        media: Sequence[media_pb2.PromptMedia | None] = (),
     ) -> Scores: ...
 
 
@@ -499,6 +501,7 @@ class ExperienceMaker:
             prompts=tuple(request.prompts[i].token_ids for i in indices),
             sampling=request.sampling,
             n_samples_per_prompt=n,
+            media=tuple(request.prompts[i].media for i in indices),
         )
         pending: dict[int, list[CompletionRecord]] = {}
         complete: set[int] = set()
@@ -565,6 +568,7 @@ class ExperienceMaker:
                     labels=[spec.label] * len(completions),
                     references=[spec.reference] * len(completions),
                     deadline=stream.deadline,
+                    media=[spec.media] * len(completions) if spec.media is not None else (),
                 )
         except RewardFailed as error:
             raise RewardFailed(f"prompt {prompt_index}: {error}") from error
@@ -601,7 +605,9 @@ class ExperienceMaker:
         order = list(range(len(completions)))
         if not request.config.packing_samples:
             order.sort(key=lambda i: len(completions[i].prompt_token_ids) + len(completions[i].output_token_ids))
-        rollout = build_rollout([completions[i] for i in order], request.prompts, self._pad_token_id)
+        rollout = build_rollout(
+            [completions[i] for i in order], request.prompts, self._pad_token_id, self._models.actor.vision_tokens
+        )
         forward = self._forward(rollout, request.config)
         inverse = torch.empty(len(order), dtype=torch.int64)
         inverse[torch.tensor(order)] = torch.arange(len(order))
@@ -612,7 +618,9 @@ class ExperienceMaker:
     def _forward(self, rollout: Rollout, config: ExperienceConfig) -> ForwardOutputs:
         """Actor, reference (and critic) passes over the rollout's rows (runs in a worker thread)."""
         models = self._models
-        parts = chunks(rollout, models.micro_batch_size, packed=config.packing_samples, share_prompt=models.share_prompt)
+        # a vision-language model's rows stay padded: its M-RoPE positions are not the packed layouts' 1D ones
+        packed = config.packing_samples and models.actor.vision_tokens is None
+        parts = chunks(rollout, models.micro_batch_size, packed=packed, share_prompt=models.share_prompt)
         with metrics.stage_timer("actor"):
             actor, entropy = models.actor.action_log_probs(parts, with_entropy=config.return_action_entropy)
         with metrics.stage_timer("reference"):
@@ -630,19 +638,28 @@ class ExperienceMaker:
     ) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor], ForwardOutputs]:
         """A batch's rollout, rewards (B,), reward metrics (B,) each (NaN for rows whose scorer lacks one) and
         forward outputs (B, A), from its forwarded groups in order."""
-        rollout = build_rollout([c for g in groups for c in g.scored.completions], request.prompts, self._pad_token_id)
+        rollout = build_rollout(
+            [c for g in groups for c in g.scored.completions], request.prompts, self._pad_token_id,
+            self._models.actor.vision_tokens,
+        )
+        if rollout.repaired_vision_tokens:
+            metrics.VISION_TOKEN_REPAIRS.labels("response_placeholder").inc(rollout.repaired_vision_tokens)
+            logger.debug("%s: %d sampled placeholder tokens replaced by the pad token",
+                         request.request_id, rollout.repaired_vision_tokens)
+        if rollout.vision_prompt_mismatches:
+            metrics.VISION_TOKEN_REPAIRS.labels("prompt_mismatch").inc(rollout.vision_prompt_mismatches)
         forward = concat_forward([g.forward for g in groups], rollout.action_mask.shape[1])
         scores = [g.scored.scores for g in groups]
         rewards = torch.cat([s.rewards.float() for s in scores])
         names = sorted({name for s in scores for name in s.metrics})
-        metrics = {
+        reward_metrics = {
             name: torch.cat([
                 s.metrics[name].float() if name in s.metrics else torch.full((len(s.rewards),), float("nan"))
                 for s in scores
             ])
             for name in names
         }
-        return rollout, rewards, metrics, forward
+        return rollout, rewards, reward_metrics, forward
 
 
 def _observe_distributions(experience: Experience) -> None:

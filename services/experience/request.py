@@ -10,11 +10,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from fastexp.v1 import experience_pb2
+from fastexp.v1 import experience_pb2, media_pb2
 from services.common.errors import InvalidRequest
+from services.common.media import MediaLimits, decode_media
 from services.common.sampling import RequestLimits, SamplingOptions, validate_batch
 from services.experience.advantages import ALIASES, ESTIMATORS, AdvantageEstimator, get_estimator
 from services.experience.kl import KL_ESTIMATORS
+from services.experience.vision import PromptVision, VisionProcessor
 
 DEFAULT_ESTIMATOR = "group_norm"
 DEFAULT_KL_COEF = 0.01
@@ -22,17 +24,41 @@ DEFAULT_KL_HORIZON = 10_000  # OpenRLHF/LightRFT --kl_horizon
 DEFAULT_MAX_EXTRA_ROUNDS = 3
 MAX_EXTRA_ROUNDS = 16
 MAX_RUN_ID_CHARS = 256
+DEFAULT_MEDIA_LIMITS = MediaLimits()
 MAX_STALENESS = 1024  # policy versions; larger bounds are "unbounded" in practice: leave max_staleness unset
 
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """One prompt as the policy sees it: rendered text, its token ids, and its supervision."""
+    """One prompt as the policy sees it: rendered text, its token ids, and its supervision.
+
+    A multimodal prompt also keeps its images/videos as sent (``media``, forwarded to the generator and the
+    scorer unchanged) and as the processor made them (``vision``: expanded token ids and pixel patches);
+    ``token_ids`` are then the *unexpanded* ids (one placeholder per item) that the generator's engine expands.
+    """
 
     text: str
     token_ids: tuple[int, ...]
     reference: str
     label: str
+    media: media_pb2.PromptMedia | None = None
+    vision: PromptVision | None = None
+
+    @property
+    def model_token_ids(self) -> tuple[int, ...]:
+        """The prompt as the models see it (placeholders expanded for a multimodal prompt)."""
+        return self.vision.token_ids if self.vision is not None else self.token_ids
+
+
+class InvalidPrompts(InvalidRequest):
+    """One or more prompts are invalid; every one is named (``prompt_indices``, ascending), so a trainer can
+    drop them and send the others again at once (trailing metadata ``fastexp-invalid-prompt-indices``)."""
+
+    def __init__(self, errors: dict[int, InvalidRequest]) -> None:
+        first = errors[min(errors)]
+        super().__init__(first.field, first.reason)
+        self.prompt_indices = sorted(errors)
+        self.args = ("; ".join(str(errors[i]) for i in self.prompt_indices),)
 
 
 @dataclass(frozen=True)
@@ -121,22 +147,46 @@ def decode_request(
     limits: RequestLimits,
     max_model_len: int,
     has_critic: bool = False,
+    vision: VisionProcessor | None = None,
+    media_limits: MediaLimits = DEFAULT_MEDIA_LIMITS,
 ) -> ExperienceRequest:
     """Validate ``message``, render chat prompts with ``tokenizer``'s chat template and tokenize every prompt.
 
     ``max_model_len`` is the generator's limit on prompt + response tokens; a prompt must be shorter.
-    ``has_critic`` says whether this service runs a value model (``gae`` needs one).
+    ``has_critic`` says whether this service runs a value model (``gae`` needs one). ``vision`` is the policy's
+    processor for a vision-language policy (None: text-only policy, images are refused); prompts with images or
+    videos are rendered and processed by it, text-only ones by ``tokenizer``.
 
     Raises:
-        InvalidRequest: naming the offending field, e.g. ``prompts[2]``, ``sampling.top_p``,
-            ``advantage_estimator``, ``lambd``, ``reward_processing.reward_clip``.
+        InvalidRequest: naming the offending field, e.g. ``sampling.top_p``, ``advantage_estimator``, ``lambd``,
+            ``reward_processing.reward_clip``.
+        InvalidPrompts: every invalid prompt, named with its index (``prompts[2].images[0]``).
     """
     sampling = validate_batch(len(message.prompts), message.n_samples_per_prompt, message.sampling, limits)
     config = _decode_config(message, message.n_samples_per_prompt, sampling, has_critic)
-    prompts = tuple(_render_prompt(i, p, tokenizer, max_model_len) for i, p in enumerate(message.prompts))
+    prompts, errors = [], {}
+    for i, p in enumerate(message.prompts):
+        try:
+            prompts.append(_render_prompt(i, p, tokenizer, max_model_len, vision, media_limits))
+        except InvalidRequest as error:
+            errors[i] = error
+    if errors:
+        raise InvalidPrompts(errors)
+    if any(p.vision is not None for p in prompts):
+        _check_multimodal_config(config)
     return ExperienceRequest(
-        request_id=message.request_id or uuid.uuid4().hex, prompts=prompts, sampling=sampling, config=config
+        request_id=message.request_id or uuid.uuid4().hex, prompts=tuple(prompts), sampling=sampling, config=config
     )
+
+
+def _check_multimodal_config(config: ExperienceConfig) -> None:
+    """What multimodal prompts cannot be combined with (yet)."""
+    if config.packing_samples or config.return_packed:
+        field = "packing_samples" if config.packing_samples else "return_packed"
+        raise InvalidRequest(field, "not supported with image/video prompts (their M-RoPE positions need padded rows)")
+    if config.estimator.needs_critic:
+        raise InvalidRequest("advantage_estimator", f"{config.estimator.name}'s critic is text-only; "
+                             "image/video prompts need a critic-free estimator")
 
 
 def _unit_interval(message: Any, field: str, default: float) -> float:
@@ -288,8 +338,20 @@ def _decode_dynamic_sampling(
     return DynamicSamplingOptions(num_groups=dynamic.num_groups, max_extra_rounds=rounds)
 
 
-def _render_prompt(index: int, prompt: experience_pb2.PromptInput, tokenizer: Any, max_model_len: int) -> PromptSpec:
+def _render_prompt(
+    index: int,
+    prompt: experience_pb2.PromptInput,
+    tokenizer: Any,
+    max_model_len: int,
+    vision: VisionProcessor | None,
+    media_limits: MediaLimits,
+) -> PromptSpec:
     field = f"prompts[{index}]"
+    multimodal = bool(prompt.images) or bool(prompt.videos)
+    if multimodal and vision is None:
+        what = "images" if prompt.images else "videos"
+        raise InvalidRequest(f"{field}.{what}", "the policy is a text-only model; it takes no images or videos")
+    media = decode_media(prompt.images, prompt.videos, field, media_limits) if multimodal else None
     kind = prompt.WhichOneof("prompt")
     if kind == "chat":
         messages = [{"role": m.role, "content": m.content} for m in prompt.chat.messages]
@@ -297,11 +359,22 @@ def _render_prompt(index: int, prompt: experience_pb2.PromptInput, tokenizer: An
             raise InvalidRequest(f"{field}.chat", "a conversation needs at least one message")
         if any(not m["role"] for m in messages):
             raise InvalidRequest(f"{field}.chat", "every message needs a role")
-        if tokenizer.chat_template is None:
-            raise InvalidRequest(f"{field}.chat", "the policy has no chat template; send text prompts")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if multimodal:
+            text = vision.render_chat(messages, len(prompt.images), len(prompt.videos))
+        else:
+            if tokenizer.chat_template is None:
+                raise InvalidRequest(f"{field}.chat", "the policy has no chat template; send text prompts")
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     elif kind == "text":
         text = prompt.text
+        if vision is not None:
+            counts = vision.placeholder_counts(text)
+            if counts != (len(prompt.images), len(prompt.videos)):
+                raise InvalidRequest(
+                    f"{field}.text",
+                    f"holds {counts[0]} image and {counts[1]} video placeholders ({vision.image_placeholder!r}, "
+                    f"{vision.video_placeholder!r}) for {len(prompt.images)} images and {len(prompt.videos)} videos",
+                )
     else:
         raise InvalidRequest(field, "set text or chat")
     if not text:
@@ -309,6 +382,17 @@ def _render_prompt(index: int, prompt: experience_pb2.PromptInput, tokenizer: An
     ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise InvalidRequest(field, "prompt is empty after tokenization")
-    if len(ids) >= max_model_len:
-        raise InvalidRequest(field, f"{len(ids)} tokens; the model's limit is {max_model_len} (prompt + response)")
-    return PromptSpec(text=text, token_ids=ids, reference=prompt.reference, label=prompt.label)
+    processed = None
+    if media is not None:
+        try:
+            processed = vision.process(text, media)
+        except (ValueError, TypeError) as error:
+            raise InvalidRequest(field, f"the processor refused it: {error}") from None
+    length = len(processed.token_ids) if processed is not None else len(ids)
+    if length >= max_model_len:
+        raise InvalidRequest(field, f"{length} tokens; the model's limit is {max_model_len} (prompt + response)")
+    return PromptSpec(
+        text=text, token_ids=ids, reference=prompt.reference, label=prompt.label,
+        media=media_pb2.PromptMedia(images=prompt.images, videos=prompt.videos) if multimodal else None,
+        vision=processed,
+    )

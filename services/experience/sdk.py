@@ -10,18 +10,29 @@ Example::
         ):
             loss = -(exp.advantages * ratio(exp)).sum() / exp.action_mask.sum()  # exp.action_log_probs, ...
 
-Errors arrive as ``grpc.RpcError`` with the service's status code (INVALID_ARGUMENT names the field).
+Multimodal prompts (a vision-language policy) give each prompt its images and/or videos::
+
+    client.make_experiences(
+        [[{"role": "user", "content": "What is in this picture?"}], "Plain text prompt"],
+        images=[["photo.jpg"], []],  # per prompt: file paths, encoded bytes or PIL images
+        n_samples_per_prompt=4,
+    )
+
+Errors arrive as ``grpc.RpcError`` with the service's status code (INVALID_ARGUMENT names the field; when prompts
+are the cause, :func:`invalid_prompt_indices` lists every invalid one).
 """
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import grpc
 import torch
 
-from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc
+from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc, media_pb2
 from services.common.sampling import SamplingOptions
 from services.common.security import ClientTLS, bearer_metadata
 from services.common.weights import Target, weight_chunks
@@ -31,12 +42,34 @@ from services.experience.value_model import save_value_model
 from services.experience.wire import experience_from_pb
 
 __all__ = [
-    "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "Sampling", "build_request", "save_value_model",
-    "unpack_experience", "update_generator_weights", "weight_chunks",
+    "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "Sampling", "build_request", "encode_image",
+    "invalid_prompt_indices", "save_value_model", "unpack_experience", "update_generator_weights", "weight_chunks",
 ]
 
 #: A prompt: raw text, or chat messages ``[{"role": ..., "content": ...}, ...]`` rendered with the chat template.
 PromptLike = str | Sequence[dict[str, str]]
+#: An image: its encoded file bytes (PNG/JPEG/...), a path to such a file, or a PIL image (sent as PNG).
+ImageLike = bytes | str | os.PathLike | Any
+#: A video: its frames, in time order, each an ImageLike.
+VideoLike = Sequence[ImageLike]
+
+
+def encode_image(image: ImageLike) -> bytes:
+    """The encoded bytes sent for ``image``: bytes as given, a file's contents, or a PIL image saved as PNG.
+
+    Raises:
+        OSError: a path that cannot be read. TypeError: anything else.
+    """
+    if isinstance(image, bytes | bytearray | memoryview):
+        return bytes(image)
+    if isinstance(image, str | os.PathLike):
+        with open(image, "rb") as file:
+            return file.read()
+    if hasattr(image, "save"):  # PIL.Image.Image (Pillow is a dependency of the services, not of every trainer)
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise TypeError(f"an image is bytes, a path or a PIL image, not {type(image).__name__}")
 
 
 #: Sampling parameters for a request (the validated record the services use; see ``fastexp.v1.SamplingParams``).
@@ -77,6 +110,8 @@ def build_request(
     partial_rollout: Literal["finish", "abort"] = "finish",
     normalization_scope: Literal["batch", "rollout"] = "batch",
     request_id: str = "",
+    images: Sequence[Sequence[ImageLike]] | None = None,
+    videos: Sequence[Sequence[VideoLike]] | None = None,
 ) -> experience_pb2.MakeExperiencesRequest:
     """A ``MakeExperiencesRequest`` from Python values (names and meanings as in ``experience.proto``).
 
@@ -86,12 +121,14 @@ def build_request(
     ``run_id``. ``max_staleness`` bounds off-policy streaming (the trainer calls :meth:`ExperienceClient.update_weights`
     once per batch); ``partial_rollout`` says what happens to generations in flight across an update.
     ``normalization_scope="rollout"`` takes ``advantages_norm``/``reward_running_norm`` statistics over the whole
-    request (streaming starts after the last group) instead of each batch.
+    request (streaming starts after the last group) instead of each batch. ``images``/``videos`` give each prompt
+    its images and videos (one list per prompt, empty for text-only ones; see ``PromptInput`` for where they go).
 
     Raises:
-        ValueError: ``references``/``labels`` given with a length other than ``len(prompts)``.
+        ValueError: ``references``/``labels``/``images``/``videos`` given with a length other than ``len(prompts)``.
+        OSError, TypeError: from :func:`encode_image`.
     """
-    for name, column in (("references", references), ("labels", labels)):
+    for name, column in (("references", references), ("labels", labels), ("images", images), ("videos", videos)):
         if column is not None and len(column) != len(prompts):
             raise ValueError(f"{len(column)} {name} for {len(prompts)} prompts")
     inputs = []
@@ -105,6 +142,12 @@ def build_request(
             item.reference = references[i]
         if labels is not None:
             item.label = labels[i]
+        if images is not None:
+            item.images.extend(media_pb2.Image(data=encode_image(image)) for image in images[i])
+        if videos is not None:
+            item.videos.extend(
+                media_pb2.Video(frames=[encode_image(frame) for frame in video]) for video in videos[i]
+            )
         inputs.append(item)
     return experience_pb2.MakeExperiencesRequest(
         request_id=request_id,
@@ -249,6 +292,16 @@ def undelivered_prompt_indices(error: grpc.RpcError) -> list[int] | None:
     trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     for key, value in trailers or ():
         if key == "fastexp-undelivered-prompt-indices":
+            return [int(i) for i in value.split(",") if i]
+    return None
+
+
+def invalid_prompt_indices(error: grpc.RpcError) -> list[int] | None:
+    """The indices of every invalid prompt of a request refused with INVALID_ARGUMENT because of its prompts
+    (trailing metadata ``fastexp-invalid-prompt-indices``); None when the error says nothing about prompts.
+    Nothing of such a request was generated: send it again without these prompts."""
+    for key, value in error.trailing_metadata() or ():
+        if key == "fastexp-invalid-prompt-indices":
             return [int(i) for i in value.split(",") if i]
     return None
 

@@ -19,6 +19,7 @@ from services.experience.policy import PolicyState
 from services.experience.runs import RunStore
 from services.experience.servicer import ExperienceServicer
 from services.experience.value_model import ValueModel
+from services.experience.vision import VisionProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     if settings.critic_model:
         critic = ValueModel.load(resolve_model(settings.critic_model), dtype=settings.dtype, device=settings.device)
     models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, settings.forward_share_prompt)
-    tokenizer = AutoTokenizer.from_pretrained(actor_path)
+    vision = VisionProcessor.load(actor_path)  # None for a text-only policy
+    tokenizer = vision.tokenizer if vision is not None else AutoTokenizer.from_pretrained(actor_path)
     info = await generator.model_info(settings.connect_timeout_s)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if info.policy_version:
@@ -76,8 +78,10 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     )
     servicer = ExperienceServicer(
         maker, tokenizer, settings.request_limits(), info.max_model_len, settings.weights_staging_dir,
-        settings.max_concurrent_streams,
+        settings.max_concurrent_streams, vision=vision, media_limits=settings.media_limits(),
     )
+    if vision is not None and not info.multimodal:
+        logger.warning("the policy %s is vision-language but the generator does not accept images", actor_path)
     running = await create_server(
         host=settings.host,
         port=settings.port,

@@ -14,15 +14,20 @@ from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from services.common.deadlines import Deadline
 from services.common.errors import Overloaded
 from services.common.logs import bind_request_id, current_request_id
+from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits
 from services.common.weights import staged_update
 from services.experience.pipeline import ExperienceMaker, StreamStats
-from services.experience.request import decode_request
+from services.experience.request import InvalidPrompts, decode_request
+from services.experience.vision import VisionProcessor
 from services.experience.wire import experience_to_pb
 
 #: Trailing metadata of a failed stream: the prompt indices not delivered, comma-separated (SDK:
 #: :func:`services.experience.sdk.undelivered_prompt_indices`).
 UNDELIVERED_KEY = "fastexp-undelivered-prompt-indices"
+#: Trailing metadata of an INVALID_ARGUMENT answer caused by prompts: every invalid prompt index,
+#: comma-separated (SDK: :func:`services.experience.sdk.invalid_prompt_indices`).
+INVALID_PROMPTS_KEY = "fastexp-invalid-prompt-indices"
 
 
 class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
@@ -36,8 +41,12 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         max_model_len: int,
         weights_staging_dir: str | None = None,
         max_concurrent_streams: int = 64,
+        vision: VisionProcessor | None = None,
+        media_limits: MediaLimits | None = None,
     ) -> None:
         self._maker = maker
+        self._vision = vision
+        self._media_limits = media_limits or MediaLimits()
         self._max_concurrent_streams = max_concurrent_streams
         self._streams = 0
         self._tokenizer = tokenizer
@@ -51,9 +60,14 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
         if self._streams >= self._max_concurrent_streams:
             raise Overloaded(f"max_concurrent_streams: {self._streams} streams are being served; retry later")
-        decoded = decode_request(
-            request, self._tokenizer, self._limits, self._max_model_len, has_critic=self._maker.has_critic
-        )
+        try:
+            decoded = await asyncio.to_thread(  # images are decoded and patchified here: keep the loop free
+                decode_request, request, self._tokenizer, self._limits, self._max_model_len,
+                has_critic=self._maker.has_critic, vision=self._vision, media_limits=self._media_limits,
+            )
+        except InvalidPrompts as error:
+            context.set_trailing_metadata(((INVALID_PROMPTS_KEY, ",".join(map(str, error.prompt_indices))),))
+            raise
         if not request.request_id and current_request_id():  # the trainer's x-request-id names the stream
             decoded = dataclasses.replace(decoded, request_id=current_request_id())
         bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer

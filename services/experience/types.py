@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from services.experience.vision import VisionInputs
+
 
 class Rollout(NamedTuple):
     """Sampled sequences of whole prompt groups, padded: prompts on the left, responses on the right."""
@@ -25,6 +27,9 @@ class Rollout(NamedTuple):
     response_texts: tuple[str, ...]  # (B,) detokenized responses
     policy_version: tuple[int, ...]  # (B,) weights version that sampled each row
     rollout_log_probs: torch.Tensor  # (B, A) float32, the generator's log-probs of the sampled tokens
+    vision: VisionInputs | None = None  # the rows' images/videos (None: every row is text-only)
+    repaired_vision_tokens: int = 0  # sampled placeholder tokens replaced by the pad token in `sequences`
+    vision_prompt_mismatches: int = 0  # rows whose generator prompt ids differed from the processor's
 
 
 class Experience(NamedTuple):
@@ -61,6 +66,8 @@ class Experience(NamedTuple):
     dropped_prompt_indices: tuple[int, ...] = ()  # dynamic sampling drops since the previous batch
     actor_policy_version: int = 0  # policy version of the actor replica that computed action_log_probs
     resampled_groups: int = 0  # groups resampled since the previous batch (too stale, or aborted by an update)
+    vision: VisionInputs | None = None  # pixel patches and grids of the rows' images/videos, in row order
+    repaired_vision_tokens: int = 0  # sampled placeholder tokens replaced by the pad token (vision.repair_placeholders)
 
 
 class ForwardOutputs(NamedTuple):

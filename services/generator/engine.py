@@ -12,6 +12,8 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from fastexp.v1 import media_pb2
+from services.common.media import DecodedMedia
 from services.common.sampling import SamplingOptions
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -25,6 +27,17 @@ class GenerationRequest:
     prompts: tuple[tuple[int, ...], ...]
     sampling: SamplingOptions
     n_samples_per_prompt: int
+    # P entries (or empty): each prompt's images/videos, None for a text-only prompt. A prompt with media holds
+    # one unexpanded placeholder per item; the engine's processor expands them.
+    media: tuple[media_pb2.PromptMedia | None, ...] = ()
+    # Set by the generator's servicer: the same media decoded (what engines read); empty for text-only requests.
+    decoded_media: tuple[DecodedMedia | None, ...] = ()
+
+    def media_of(self, index: int) -> media_pb2.PromptMedia | None:
+        return self.media[index] if self.media else None
+
+    def decoded_media_of(self, index: int) -> DecodedMedia | None:
+        return self.decoded_media[index] if self.decoded_media else None
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,7 @@ class ModelDescription:
     backend: Literal["vllm", "hf"]
     eos_token_id: int
     pad_token_id: int
+    multimodal: bool = False  # accepts images/videos (a vision-language model with its processor)
 
 
 class GenerationEngine(Protocol):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.common.models import is_vision_language
 from services.common.sampling import SamplingOptions
 from services.common.weights import TensorEntry, copy_into, update_entries
 from services.generator.engine import CompletionRecord, GenerationRequest, ModelDescription
@@ -74,7 +75,10 @@ class _AbortCriteria:
 class HFEngine:
     """A :class:`~services.generator.engine.GenerationEngine` on transformers' ``generate``."""
 
-    def __init__(self, model: Any, tokenizer: Any, description: ModelDescription, max_batch_size: int) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, description: ModelDescription, max_batch_size: int, processor: Any = None
+    ) -> None:
+        self._processor = processor  # a vision-language model's processor (expands placeholders, patchifies)
         self._model = model
         self._tokenizer = tokenizer
         self.description = description
@@ -87,19 +91,23 @@ class HFEngine:
         cls, model: str, *, dtype: str = "bfloat16", max_model_len: int = 2048, max_batch_size: int = 32,
         device: str = "cpu",
     ) -> HFEngine:
-        """Load ``model`` (a folder, or a hub id where a hub is reachable) onto ``device``."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load ``model`` (a folder, or a hub id where a hub is reachable) onto ``device``; a vision-language model
+        (``config.json`` with ``vision_config``) with ``AutoModelForImageTextToText`` and its processor."""
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        network = AutoModelForCausalLM.from_pretrained(model, dtype=_DTYPES[dtype]).to(device).eval()
+        processor = AutoProcessor.from_pretrained(model) if is_vision_language(model) else None
+        tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(model)
+        auto = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
+        network = auto.from_pretrained(model, dtype=_DTYPES[dtype]).to(device).eval()
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        limit = min(max_model_len, getattr(network.config, "max_position_embeddings", max_model_len))
+        text_config = network.config.get_text_config()
+        limit = min(max_model_len, getattr(text_config, "max_position_embeddings", max_model_len))
         description = ModelDescription(
             model_name=model, tokenizer=model, max_model_len=limit, backend="hf", eos_token_id=int(eos),
-            pad_token_id=int(pad),
+            pad_token_id=int(pad), multimodal=processor is not None,
         )
-        return cls(network, tokenizer, description, max_batch_size)
+        return cls(network, tokenizer, description, max_batch_size, processor)
 
     @property
     def policy_version(self) -> int:
@@ -132,11 +140,20 @@ class HFEngine:
 
         options = request.sampling
         prompts = [request.prompts[p] for p, _ in chunk]
+        vision: dict[str, torch.Tensor] = {}
+        if any(request.decoded_media_of(p) is not None for p, _ in chunk):
+            prompts, vision = self._process_media(request, chunk)
         width = max(len(p) for p in prompts)
         pad = self.description.pad_token_id
         eos = self.description.eos_token_id
         input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        if vision:
+            config = self._model.config
+            types = torch.zeros_like(input_ids, dtype=torch.int32)
+            types[input_ids == config.image_token_id] = 1
+            types[input_ids == config.video_token_id] = 2
+            vision["mm_token_type_ids"] = types
         # The recorder must see raw logits, so generate()'s own warpers are switched off (temperature 1,
         # top_k 0, top_p 1) and ours run after the recorder, in the order generate() would use.
         recorder = _RawLogProbRecorder()
@@ -168,6 +185,7 @@ class HFEngine:
                     pad_token_id=pad,
                     logits_processor=LogitsProcessorList(processors),
                     stopping_criteria=StoppingCriteriaList([_AbortCriteria(abort)]),
+                    **{k: v.to(self._model.device) for k, v in vision.items()},
                 )
         new_tokens = output[:, width:].cpu()
         log_probs = recorder.finish(output[:, -1]).cpu().numpy()
@@ -182,7 +200,7 @@ class HFEngine:
                 CompletionRecord(
                     prompt_index=prompt_index,
                     sample_index=sample_index,
-                    prompt_token_ids=tuple(request.prompts[prompt_index]),
+                    prompt_token_ids=tuple(prompts[row]),
                     output_token_ids=tuple(tokens),
                     output_log_probs=np.ascontiguousarray(log_probs[row, : len(tokens)], dtype=np.float32),
                     finish_reason=finish,
@@ -191,6 +209,30 @@ class HFEngine:
                 )
             )
         return records
+
+    def _process_media(
+        self, request: GenerationRequest, chunk: list[tuple[int, int]]
+    ) -> tuple[list[tuple[int, ...]], dict[str, torch.Tensor]]:
+        """Run the processor on a chunk with images/videos: each row's prompt with its placeholders expanded, and
+        the chunk's pixel patches and grids (rows' items concatenated in row order)."""
+        texts, images, videos = [], [], []
+        for prompt_index, _ in chunk:
+            texts.append(self._tokenizer.decode(request.prompts[prompt_index], skip_special_tokens=False))
+            media = request.decoded_media_of(prompt_index)
+            if media is not None:
+                images.extend(media.images)
+                videos.extend(v.frames for v in media.videos)
+        kwargs: dict[str, Any] = {"images": images} if images else {}
+        if videos:
+            kwargs.update(videos=videos, do_sample_frames=False)
+        out = self._processor(text=texts, padding=True, return_tensors="pt", **kwargs)
+        prompts = [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(out["input_ids"], out["attention_mask"], strict=True)]
+        names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+        vision = {name: out[name] for name in names if name in out}
+        for name in ("pixel_values", "pixel_values_videos"):
+            if name in vision:
+                vision[name] = vision[name].to(self._model.dtype)
+        return prompts, vision
 
     async def update_weights(self, kind: str, folder: str) -> int:
         """Copy the update into the model's tensors under the generation lock (between ``generate`` chunks)."""

@@ -36,6 +36,8 @@ def build_engine(settings: GeneratorSettings) -> GenerationEngine:
             gpu_memory_utilization=settings.gpu_memory_utilization,
             enforce_eager=settings.enforce_eager,
             max_num_seqs=settings.max_num_seqs,
+            max_images_per_prompt=settings.max_images_per_prompt,
+            max_videos_per_prompt=settings.max_videos_per_prompt,
         )
     from services.generator.hf_engine import HFEngine
 

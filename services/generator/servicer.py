@@ -13,6 +13,7 @@ import grpc
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common import metrics
 from services.common.errors import InvalidRequest, Overloaded
+from services.common.media import decode_media
 from services.common.sampling import validate_batch
 from services.common.settings import GeneratorSettings
 from services.common.tensor_codec import from_numpy
@@ -41,8 +42,16 @@ def decode_request(
     )
     limit = engine.description.max_model_len
     vocab_guard = 1 << 31
-    prompts = []
+    prompts, media, decoded = [], [], []
     for i, prompt in enumerate(message.prompts):
+        has_media = bool(prompt.media.images) or bool(prompt.media.videos)
+        if has_media and not engine.description.multimodal:
+            raise InvalidRequest(f"prompts[{i}].media", "the model is text-only; it takes no images or videos")
+        media.append(prompt.media if has_media else None)
+        decoded.append(
+            decode_media(prompt.media.images, prompt.media.videos, f"prompts[{i}].media", settings.media_limits())
+            if has_media else None
+        )
         kind = prompt.WhichOneof("input")
         ids = engine.tokenize(prompt.text) if kind == "text" else list(prompt.token_ids.ids)
         if not ids:
@@ -57,6 +66,8 @@ def decode_request(
         prompts=tuple(prompts),
         sampling=sampling,
         n_samples_per_prompt=message.n_samples_per_prompt,
+        media=tuple(media) if any(m is not None for m in media) else (),
+        decoded_media=tuple(decoded) if any(m is not None for m in decoded) else (),
     )
 
 
@@ -115,6 +126,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             backend=d.backend,
             eos_token_id=d.eos_token_id,
             pad_token_id=d.pad_token_id,
+            multimodal=d.multimodal,
         )
 
     async def UpdateWeights(  # noqa: N802 - gRPC method name

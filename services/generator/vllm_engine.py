@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import NotReady
+from services.common.media import DecodedMedia
+from services.common.models import is_vision_language
 from services.generator.engine import CompletionRecord, GenerationRequest, ModelDescription
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ def engine_options(
     gpu_memory_utilization: float = 0.9,
     enforce_eager: bool = True,
     max_num_seqs: int | None = None,
+    max_images_per_prompt: int = 8,
+    max_videos_per_prompt: int = 2,
 ) -> dict[str, Any]:
     """vLLM engine arguments of the generator (``AsyncEngineArgs``/``LLM`` keywords); benchmarks build their
     in-process baseline from the same dict.
@@ -46,6 +50,8 @@ def engine_options(
         kv_cache_memory_bytes: KV-cache size in bytes (host memory on CPU); ``None`` uses
             ``gpu_memory_utilization`` of the device's memory instead.
         max_num_seqs: most sequences in one scheduler step (``None``: vLLM's default).
+        max_images_per_prompt, max_videos_per_prompt: vLLM's ``limit_mm_per_prompt`` for a vision-language
+            model (ignored for text-only ones).
     """
     options: dict[str, Any] = dict(
         model=model,
@@ -62,6 +68,8 @@ def engine_options(
     )
     if max_num_seqs is not None:
         options["max_num_seqs"] = max_num_seqs
+    if is_vision_language(model):
+        options["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": max_videos_per_prompt}
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -104,6 +112,7 @@ class VLLMEngine:
             backend="vllm",
             eos_token_id=int(eos),
             pad_token_id=int(pad),
+            multimodal=is_vision_language(model),
         )
         return cls(engine, description, tokenizer)
 
@@ -146,13 +155,17 @@ class VLLMEngine:
                 ),
             )
             prompt_ids = request.prompts[prompt_index]
+            prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+            media = request.decoded_media_of(prompt_index)
+            if media is not None:  # vLLM's processor expands each placeholder to its item's patch count
+                prompt["multi_modal_data"] = _multi_modal_data(media)
             try:
                 final = None
-                async for output in self._engine.generate(
-                    TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=engine_request_id
-                ):
+                async for output in self._engine.generate(prompt, params, request_id=engine_request_id):
                     final = output
                 assert final is not None, "vLLM returned no output"
+                if media is not None:
+                    prompt_ids = tuple(int(t) for t in final.prompt_token_ids)
                 await queue.put(_to_record(final, prompt_index, sample_index, prompt_ids, version))
             except asyncio.CancelledError:
                 raise
@@ -207,6 +220,16 @@ class VLLMEngine:
     async def close(self) -> None:
         self._engine.shutdown()
         self._engine = None  # so AsyncLLM.__del__ does not shut it down again at interpreter exit
+
+
+def _multi_modal_data(media: DecodedMedia) -> dict[str, Any]:
+    """vLLM's ``multi_modal_data`` for one prompt: PIL images and (T, H, W, 3) uint8 frame arrays, in order."""
+    data: dict[str, Any] = {}
+    if media.images:
+        data["image"] = list(media.images)
+    if media.videos:
+        data["video"] = [v.frames for v in media.videos]
+    return data
 
 
 def _to_record(

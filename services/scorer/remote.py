@@ -1,7 +1,10 @@
 """Remote HTTP reward models, spoken to in OpenRLHF's reward-server protocol through httpx (async, pooled).
 
 Request (POST, JSON): ``{"query": [prompt + response texts, special tokens kept], "prompts": [...],
-"labels": [...], "references": [...]}``, ``batch_size`` queries at a time. Response: ``{"rewards": [N numbers],
+"labels": [...], "references": [...]}``, ``batch_size`` queries at a time. When some query's prompt has images or
+videos, the request also has ``"images": [[base64 string per image] per query]`` and (for videos)
+``"videos": [[[base64 string per frame] per video] per query]``: each image (frame) is its own standard base64
+string of the encoded file the trainer sent (PNG/JPEG), never a concatenation. Response: ``{"rewards": [N numbers],
 "scores": [N numbers]?, "extra_logs": {name: [N numbers] | number}?, "errors": [N str | null]?}``; ``scores``
 and ``extra_logs`` become metrics, ``errors`` (a fastexp extension) explains items whose reward is ``null``.
 
@@ -14,6 +17,7 @@ Every error names the source and the URL. At most ``max_concurrency`` requests a
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import math
 from collections.abc import Sequence
@@ -29,6 +33,11 @@ from services.scorer.config import RemoteConfig
 from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked_rewards
 
 logger = logging.getLogger(__name__)
+
+
+def _base64(data: bytes) -> str:
+    """One encoded image as a standard (RFC 4648, padded) base64 string."""
+    return base64.b64encode(data).decode("ascii")
 
 
 class _ServerError(Exception):
@@ -84,6 +93,10 @@ class RemoteScorer:
             "labels": [item.label for item in items],
             "references": [item.reference for item in items],
         }
+        if any(item.images for item in items):
+            payload["images"] = [[_base64(image) for image in item.images] for item in items]
+        if any(item.videos for item in items):
+            payload["videos"] = [[[_base64(frame) for frame in video] for video in item.videos] for item in items]
         try:
             response = await self._post(payload, deadline)
         except UpstreamTimeout:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from fastexp.v1 import media_pb2
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
 
@@ -29,6 +30,8 @@ class ScoreItem:
     response: str
     label: str
     reference: str
+    images: tuple[bytes, ...] = ()  # the prompt's images, encoded (PNG/JPEG bytes as the trainer sent them)
+    videos: tuple[tuple[bytes, ...], ...] = ()  # the prompt's videos, each its encoded frames
 
 
 @dataclass(frozen=True)
@@ -77,18 +80,23 @@ class RewardSource(Protocol):
 
 
 def make_items(
-    queries: Sequence[str], prompts: Sequence[str], labels: Sequence[str], references: Sequence[str]
+    queries: Sequence[str],
+    prompts: Sequence[str],
+    labels: Sequence[str],
+    references: Sequence[str],
+    media: Sequence[media_pb2.PromptMedia] = (),
 ) -> list[ScoreItem]:
     """Validate the OpenRLHF-style columns and split each query into prompt and response.
 
-    ``prompts`` may be empty (then each response is its whole query), as may ``labels`` and ``references``.
+    ``prompts`` may be empty (then each response is its whole query), as may ``labels``, ``references`` and
+    ``media`` (each query's prompt images/videos, kept encoded: reward sources that want pixels decode them).
 
     Raises:
         InvalidRequest: a non-empty column's length differs from ``queries``, or a query does not start with its
             prompt.
     """
     n = len(queries)
-    for name, column in (("prompts", prompts), ("labels", labels), ("references", references)):
+    for name, column in (("prompts", prompts), ("labels", labels), ("references", references), ("media", media)):
         if column and len(column) != n:
             raise InvalidRequest(name, f"{len(column)} {name} for {n} queries (send none or one per query)")
     items = []
@@ -103,6 +111,8 @@ def make_items(
                 response=query[len(prompt) :],
                 label=labels[i] if labels else "",
                 reference=references[i] if references else "",
+                images=tuple(image.data for image in media[i].images) if media else (),
+                videos=tuple(tuple(video.frames) for video in media[i].videos) if media else (),
             )
         )
     return items

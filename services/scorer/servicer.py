@@ -29,7 +29,7 @@ class ScoringServicer(scoring_pb2_grpc.ScoringServiceServicer):
     ) -> scoring_pb2.ScoreResponse:
         if len(request.queries) > self._settings.max_queries_per_request:
             raise InvalidRequest("queries", f"at most {self._settings.max_queries_per_request} per request")
-        items = make_items(request.queries, request.prompts, request.labels, request.references)
+        items = make_items(request.queries, request.prompts, request.labels, request.references, request.media)
         logger.debug("score %d items", len(items))
         result = await self._composer.score(items, Deadline.from_remaining(context.time_remaining()))
         return scoring_pb2.ScoreResponse(

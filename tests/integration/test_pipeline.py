@@ -45,7 +45,7 @@ class FailingAfter:
 class InProcessRuleScorer:
     """math-verify called directly (no worker pool), for in-process pipeline tests."""
 
-    async def score(self, queries, prompts, labels, references, deadline):
+    async def score(self, queries, prompts, labels, references, deadline, media=()):
         results = [math_verify_reward(q[len(p):], r) for q, p, r in zip(queries, prompts, references, strict=True)]
         return Scores(torch.tensor([r for r, _ in results]), {})
 
@@ -67,7 +67,7 @@ class ScriptedVerifier:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def score(self, queries, prompts, labels, references, deadline):
+    async def score(self, queries, prompts, labels, references, deadline, media=()):
         self.calls.append(prompts[0])
         solvable = "solvable" in prompts[0]
         return Scores(torch.tensor([float(solvable and i % 2) for i in range(len(queries))]), {})
@@ -152,7 +152,7 @@ class ScorerDownAfter:
         self._inner = ScriptedVerifier()
         self._limit = limit
 
-    async def score(self, queries, prompts, labels, references, deadline):
+    async def score(self, queries, prompts, labels, references, deadline, media=()):
         if len(self._inner.calls) >= self._limit:
             raise NotReady("scorer: UNAVAILABLE: connection refused")
         return await self._inner.score(queries, prompts, labels, references, deadline)

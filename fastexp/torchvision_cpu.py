@@ -1,0 +1,70 @@
+"""Let PyPI's torchvision import on a CPU-only torch build.
+
+Qwen2-VL's processor classes in transformers (its video processor, and with it `Qwen2VLProcessor` itself) and
+vLLM's multimodal input processing import torchvision for frame resizing. PyPI ships torchvision only as a CUDA
+build: its compiled ops library (`torchvision/_C.so`) links `libtorch_cuda.so`, which a `+cpu` torch does not
+have. torchvision tolerates that library failing to load (its detection ops then raise when called) except for
+two fake-tensor registrations it makes unconditionally at import, for `torchvision::nms` and `torchvision::qnms`,
+which fail with "operator torchvision::nms does not exist".
+
+This module declares those two operator schemas, with no kernel, before torchvision is imported, so the pure
+Python parts (transforms, the ones fastexp and the processors use) work. Calling `torchvision.ops.nms` still
+raises, as it would with the library missing. On a CUDA torch build nothing is done: the real library loads.
+
+It is activated by a one-line `.pth` file the Makefile writes into the virtual environment (`import
+fastexp.torchvision_cpu`), so that it also applies in the engine processes vLLM spawns. That line only installs
+an import hook; torch is not imported until something imports torchvision.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+
+_DECLARED = False
+_SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
+_LIBRARIES: list[object] = []  # torch.library.Library objects must stay alive for their definitions to stay
+
+
+def declare_torchvision_operators() -> None:
+    """Declare `torchvision::nms`/`qnms` on a CPU-only torch (idempotent; a no-op on CUDA builds)."""
+    global _DECLARED
+    if _DECLARED:
+        return
+    _DECLARED = True
+    import torch
+
+    if torch.version.cuda is not None:
+        return
+    library = torch.library.Library("torchvision", "FRAGMENT")
+    for schema in _SCHEMAS:
+        name = schema.split("(", 1)[0]
+        try:
+            torch._C._dispatch_find_schema_or_throw(f"torchvision::{name}", "")
+        except RuntimeError:
+            library.define(schema)
+    _LIBRARIES.append(library)
+
+
+class _BeforeTorchvision(importlib.abc.MetaPathFinder):
+    """Runs `declare_torchvision_operators` the first time `torchvision` is imported, then steps aside."""
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 - importlib's signature
+        if fullname == "torchvision":
+            sys.meta_path.remove(self)
+            declare_torchvision_operators()
+        return None
+
+
+def install() -> None:
+    """Install the import hook (idempotent)."""
+    if "torchvision" in sys.modules:
+        return
+    if not any(isinstance(finder, _BeforeTorchvision) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _BeforeTorchvision())
+
+
+install()

@@ -1,0 +1,113 @@
+"""Images and videos of multimodal prompts: decode and check the encoded bytes of ``fastexp.v1.PromptMedia``.
+
+The wire carries encoded files (PNG/JPEG/... bytes; a video as encoded frames). Every service that needs
+pixels decodes them here with Pillow, so the checks and error messages are the same everywhere; nothing is
+re-encoded on the way (the experience service forwards the request's bytes to the generator and the scorer).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from fastexp.v1 import media_pb2
+from services.common.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """What one prompt may carry. ``max_image_pixels`` bounds width * height of each image and video frame
+    *before* decoding (Pillow reads the size from the header), so an oversized file is refused unread."""
+
+    max_images_per_prompt: int = 8
+    max_videos_per_prompt: int = 2
+    max_video_frames: int = 64
+    max_image_pixels: int = 4096 * 4096
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    """A video's frames as one uint8 array ``(T, H, W, 3)`` RGB."""
+
+    frames: np.ndarray
+
+
+@dataclass(frozen=True)
+class DecodedMedia:
+    """One prompt's images (RGB Pillow images) and videos, in placeholder order."""
+
+    images: tuple[Image.Image, ...] = ()
+    videos: tuple[DecodedVideo, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.images and not self.videos
+
+
+def decode_image(data: bytes, field: str, max_pixels: int) -> Image.Image:
+    """Decode one encoded image into an RGB Pillow image.
+
+    Raises:
+        InvalidRequest: ``field`` is empty, not an image Pillow can decode, truncated, or larger than
+            ``max_pixels`` (width * height).
+    """
+    if not data:
+        raise InvalidRequest(field, "empty image bytes")
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > max_pixels:
+            raise InvalidRequest(
+                field, f"{width}x{height} = {width * height} pixels exceeds the budget of {max_pixels} (max_image_pixels)"
+            )
+        return image.convert("RGB")  # reads the whole file: truncated data fails here
+    except InvalidRequest:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError) as error:
+        raise InvalidRequest(field, f"not a decodable image ({type(error).__name__}: {error})") from None
+
+
+def decode_video(video: media_pb2.Video, field: str, limits: MediaLimits) -> DecodedVideo:
+    """Decode a video's encoded frames into ``(T, H, W, 3)`` uint8.
+
+    Raises:
+        InvalidRequest: no frames, more than ``max_video_frames``, a frame that does not decode or is over the
+            pixel budget, or frames of different sizes.
+    """
+    if not video.frames:
+        raise InvalidRequest(f"{field}.frames", "a video needs at least one frame")
+    if len(video.frames) > limits.max_video_frames:
+        raise InvalidRequest(f"{field}.frames", f"{len(video.frames)} frames; at most {limits.max_video_frames}")
+    frames = [
+        np.asarray(decode_image(data, f"{field}.frames[{k}]", limits.max_image_pixels))
+        for k, data in enumerate(video.frames)
+    ]
+    first = frames[0].shape
+    for k, frame in enumerate(frames):
+        if frame.shape != first:
+            raise InvalidRequest(
+                f"{field}.frames[{k}]", f"{frame.shape[1]}x{frame.shape[0]}, but frame 0 is {first[1]}x{first[0]}"
+            )
+    return DecodedVideo(frames=np.stack(frames))
+
+
+def decode_media(
+    images: Sequence[media_pb2.Image], videos: Sequence[media_pb2.Video], field: str, limits: MediaLimits
+) -> DecodedMedia:
+    """Decode and check one prompt's images and videos; ``field`` prefixes error names (``prompts[3]``).
+
+    Raises:
+        InvalidRequest: too many images or videos, or one of them is bad (named: ``prompts[3].images[1]``).
+    """
+    if len(images) > limits.max_images_per_prompt:
+        raise InvalidRequest(f"{field}.images", f"{len(images)} images; at most {limits.max_images_per_prompt} per prompt")
+    if len(videos) > limits.max_videos_per_prompt:
+        raise InvalidRequest(f"{field}.videos", f"{len(videos)} videos; at most {limits.max_videos_per_prompt} per prompt")
+    return DecodedMedia(
+        images=tuple(decode_image(m.data, f"{field}.images[{k}]", limits.max_image_pixels) for k, m in enumerate(images)),
+        videos=tuple(decode_video(v, f"{field}.videos[{k}]", limits) for k, v in enumerate(videos)),
+    )
