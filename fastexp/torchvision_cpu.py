@@ -9,7 +9,8 @@ which fail with "operator torchvision::nms does not exist".
 
 This module declares those two operator schemas, with no kernel, before torchvision is imported, so the pure
 Python parts (transforms, the ones fastexp and the processors use) work. Calling `torchvision.ops.nms` still
-raises, as it would with the library missing. On a CUDA torch build nothing is done: the real library loads.
+raises, as it would with the library missing. Where torchvision's library does load (a CUDA torch, or the CPU
+build from PyTorch's own index, as the Docker images use) nothing is declared: the real operators register.
 
 It is activated by a one-line `.pth` file the Makefile writes into the virtual environment (`import
 fastexp.torchvision_cpu`), so that it also applies in the engine processes vLLM spawns. That line only installs
@@ -19,7 +20,9 @@ an import hook; torch is not imported until something imports torchvision.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import sys
+from pathlib import Path
 
 _DECLARED = False
 _SCHEMAS = (
@@ -29,15 +32,32 @@ _SCHEMAS = (
 _LIBRARIES: list[object] = []  # torch.library.Library objects must stay alive for their definitions to stay
 
 
+def _library_loads() -> bool:
+    """Whether torchvision's compiled ops library loads with this torch (it then registers the real operators)."""
+    import torch
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for folder in spec.submodule_search_locations:
+        for library in Path(folder).glob("_C*.so"):
+            try:
+                torch.ops.load_library(str(library))
+                return True
+            except OSError:
+                return False
+    return False
+
+
 def declare_torchvision_operators() -> None:
-    """Declare `torchvision::nms`/`qnms` on a CPU-only torch (idempotent; a no-op on CUDA builds)."""
+    """Declare `torchvision::nms`/`qnms` when torchvision's own library cannot load (idempotent)."""
     global _DECLARED
     if _DECLARED:
         return
     _DECLARED = True
     import torch
 
-    if torch.version.cuda is not None:
+    if torch.version.cuda is not None or _library_loads():
         return
     library = torch.library.Library("torchvision", "FRAGMENT")
     for schema in _SCHEMAS:

@@ -175,7 +175,7 @@ def repair_placeholders(
         (tokens.video_token_id, None if vision is None else vision.video_grid_thw, None if vision is None else vision.video_count),
     ):
         found = (out == token_id).sum(dim=1)
-        if not bool(found.any()):
+        if not bool(found.any()) and (grid is None or grid.numel() == 0):
             continue
         offsets = [0]
         for c in counts or [0] * out.shape[0]:

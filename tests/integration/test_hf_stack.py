@@ -257,3 +257,26 @@ async def test_a_critic_update_is_live_for_the_next_batch_and_leaves_the_policy_
     [e] = [experience_from_pb(m) async for m in stack["experience"].MakeExperiences(request, timeout=60)]
     assert torch.all(e.values[e.action_mask] == 0.5)
     assert e.actor_policy_version == 0 and set(e.policy_version) == {0}
+
+
+async def test_images_for_a_text_only_policy_are_refused_naming_the_prompt(stack):
+    from services.experience.sdk import invalid_prompt_indices
+    from tests.support.vlm import sample_photos
+
+    photo = sample_photos()["grace_hopper.jpg"]
+    request = build_request(PROMPTS, images=[[], [photo], []], n_samples_per_prompt=2)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _collect(stack["experience"], request)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompts[1].images: the policy is a text-only model" in caught.value.details()
+    assert invalid_prompt_indices(caught.value) == [1]
+    # the generator refuses them too, naming the prompt
+    generate = generation_pb2.GenerateRequest(
+        prompts=[generation_pb2.GenerationPrompt(text="a"),
+                 generation_pb2.GenerationPrompt(text="b", media={"images": [{"data": photo}]})],
+        n_samples_per_prompt=1,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [m async for m in stack["generator"].Generate(generate, timeout=30)]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompts[1].media: the model is text-only" in caught.value.details()
