@@ -359,7 +359,7 @@ def _render_prompt(
             raise InvalidRequest(f"{field}.chat", "a conversation needs at least one message")
         if any(not m["role"] for m in messages):
             raise InvalidRequest(f"{field}.chat", "every message needs a role")
-        if multimodal:
+        if vision is not None:  # the processor's template renders text-only and multimodal chats alike
             text = vision.render_chat(messages, len(prompt.images), len(prompt.videos))
         else:
             if tokenizer.chat_template is None:

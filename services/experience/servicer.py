@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -47,6 +49,7 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         self._maker = maker
         self._vision = vision
         self._media_limits = media_limits or MediaLimits()
+        self._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-request")
         self._max_concurrent_streams = max_concurrent_streams
         self._streams = 0
         self._tokenizer = tokenizer
@@ -61,10 +64,12 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         if self._streams >= self._max_concurrent_streams:
             raise Overloaded(f"max_concurrent_streams: {self._streams} streams are being served; retry later")
         try:
-            decoded = await asyncio.to_thread(  # images are decoded and patchified here: keep the loop free
+            # images are decoded and patchified here: off the event loop, one request at a time (the tokenizer
+            # and processor are not safe to share between threads)
+            decoded = await asyncio.get_running_loop().run_in_executor(self._decoder, functools.partial(
                 decode_request, request, self._tokenizer, self._limits, self._max_model_len,
                 has_critic=self._maker.has_critic, vision=self._vision, media_limits=self._media_limits,
-            )
+            ))
         except InvalidPrompts as error:
             context.set_trailing_metadata(((INVALID_PROMPTS_KEY, ",".join(map(str, error.prompt_indices))),))
             raise
