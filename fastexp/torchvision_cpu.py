@@ -37,16 +37,15 @@ def _library_loads() -> bool:
     import torch
 
     spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
+    folders = spec.submodule_search_locations if spec is not None and spec.submodule_search_locations else []
+    library = next((lib for folder in folders for lib in Path(folder).glob("_C*.so")), None)
+    if library is None:
         return False
-    for folder in spec.submodule_search_locations:
-        for library in Path(folder).glob("_C*.so"):
-            try:
-                torch.ops.load_library(str(library))
-                return True
-            except OSError:
-                return False
-    return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError:  # e.g. libtorch_cuda.so missing: a CUDA build of torchvision on a CPU torch
+        return False
+    return True
 
 
 def declare_torchvision_operators() -> None:

@@ -13,6 +13,7 @@ Shapes: D = C * temporal_patch_size * patch_size**2 (Qwen2-VL: 3 * 2 * 14 * 14 =
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,14 +85,6 @@ class VisionInputs(NamedTuple):
             video_grid_thw=video_grid,
             video_count=self.video_count[rows],
         )
-
-    def take(self, order: Sequence[int]) -> VisionInputs:
-        """The inputs of rows ``order`` (any order, repeats allowed), concatenated in that order."""
-        return stack_rows([self._row(i) for i in order])
-
-    def _row(self, i: int) -> PromptVision:
-        one = self.select(slice(i, i + 1))
-        return PromptVision((), one.pixel_values, one.image_grid_thw, one.pixel_values_videos, one.video_grid_thw)
 
 
 def _slice_items(grid: torch.Tensor, counts: Sequence[int], rows: slice) -> tuple[torch.Tensor, slice]:
@@ -168,30 +161,28 @@ def repair_placeholders(
     """
     if tokens is None:
         return sequences, 0
-    repaired = 0
-    out = sequences
+    if vision is None:
+        none = (0,) * sequences.shape[0]
+        vision = VisionInputs(None, _empty_grid(), none, None, _empty_grid(), none)
+    out, repaired = sequences.clone(), 0
     for token_id, grid, counts in (
-        (tokens.image_token_id, None if vision is None else vision.image_grid_thw, None if vision is None else vision.image_count),
-        (tokens.video_token_id, None if vision is None else vision.video_grid_thw, None if vision is None else vision.video_count),
+        (tokens.image_token_id, vision.image_grid_thw, vision.image_count),
+        (tokens.video_token_id, vision.video_grid_thw, vision.video_count),
     ):
         found = (out == token_id).sum(dim=1)
-        if not bool(found.any()) and (grid is None or grid.numel() == 0):
+        if not bool(found.any()) and grid.numel() == 0:
             continue
-        offsets = [0]
-        for c in counts or [0] * out.shape[0]:
-            offsets.append(offsets[-1] + c)
+        offsets = [0, *itertools.accumulate(counts)]
         for row in range(out.shape[0]):
-            expected = 0 if grid is None else tokens.placeholders(grid[offsets[row] : offsets[row + 1]])
+            expected = tokens.placeholders(grid[offsets[row] : offsets[row + 1]])
             extra = int(found[row]) - expected
             if extra < 0:
                 raise ValueError(f"row {row}: {int(found[row])} placeholders of token {token_id}, {expected} needed")
             if extra:
-                if out is sequences:
-                    out = sequences.clone()
                 positions = (out[row] == token_id).nonzero().flatten()[-extra:]
                 out[row, positions] = pad_token_id
                 repaired += extra
-    return out, repaired
+    return (out, repaired) if repaired else (sequences, 0)
 
 
 # Qwen2-VL's chat template (the one its checkpoints ship): image/video content parts become

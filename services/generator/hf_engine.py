@@ -142,7 +142,8 @@ class HFEngine:
         prompts = [request.prompts[p] for p, _ in chunk]
         vision: dict[str, torch.Tensor] = {}
         if any(request.decoded_media_of(p) is not None for p, _ in chunk):
-            prompts, vision = self._process_media(request, chunk)
+            with self._lock:  # the processor pads with the shared (Rust) tokenizer: one thread at a time
+                prompts, vision = self._process_media(request, chunk)
         width = max(len(p) for p in prompts)
         pad = self.description.pad_token_id
         eos = self.description.eos_token_id
