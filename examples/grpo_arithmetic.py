@@ -30,23 +30,21 @@ import torch
 import typer
 from tqdm import tqdm
 
-from fastexp.datasets import Problem, reasoning_gym_problems
+from fastexp.datasets import Problem, task_problems
 from fastexp.launcher import LocalCluster
 from services.common.models import resolve_model
 from services.experience.sdk import Experience, ExperienceClient, Sampling
 
 logger = logging.getLogger("grpo_arithmetic")
 
-TASK = "basic_arithmetic"
-#: Two 1-2 digit terms, + and -: the base model solves about a third when sampling (measured), so there is signal.
-TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
-               "allow_parentheses": False, "allow_negation": False}
-INSTRUCTION = " Put the final answer in \\boxed{}."
+#: Two 1-2 digit terms, + and -: the base model answers a third right greedily and 12-20 % when sampling at T = 1
+#: (measured; see fastexp.datasets.TASK_PRESETS), so groups of 8 samples carry signal.
+TASK = "basic_arithmetic_2digit"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def problems(count: int, seed: int) -> list[Problem]:
-    return reasoning_gym_problems(TASK, count, seed=seed, instruction=INSTRUCTION, **TASK_CONFIG)
+    return task_problems(TASK, count, seed=seed)
 
 
 def experiences(client: ExperienceClient, batch: list[Problem], **options) -> list[Experience]:

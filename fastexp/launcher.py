@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,34 +28,63 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+class ServicesNotReady(TimeoutError):
+    """Services did not report SERVING in time; the message names each, with its health and its log's tail."""
+
+
+def health_status(address: str, timeout_s: float = 2.0, service: str = "") -> str:
+    """``SERVING``, ``NOT_SERVING`` (or another health status name), or ``unreachable (<code>)``, of ``service``
+    ("": the server as a whole, its readiness; "liveness": the process runs)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=timeout_s)
+        except grpc.RpcError as error:
+            return f"unreachable ({error.code().name})"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
     """Block until ``address`` reports SERVING over the gRPC health protocol.
 
     Raises:
-        TimeoutError: not SERVING within ``timeout_s``.
+        ServicesNotReady: not SERVING within ``timeout_s`` (a :class:`TimeoutError`).
         RuntimeError: ``process`` exited first.
     """
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise RuntimeError(f"the service at {address} exited with code {process.returncode}")
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise TimeoutError(f"{address} was not SERVING after {timeout_s:.0f} s")
+    status = "not checked"
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the service at {address} exited with code {process.returncode}")
+        status = health_status(address)
+        if status == "SERVING":
+            return
+        time.sleep(0.5)
+    raise ServicesNotReady(f"{address} was not SERVING after {timeout_s:.0f} s (last: {status})")
+
+
+def log_tail(path: Path | None, lines: int = 20) -> str:
+    """The last ``lines`` lines of the log at ``path`` ("" when there is none)."""
+    if path is None or not path.exists():
+        return ""
+    with path.open("rb") as log:
+        log.seek(0, os.SEEK_END)
+        log.seek(max(0, log.tell() - 64 * 1024))
+        text = log.read().decode(errors="replace")
+    # progress bars rewrite one line with carriage returns: keep what the terminal would show last
+    shown = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
+    return "\n".join(shown[-lines:])
 
 
 @dataclass
 class LocalCluster:
     """Generator, scorer and experience processes on loopback ports; a context manager.
 
-    ``services`` picks which of the three to run (a benchmark may want the generator alone).
+    ``services`` picks which of the three to run at :meth:`start` (a benchmark may want the generator alone; a
+    test may start one later with :meth:`start_service`). ``start_timeout_s`` is one overall limit for all of
+    them to report SERVING, however they are ordered: the experience service waits for the generator and the
+    scorer by itself, for as long as it runs. Each service's output goes to ``<log_dir>/<name>.log`` (or this
+    process's stdout without ``log_dir``).
     ``overrides`` maps a service name to settings fields (``{"generator": {"backend": "hf"}}``), passed to each
     process as ``FASTEXP_<SERVICE>_<FIELD>`` environment variables; ``config_file`` is passed as ``--config``.
     """
@@ -65,7 +94,7 @@ class LocalCluster:
     services: tuple[str, ...] = SERVICES
     config_file: Path | None = None
     overrides: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
-    start_timeout_s: float = 600.0
+    start_timeout_s: float = 900.0
     log_dir: Path | None = None
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -76,16 +105,33 @@ class LocalCluster:
         return f"{self.host}:{self.ports[service]}"
 
     def start(self) -> LocalCluster:
-        """Start the services and wait until each is SERVING (the experience service waits for the generator)."""
+        """Start the services and wait until every one is SERVING.
+
+        Raises:
+            ServicesNotReady: not all SERVING within ``start_timeout_s``; names each one that is not, with its
+                health and the last lines of its log. RuntimeError: a service exited (with its log's tail).
+        """
         try:
             for name in self.services:
                 self._spawn(name)
-            for name in self.services:
-                wait_serving(self.address(name), self.start_timeout_s, self.processes[name])
+            self.wait_serving(self.services)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start_service(self, service: str, wait: bool = True) -> None:
+        """Start ``service`` (one not running yet, or one that was killed) on its port; wait until SERVING."""
+        self._spawn(service)
+        if wait:
+            self.wait_serving([service])
+
+    def kill(self, service: str) -> None:
+        """SIGKILL ``service`` and its children (no drain), as a crashed container."""
+        process = self.processes[service]
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
     def restart(self, service: str, kill: bool = True) -> None:
         """Replace ``service`` by a fresh process on the same port, as an operator swapping a container would:
@@ -97,8 +143,45 @@ class LocalCluster:
             else:
                 old.send_signal(signal.SIGTERM)
             old.wait()
-        self._spawn(service)
-        wait_serving(self.address(service), self.start_timeout_s, self.processes[service])
+        self.start_service(service)
+
+    def wait_serving(self, services: Sequence[str], timeout_s: float | None = None) -> None:
+        """Block until each of ``services`` reports SERVING; one limit (``start_timeout_s``) for all of them.
+
+        Raises:
+            ServicesNotReady: some are not SERVING in time (each named, with its health and log tail).
+            RuntimeError: one exited first (named, with its log tail).
+        """
+        deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
+        waiting = {name: "not checked" for name in services}
+        while waiting:
+            for name in list(waiting):
+                process = self.processes[name]
+                if process.poll() is not None:
+                    raise RuntimeError(f"{name} at {self.address(name)} exited with code {process.returncode}"
+                                       + self._tail(name))
+                waiting[name] = health_status(self.address(name))
+                if waiting[name] == "SERVING":
+                    del waiting[name]
+            if waiting and time.monotonic() >= deadline:
+                waited = self.start_timeout_s if timeout_s is None else timeout_s
+                raise ServicesNotReady(
+                    f"not SERVING after {waited:.0f} s: "
+                    + ", ".join(f"{name} at {self.address(name)} ({status})" for name, status in waiting.items())
+                    + "".join(self._tail(name) for name in waiting)
+                )
+            if waiting:
+                time.sleep(0.5)
+
+    def log_path(self, service: str) -> Path | None:
+        """Where ``service``'s output goes (``None``: this process's stdout)."""
+        return None if self.log_dir is None else self.log_dir / f"{service}.log"
+
+    def _tail(self, service: str) -> str:
+        tail = log_tail(self.log_path(service))
+        if not tail:
+            return f"\n--- {service}: its output is above (no log_dir) ---" if self.log_dir is None else ""
+        return f"\n--- last lines of {self.log_path(service)} ---\n{tail}"
 
     def _spawn(self, name: str) -> None:
         extra = {"experience": {"generator_address": self.address("generator"),

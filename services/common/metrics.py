@@ -49,6 +49,11 @@ QUEUE_DEPTH = Gauge(
     "Prompt groups waiting in the experience pipeline: scored (awaiting a forward), forwarded (awaiting a batch)",
     ["queue"],
 )
+DEPENDENCY_UP = Gauge(
+    "fastexp_dependency_up",
+    "1 while a dependency answers the experience service's readiness probes (generator, scorer), else 0",
+    ["dependency"],
+)
 ACTIVE_STREAMS = Gauge("fastexp_active_streams", "MakeExperiences streams being served")
 EXPERIENCE_SAMPLES = Counter("fastexp_experience_samples", "Samples (rows) streamed to trainers")
 VISION_TOKEN_REPAIRS = Counter(

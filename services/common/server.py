@@ -24,6 +24,12 @@ from services.common.security import AuthInterceptor, ServerTLS
 logger = logging.getLogger(__name__)
 
 
+#: Health service name that reports SERVING from the moment the server runs until it stops, whatever its
+#: dependencies: what liveness and startup probes check, so that a late or restarting dependency takes a pod out
+#: of its Service (readiness, the overall "" status) but never gets it restarted.
+LIVENESS_SERVICE = "liveness"
+
+
 @dataclass
 class RunningServer:
     """A started server, its bound port and its health servicer."""
@@ -42,8 +48,9 @@ class RunningServer:
             await self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:
-        """NOT_SERVING, then let in-flight calls finish for up to ``grace_s`` seconds."""
+        """NOT_SERVING (liveness too), then let in-flight calls finish for up to ``grace_s`` seconds."""
         await self.set_serving(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_s)
 
 
@@ -53,6 +60,16 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+#: Client channels try to reconnect to a peer that is gone at most this often. gRPC's own default grows to 120 s,
+#: so a dependency that comes up after a long wait (an engine loading on a cold machine) or is restarted would
+#: stay unused for up to two minutes after it turned SERVING: calls fail fast while the channel backs off.
+RECONNECT_BACKOFF_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 async def create_server(
@@ -65,7 +82,8 @@ async def create_server(
     tls: ServerTLS | None = None,
     auth: AuthInterceptor | None = None,
 ) -> RunningServer:
-    """Build, bind and start a server; health reports NOT_SERVING until :meth:`RunningServer.set_serving`.
+    """Build, bind and start a server; health reports NOT_SERVING until :meth:`RunningServer.set_serving`, and
+    :data:`LIVENESS_SERVICE` SERVING at once.
 
     Args:
         register: adds the service's servicers to the server.
@@ -93,6 +111,7 @@ async def create_server(
     await server.start()
     running = RunningServer(server, bound, health_servicer, tuple(service_names))
     await running.set_serving(False)
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     return running
 
 

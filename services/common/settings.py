@@ -247,7 +247,12 @@ class ExperienceSettings(_GenerationLimits):
     )
     generate_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Generate stream")
     score_timeout_s: float = Field(120.0, gt=0, description="deadline of one Score call")
-    connect_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the generator at start")
+    # The generator and scorer are waited for as long as the service runs (services.experience.upstream).
+    upstream_probe_timeout_s: float = Field(5.0, gt=0, description="deadline of one readiness probe of the generator or scorer")
+    upstream_probe_interval_s: float = Field(2.0, gt=0, description="time between probes of the generator while ready")
+    upstream_backoff_max_s: float = Field(
+        5.0, gt=0, description="largest wait between probes while a dependency is unreachable (doubling from 0.25 s)"
+    )
     update_weights_timeout_s: float = Field(
         600.0, gt=0, description="deadline of forwarding one policy update to the generator (capped by the caller's)"
     )

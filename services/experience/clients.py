@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import stamina
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastexp.v1 import generation_pb2, generation_pb2_grpc, media_pb2, scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
@@ -25,11 +26,14 @@ from services.common.errors import (
 )
 from services.common.logs import outbound_metadata
 from services.common.security import ClientTLS, bearer_metadata
-from services.common.server import grpc_options
+from services.common.server import RECONNECT_BACKOFF_OPTIONS, grpc_options
 from services.common.tensor_codec import to_numpy, to_torch
 from services.common.weights import ReceivedUpdate, entry_chunks
 from services.experience.pipeline import Scores
+from services.experience.upstream import GeneratorInfo
 from services.generator.engine import CompletionRecord, GenerationRequest
+
+SCORER_SERVICE = scoring_pb2.DESCRIPTOR.services_by_name["ScoringService"].full_name
 
 _FINISH = {
     generation_pb2.FINISH_REASON_STOP: "stop",
@@ -58,13 +62,14 @@ def open_channel(
 ) -> grpc.aio.Channel:
     """A channel with fastexp's message limits and the ``round_robin`` policy: behind a name that resolves to
     several replicas (``dns:///fastexp-scorer:50052``, a Kubernetes headless Service) calls spread over every
-    ready one instead of pinning one connection. ``tls``: verify the server (and present a client certificate);
+    ready one instead of pinning one connection; a peer that went away is tried again at least every 2 s
+    (``RECONNECT_BACKOFF_OPTIONS``). ``tls``: verify the server (and present a client certificate);
     ``token``: send ``authorization: Bearer`` on every call.
 
     Raises:
         services.common.security.SecurityConfigError: a TLS file is missing or empty.
     """
-    options = [*grpc_options(max_message_bytes), ("grpc.lb_policy_name", "round_robin")]
+    options = [*grpc_options(max_message_bytes), *RECONNECT_BACKOFF_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
     interceptors = [kind(token) for kind in (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary)] if token else None
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
@@ -131,18 +136,21 @@ class GeneratorClient:
             raise translate_rpc_error("generator", error) from error
         return response.policy_version
 
-    async def model_info(self, timeout_s: float) -> generation_pb2.ModelInfo:
-        """The generator's ``ModelInfo``, waiting up to ``timeout_s`` for it to come up.
+    async def model_info(self, timeout_s: float) -> GeneratorInfo:
+        """The generator's model info; fails fast when it cannot be reached (the caller retries).
 
         Raises:
-            NotReady: the generator did not answer in time.
+            NotReady: the generator is unreachable (not started yet, restarting, gone).
+            UpstreamTimeout: it did not answer within ``timeout_s``.
         """
         try:
-            return await self._stub.GetModelInfo(
-                generation_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True
-            )
+            info = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
-            raise NotReady(f"generator: {error.code().name}: {error.details()}") from error
+            raise translate_rpc_error("generator", error) from error
+        return GeneratorInfo(
+            model_name=info.model_name, backend=info.backend, max_model_len=info.max_model_len,
+            policy_version=info.policy_version, multimodal=info.multimodal,
+        )
 
     async def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]:
         message = generation_pb2.GenerateRequest(
@@ -185,6 +193,7 @@ class ScorerClient:
 
     def __init__(self, channel: grpc.aio.Channel, timeout_s: float, retry_wait_max_s: float = 2.0) -> None:
         self._stub = scoring_pb2_grpc.ScoringServiceStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
         self._timeout_s = timeout_s
         self._retry_wait_max_s = retry_wait_max_s
 
@@ -226,6 +235,20 @@ class ScorerClient:
             rewards=to_torch(response.rewards),
             metrics={name: to_torch(values) for name, values in response.metrics.items()},
         )
+
+    async def check_serving(self, timeout_s: float) -> None:
+        """Return if the scorer reports SERVING over gRPC health (its sources have started).
+
+        Raises:
+            NotReady: unreachable, or NOT_SERVING. UpstreamTimeout: no answer within ``timeout_s``.
+        """
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=SCORER_SERVICE), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise translate_rpc_error("scorer", error) from error
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            raise NotReady(f"scorer: {status} (its reward sources are starting)")
 
     async def _score_once(self, message: scoring_pb2.ScoreRequest, deadline: Deadline) -> scoring_pb2.ScoreResponse:
         try:

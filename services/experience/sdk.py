@@ -26,20 +26,25 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc, media_pb2
 from services.common.sampling import SamplingOptions
 from services.common.security import ClientTLS, bearer_metadata
+from services.common.server import RECONNECT_BACKOFF_OPTIONS
 from services.common.weights import Target, weight_chunks
 from services.experience.packing import unpack_experience
 from services.experience.types import Experience
 from services.experience.value_model import save_value_model
 from services.experience.wire import experience_from_pb
+
+SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].full_name
 
 __all__ = [
     "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "Sampling", "build_request", "encode_image",
@@ -273,8 +278,26 @@ class ExperienceClient:
         )
 
     def wait_until_ready(self, timeout_s: float) -> None:
-        """Block until the service's channel is ready. Raises ``grpc.FutureTimeoutError`` after ``timeout_s``."""
-        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        """Block until the service reports SERVING over gRPC health: it has reached its generator and scorer
+        (before that, and while the generator is unreachable, ``MakeExperiences`` answers UNAVAILABLE).
+
+        Raises:
+            TimeoutError: not SERVING within ``timeout_s`` (the message has the last health answer).
+        """
+        health = health_pb2_grpc.HealthStub(self._channel)
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                reply = health.Check(request, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as error:
+                last = f"{error.code().name}: {error.details()}"
+            time.sleep(0.25)
+        raise TimeoutError(f"the experience service was not SERVING within {timeout_s:.0f} s (last: {last})")
 
     def close(self) -> None:
         self._channel.close()
@@ -307,6 +330,7 @@ def invalid_prompt_indices(error: grpc.RpcError) -> list[int] | None:
 
 
 def _channel(address: str, options: list[tuple[str, int | str]], tls: ClientTLS | None) -> grpc.Channel:
+    options = [*options, *RECONNECT_BACKOFF_OPTIONS]  # a service that comes up late is used within 2 s
     if tls is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])

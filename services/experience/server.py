@@ -1,4 +1,4 @@
-"""Experience service entry: connect to the generator and scorer, load actor/reference, serve."""
+"""Experience service entry: load actor/reference, serve, and watch the generator and scorer it depends on."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from services.experience.pipeline import ExperienceMaker, ForwardModels
 from services.experience.policy import PolicyState
 from services.experience.runs import RunStore
 from services.experience.servicer import ExperienceServicer
+from services.experience.upstream import GeneratorInfo, ProbeSettings, UpstreamMonitor
 from services.experience.value_model import ValueModel
 from services.experience.vision import VisionProcessor
 
@@ -28,21 +29,34 @@ SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].f
 
 @dataclass
 class ExperienceService:
-    """A running experience server and what it must close."""
+    """A running experience server, the task watching its dependencies, and what it must close."""
 
     running: RunningServer
+    upstream: UpstreamMonitor
+    watcher: asyncio.Task[None]
     channels: tuple[grpc.aio.Channel, ...]
 
+    async def wait_ready(self, timeout_s: float | None = None) -> GeneratorInfo:
+        """Return once the generator and scorer were reached (health SERVING).
+
+        Raises:
+            TimeoutError: not within ``timeout_s``; the message says what it waits for.
+        """
+        return await self.upstream.wait_ready(timeout_s)
+
     async def close(self) -> None:
+        self.watcher.cancel()
+        await asyncio.gather(self.watcher, return_exceptions=True)
         for channel in self.channels:
             await channel.close()
 
 
 async def start_experience(settings: ExperienceSettings) -> ExperienceService:
-    """Load the actor, reference (and critic), wait for the generator, and serve; SERVING once all is done.
+    """Load the actor, reference (and critic), serve, and watch the generator and scorer.
 
-    Raises:
-        NotReady: the generator did not answer within ``connect_timeout_s``.
+    Returns once the server is bound: health is NOT_SERVING (and ``MakeExperiences`` answers UNAVAILABLE naming
+    what it waits for) until the generator and the scorer have answered, however long that takes; see
+    :mod:`services.experience.upstream`. ``await service.wait_ready()`` waits for that.
     """
     import torch
     from transformers import AutoTokenizer
@@ -64,24 +78,42 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, settings.forward_share_prompt)
     vision = VisionProcessor.load(actor_path)  # None for a text-only policy
     tokenizer = vision.tokenizer if vision is not None else AutoTokenizer.from_pretrained(actor_path)
-    info = await generator.model_info(settings.connect_timeout_s)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if info.policy_version:
-        logger.warning(
-            "the generator serves policy version %d, but the actor replica was loaded from %s: action_log_probs "
-            "follow the loaded weights until the next policy update through this service",
-            info.policy_version, actor_path,
-        )
+    policy = PolicyState()
     maker = ExperienceMaker(
         generator, scorer, models, pad_token_id=pad, runs=RunStore(settings.max_runs),
-        policy=PolicyState(info.policy_version), max_groups_ahead=settings.max_groups_ahead,
+        policy=policy, max_groups_ahead=settings.max_groups_ahead,
+    )
+
+    def generator_reached(info: GeneratorInfo, first: bool) -> None:
+        if first:
+            # no stream or update can have run yet (both need the generator): its version is the live one
+            policy.version = info.policy_version
+            if info.policy_version:
+                logger.warning(
+                    "the generator serves policy version %d, but the actor replica was loaded from %s: "
+                    "action_log_probs follow the loaded weights until the next policy update through this service",
+                    info.policy_version, actor_path,
+                )
+            if vision is not None and not info.multimodal:
+                logger.warning("the policy %s is vision-language but the generator does not accept images", actor_path)
+        elif info.policy_version != policy.version:
+            logger.warning(
+                "the generator at %s is back at policy version %d while version %d is live here (it restarted): "
+                "its samples carry their own version; send the current weights again with UpdateWeights",
+                settings.generator_address, info.policy_version, policy.version,
+            )
+
+    upstream = UpstreamMonitor(
+        generator, scorer, generator_address=settings.generator_address, scorer_address=settings.scorer_address,
+        on_generator_info=generator_reached,
+        settings=ProbeSettings(timeout_s=settings.upstream_probe_timeout_s, interval_s=settings.upstream_probe_interval_s,
+                               backoff_max_s=settings.upstream_backoff_max_s),
     )
     servicer = ExperienceServicer(
-        maker, tokenizer, settings.request_limits(), info.max_model_len, settings.weights_staging_dir,
+        maker, tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,
         settings.max_concurrent_streams, vision=vision, media_limits=settings.media_limits(),
     )
-    if vision is not None and not info.multimodal:
-        logger.warning("the policy %s is vision-language but the generator does not accept images", actor_path)
     running = await create_server(
         host=settings.host,
         port=settings.port,
@@ -91,12 +123,12 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         tls=settings.server_tls(),
         auth=settings.auth(),
     )
-    await running.set_serving(True)
+    watcher = asyncio.create_task(upstream.run(running.set_serving), name="upstream-monitor")
     logger.info(
-        "experience serving on %s:%d (generator %s: %s, %s backend)",
-        settings.host, running.port, settings.generator_address, info.model_name, info.backend,
+        "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",
+        settings.host, running.port, settings.generator_address, settings.scorer_address,
     )
-    return ExperienceService(running, (generator_channel, scorer_channel))
+    return ExperienceService(running, upstream, watcher, (generator_channel, scorer_channel))
 
 
 def serve(settings: ExperienceSettings) -> None:

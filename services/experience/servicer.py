@@ -7,7 +7,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -21,6 +21,7 @@ from services.common.sampling import RequestLimits
 from services.common.weights import staged_update
 from services.experience.pipeline import ExperienceMaker, StreamStats
 from services.experience.request import InvalidPrompts, decode_request
+from services.experience.upstream import GeneratorInfo
 from services.experience.vision import VisionProcessor
 from services.experience.wire import experience_to_pb
 
@@ -33,14 +34,18 @@ INVALID_PROMPTS_KEY = "fastexp-invalid-prompt-indices"
 
 
 class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
-    """``fastexp.v1.ExperienceService`` over an :class:`ExperienceMaker`."""
+    """``fastexp.v1.ExperienceService`` over an :class:`ExperienceMaker`.
+
+    ``generator_info()`` returns what the generator serves, or raises NotReady (UNAVAILABLE, naming what the
+    service waits for) while the generator or scorer cannot be reached (``UpstreamMonitor.require_ready``).
+    """
 
     def __init__(
         self,
         maker: ExperienceMaker,
         tokenizer: Any,
         limits: RequestLimits,
-        max_model_len: int,
+        generator_info: Callable[[], GeneratorInfo],
         weights_staging_dir: str | None = None,
         max_concurrent_streams: int = 64,
         vision: VisionProcessor | None = None,
@@ -54,7 +59,7 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         self._streams = 0
         self._tokenizer = tokenizer
         self._limits = limits
-        self._max_model_len = max_model_len
+        self._generator_info = generator_info
         self._weights_staging_dir = weights_staging_dir
         self._updating = asyncio.Lock()
 
@@ -63,11 +68,12 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
         if self._streams >= self._max_concurrent_streams:
             raise Overloaded(f"max_concurrent_streams: {self._streams} streams are being served; retry later")
+        info = self._generator_info()  # NotReady (UNAVAILABLE) naming what the service waits for
         try:
             # images are decoded and patchified here: off the event loop, one request at a time (the tokenizer
             # and processor are not safe to share between threads)
             decoded = await asyncio.get_running_loop().run_in_executor(self._decoder, functools.partial(
-                decode_request, request, self._tokenizer, self._limits, self._max_model_len,
+                decode_request, request, self._tokenizer, self._limits, info.max_model_len,
                 has_critic=self._maker.has_critic, vision=self._vision, media_limits=self._media_limits,
             ))
         except InvalidPrompts as error:
@@ -98,6 +104,7 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     async def UpdateWeights(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext
     ) -> generation_pb2.UpdateWeightsResponse:
+        self._generator_info()  # NotReady: the update could not reach the generator
         if self._updating.locked():
             raise Overloaded("another weight update is in progress")
         async with self._updating:

@@ -48,8 +48,11 @@ def test_demo_cli_writes_summary(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     for key in ("num_experiences", "reward_mean", "accuracy", "kl_mean", "tokens_per_s",
-                "time_to_first_experience_s"):
+                "time_to_first_experience_s", "groups_with_nonzero_advantage", "rows_with_nonzero_advantage",
+                "wall_time_s", "startup_s"):
         assert key in summary
-    assert summary["num_experiences"] == 4
+    assert summary["num_experiences"] == 4 and summary["task"] == "basic_arithmetic"
     assert len((out / "experiences.jsonl").read_text().splitlines()) == 4
     assert list(out.glob("batch_*.safetensors"))
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "prompt groups with non-zero advantages" in result.stdout

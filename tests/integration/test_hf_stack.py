@@ -60,6 +60,7 @@ async def stack(tiny_model_path, critic_path):
             forward_micro_batch_size=3, critic_model=critic_path,
         )
     )
+    await experience.wait_ready(60)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
     yield {
         "experience": experience_pb2_grpc.ExperienceServiceStub(channel),

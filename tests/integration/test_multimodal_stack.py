@@ -64,6 +64,7 @@ async def stack(tiny_vlm_path, reward_server):
             max_images_per_prompt=3, max_image_pixels=600 * 600,
         )
     )
+    await experience.wait_ready(60)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
     yield experience_pb2_grpc.ExperienceServiceStub(channel)
     await channel.close()

@@ -34,6 +34,7 @@ async def stack(tiny_model_path):
         port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
         actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
     ))
+    await experience.wait_ready(60)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
     generator_channel = grpc.aio.insecure_channel(f"127.0.0.1:{generator.port}")
     yield {

@@ -48,6 +48,7 @@ async def _experience_over(scorer_settings, generator_port, model_path):
             score_timeout_s=30,
         )
     )
+    await experience.wait_ready(60)
     return composer, scorer, experience
 
 

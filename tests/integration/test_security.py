@@ -58,6 +58,7 @@ async def secured(tiny_model_path, pki):
         upstream_tls_ca_file=pki.ca, upstream_tls_cert_file=pki.client_cert, upstream_tls_key_file=pki.client_key,
         upstream_token_file=folder / "admin-tokens", **security,
     ))
+    await experience.wait_ready(60)
     yield {"pki": pki, "experience": f"localhost:{experience.running.port}", "generator": f"localhost:{generator.port}"}
     await experience.running.stop(1)
     await experience.close()

@@ -102,12 +102,20 @@ def test_deployments_probe_grpc_health_and_drain_before_they_are_killed(overlay)
         container = spec["containers"][0]
         service = document["metadata"]["name"].removeprefix("fastexp-")
         grpc_port = settings[service]["port"]
-        for probe in ("readinessProbe", "livenessProbe"):
+        # readiness follows the dependencies (the overall "" status); liveness and start-up only that the process
+        # serves ("liveness"), so a late or restarting generator never gets the experience pod restarted
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if probe not in container:
+                continue
+            health_service = "" if probe == "readinessProbe" else "liveness"
             if "grpc" in container[probe]:
                 assert container[probe]["grpc"]["port"] == grpc_port
+                assert container[probe]["grpc"].get("service", "") == health_service, (service, probe)
             else:  # with TLS, Kubernetes' gRPC probes cannot connect: `fastexp health` with the pod's certificate
                 command = container[probe]["exec"]["command"]
                 assert command[:3] == ["fastexp", "health", f"localhost:{grpc_port}"] and "--tls-ca-file" in command
+                named = command[command.index("--service") + 1] if "--service" in command else ""
+                assert named == health_service, (service, probe)
         assert spec["terminationGracePeriodSeconds"] > settings[service]["grace_period_s"] + 5  # preStop + drain
         assert document["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
         assert spec["securityContext"]["runAsNonRoot"] is True

@@ -164,7 +164,10 @@ async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(toke
     from services.experience.servicer import ExperienceServicer
 
     maker = _HeldMaker()
-    servicer = ExperienceServicer(maker, tokenizer, LIMITS, MAX_MODEL_LEN, max_concurrent_streams=2)
+    from services.experience.upstream import GeneratorInfo
+
+    info = GeneratorInfo("tiny", "hf", MAX_MODEL_LEN, policy_version=0)
+    servicer = ExperienceServicer(maker, tokenizer, LIMITS, lambda: info, max_concurrent_streams=2)
     held = [asyncio.create_task(anext(servicer.MakeExperiences(_request(), _Context()), None)) for _ in range(2)]
     await asyncio.sleep(0.05)  # both streams are being served
     with pytest.raises(Overloaded, match="max_concurrent_streams"):
