@@ -5,22 +5,13 @@ conventions (``_total`` on counters, base units: seconds, tokens, nats). A servi
 ``metrics_port`` setting (off when unset). The series and what to watch are listed in README "Operations".
 
 gRPC server metrics follow the go-grpc-prometheus names (``grpc_service``, ``grpc_method``, ``grpc_code``) so
-existing dashboards and alerts apply; :class:`ObservingInterceptor` records them for every method and binds the
-caller's request id to the call's logs.
+existing dashboards and alerts apply; :class:`services.common.observing.ObservingInterceptor` records them for every
+method. This module imports no gRPC: cores count and time their stages here.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
-
-import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
-
-from services.common.logs import bind_request_id, request_id_from_metadata
 
 # Latencies from 1 ms to 10 min: a forward micro-batch is ~0.1-10 s, a whole stream minutes.
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -99,80 +90,3 @@ def stage_timer(stage: str):
     """``with stage_timer("score"):`` observes the block's wall time in ``fastexp_stage_duration_seconds``
     (prometheus-client's own timer, ``time.perf_counter``)."""
     return STAGE_SECONDS.labels(stage).time()
-
-
-class ObservingInterceptor(grpc.aio.ServerInterceptor):
-    """Counts every call by status code and times it, and binds the caller's ``x-request-id`` to the call's logs.
-    It is the outermost interceptor, so it sees the status the error-mapping interceptor chose; a client that
-    cancels is counted as ``CANCELLED``."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        service, _, method = handler_call_details.method.lstrip("/").partition("/")
-        kwargs = {"request_deserializer": handler.request_deserializer,
-                  "response_serializer": handler.response_serializer}
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(_unary(handler.unary_unary, service, method), **kwargs)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(_unary(handler.stream_unary, service, method), **kwargs)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_stream(handler.unary_stream, service, method), **kwargs)
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(_stream(handler.stream_stream, service, method), **kwargs)
-        return handler
-
-
-def _code_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if isinstance(code, int):  # grpc.aio keeps the raw integer after abort()
-        return next((c.name for c in grpc.StatusCode if c.value[0] == code), "UNKNOWN")
-    if error is None:
-        return "OK"
-    # the call was cancelled (its task), or its response stream closed early (the client went away)
-    return "CANCELLED" if isinstance(error, asyncio.CancelledError | GeneratorExit) else "UNKNOWN"
-
-
-def _observe(service: str, method: str, started: float, context: grpc.aio.ServicerContext,
-             error: BaseException | None) -> None:
-    GRPC_HANDLING_SECONDS.labels(service, method).observe(time.perf_counter() - started)
-    GRPC_HANDLED.labels(service, method, _code_name(context, error)).inc()
-
-
-def _unary(behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], service: str, method: str):
-    async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        started, error = time.perf_counter(), None
-        bind_request_id(request_id_from_metadata(context.invocation_metadata()))
-        try:
-            return await behavior(request, context)
-        except BaseException as caught:
-            error = caught
-            raise
-        finally:
-            _observe(service, method, started, context, error)
-
-    return observed
-
-
-def _stream(behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]], service: str, method: str):
-    async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        started, error = time.perf_counter(), None
-        bind_request_id(request_id_from_metadata(context.invocation_metadata()))
-        try:
-            async with contextlib.aclosing(behavior(request, context)) as responses:
-                async for response in responses:
-                    yield response
-        except BaseException as caught:
-            error = caught
-            raise
-        finally:
-            _observe(service, method, started, context, error)
-
-    return observed

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import grpc
 
+from services.common.rpc import method_parts, wrap_handler
+
 AUTHORIZATION_KEY = "authorization"
 #: Methods that need the ``admin`` privilege (full method names' last part).
 ADMIN_METHODS = frozenset({"UpdateWeights"})
@@ -125,7 +127,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        service, _, method = handler_call_details.method.lstrip("/").partition("/")
+        service, method = method_parts(handler_call_details)
         if handler is None or service in OPEN_SERVICES:
             return handler
         token = _bearer_token(handler_call_details.invocation_metadata)
@@ -166,12 +168,4 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
         await context.abort(code, message)
         yield  # an async generator, as stream handlers are; abort() raises first
 
-    codecs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(reject, **codecs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(reject, **codecs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(reject_stream, **codecs)
-    return grpc.stream_stream_rpc_method_handler(reject_stream, **codecs)
+    return wrap_handler(handler, unary=lambda _behavior: reject, stream=lambda _behavior: reject_stream)

@@ -17,9 +17,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import ErrorMappingInterceptor
-from services.common.metrics import ObservingInterceptor
+from services.common.observing import ObservingInterceptor
 from services.common.security import AuthInterceptor, ServerTLS
+from services.common.status import ErrorMappingInterceptor
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ import torch
 from services.common.deadlines import Deadline
 from services.common.errors import NotReady, StreamFailed
 from services.common.sampling import SamplingOptions
+from services.common.status import status_of
 from services.experience.advantages import get_estimator
 from services.experience.logprobs import LogProbModel
 from services.experience.pipeline import ExperienceMaker, ForwardModels, Scores, StreamStats
@@ -98,7 +99,7 @@ async def test_groups_finished_before_a_generation_failure_are_delivered(engine,
     # HF generates in chunks of 2 sequences = one group each; 4 completions = groups 0 and 1, which wait for a
     # full batch (4 groups) when the failure comes
     assert sorted(delivered) == [0, 0, 1, 1]
-    assert isinstance(raised.value.cause, NotReady) and raised.value.code == grpc.StatusCode.UNAVAILABLE
+    assert isinstance(raised.value.cause, NotReady) and status_of(raised.value)[0] == grpc.StatusCode.UNAVAILABLE
     assert raised.value.undelivered == [2, 3]  # what a retry sends again: nothing delivered is repeated
 
 

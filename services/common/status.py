@@ -1,0 +1,97 @@
+"""The one place domain errors become gRPC status codes (:class:`ErrorMappingInterceptor`).
+
+Each :mod:`services.common.errors` kind maps to one code (:data:`STATUS_CODES`); a :class:`StreamFailed` takes its
+cause's. Anything else becomes INTERNAL with a generic message and an error id that is also logged with the
+traceback, so internals never reach a client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from services.common.errors import (
+    FastexpError,
+    InvalidRequest,
+    NotReady,
+    Overloaded,
+    RewardFailed,
+    StreamFailed,
+    UpstreamTimeout,
+)
+from services.common.rpc import StreamBehavior, UnaryBehavior, wrap_handler
+
+logger = logging.getLogger(__name__)
+
+STATUS_CODES: dict[type[FastexpError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    NotReady: grpc.StatusCode.UNAVAILABLE,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UpstreamTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RewardFailed: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def code_of(error: FastexpError) -> grpc.StatusCode:
+    """The status code of a domain error (its class's, or its nearest base's; a StreamFailed takes its cause's)."""
+    if isinstance(error, StreamFailed):
+        return code_of(error.cause)
+    for kind in type(error).__mro__:
+        if kind in STATUS_CODES:
+            return STATUS_CODES[kind]
+    return grpc.StatusCode.INTERNAL
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The (code, message) a client sees for ``error``; non-domain errors are INTERNAL with an error id."""
+    if isinstance(error, FastexpError):
+        return code_of(error), str(error)
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s", error_id, exc_info=error)
+    return grpc.StatusCode.INTERNAL, f"internal error (id {error_id})"
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions escaping any handler, of every arity, to statuses (module docs)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        return wrap_handler(handler, unary=_mapped_unary, stream=_mapped_stream)
+
+
+def _mapped_unary(behavior: UnaryBehavior) -> UnaryBehavior:
+    async def mapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:  # noqa: BLE001 - this is the one place errors become statuses
+            await context.abort(*status_of(error))
+
+    return mapped
+
+
+def _mapped_stream(behavior: StreamBehavior) -> StreamBehavior:
+    async def mapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            # aclosing: a cancelled call closes the handler's generator now, running its cleanup (engine aborts)
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as error:  # noqa: BLE001 - this is the one place errors become statuses
+            await context.abort(*status_of(error))
+
+    return mapped
