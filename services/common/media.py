@@ -1,4 +1,4 @@
-"""Images and videos of multimodal prompts: decode and check the encoded bytes of ``fastexp.v1.PromptMedia``.
+"""Images and videos of multimodal prompts: the encoded record (:class:`EncodedMedia`), decoding and checks.
 
 The wire carries encoded files (PNG/JPEG/... bytes; a video as encoded frames). Every service that needs
 pixels decodes them here with Pillow, so the checks and error messages are the same everywhere; nothing is
@@ -14,8 +14,20 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fastexp.v1 import media_pb2
 from services.common.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class EncodedMedia:
+    """One prompt's images and videos as the wire carries them (``fastexp.v1.PromptMedia``): each image's encoded
+    file bytes (PNG/JPEG/...), each video as its encoded frames in time order."""
+
+    images: tuple[bytes, ...] = ()
+    videos: tuple[tuple[bytes, ...], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.images and not self.videos
 
 
 @dataclass(frozen=True)
@@ -71,43 +83,42 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> Image.Image:
         raise InvalidRequest(field, f"not a decodable image ({type(error).__name__}: {error})") from None
 
 
-def decode_video(video: media_pb2.Video, field: str, limits: MediaLimits) -> DecodedVideo:
+def decode_video(frames: Sequence[bytes], field: str, limits: MediaLimits) -> DecodedVideo:
     """Decode a video's encoded frames into ``(T, H, W, 3)`` uint8.
 
     Raises:
         InvalidRequest: no frames, more than ``max_video_frames``, a frame that does not decode or is over the
             pixel budget, or frames of different sizes.
     """
-    if not video.frames:
+    if not frames:
         raise InvalidRequest(f"{field}.frames", "a video needs at least one frame")
-    if len(video.frames) > limits.max_video_frames:
-        raise InvalidRequest(f"{field}.frames", f"{len(video.frames)} frames; at most {limits.max_video_frames}")
-    frames = [
+    if len(frames) > limits.max_video_frames:
+        raise InvalidRequest(f"{field}.frames", f"{len(frames)} frames; at most {limits.max_video_frames}")
+    pixels = [
         np.asarray(decode_image(data, f"{field}.frames[{k}]", limits.max_image_pixels))
-        for k, data in enumerate(video.frames)
+        for k, data in enumerate(frames)
     ]
-    first = frames[0].shape
-    for k, frame in enumerate(frames):
+    first = pixels[0].shape
+    for k, frame in enumerate(pixels):
         if frame.shape != first:
             raise InvalidRequest(
                 f"{field}.frames[{k}]", f"{frame.shape[1]}x{frame.shape[0]}, but frame 0 is {first[1]}x{first[0]}"
             )
-    return DecodedVideo(frames=np.stack(frames))
+    return DecodedVideo(frames=np.stack(pixels))
 
 
-def decode_media(
-    images: Sequence[media_pb2.Image], videos: Sequence[media_pb2.Video], field: str, limits: MediaLimits
-) -> DecodedMedia:
+def decode_media(media: EncodedMedia, field: str, limits: MediaLimits) -> DecodedMedia:
     """Decode and check one prompt's images and videos; ``field`` prefixes error names (``prompts[3]``).
 
     Raises:
         InvalidRequest: too many images or videos, or one of them is bad (named: ``prompts[3].images[1]``).
     """
+    images, videos = media.images, media.videos
     if len(images) > limits.max_images_per_prompt:
         raise InvalidRequest(f"{field}.images", f"{len(images)} images; at most {limits.max_images_per_prompt} per prompt")
     if len(videos) > limits.max_videos_per_prompt:
         raise InvalidRequest(f"{field}.videos", f"{len(videos)} videos; at most {limits.max_videos_per_prompt} per prompt")
     return DecodedMedia(
-        images=tuple(decode_image(m.data, f"{field}.images[{k}]", limits.max_image_pixels) for k, m in enumerate(images)),
-        videos=tuple(decode_video(v, f"{field}.videos[{k}]", limits) for k, v in enumerate(videos)),
+        images=tuple(decode_image(data, f"{field}.images[{k}]", limits.max_image_pixels) for k, data in enumerate(images)),
+        videos=tuple(decode_video(frames, f"{field}.videos[{k}]", limits) for k, frames in enumerate(videos)),
     )

@@ -14,7 +14,7 @@ import grpc
 import stamina
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastexp.v1 import generation_pb2, generation_pb2_grpc, media_pb2, scoring_pb2, scoring_pb2_grpc
+from fastexp.v1 import generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
 from services.common.errors import (
     FastexpError,
@@ -24,14 +24,16 @@ from services.common.errors import (
     RewardFailed,
     UpstreamTimeout,
 )
+from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.logs import outbound_metadata
+from services.common.media import EncodedMedia
+from services.common.media_wire import media_to_pb
 from services.common.security import ClientTLS, bearer_metadata
 from services.common.server import RECONNECT_BACKOFF_OPTIONS, grpc_options
 from services.common.tensor_codec import to_numpy, to_torch
 from services.common.weights import ReceivedUpdate, entry_chunks
 from services.experience.pipeline import Scores
 from services.experience.upstream import GeneratorInfo
-from services.generator.engine import CompletionRecord, GenerationRequest
 
 SCORER_SERVICE = scoring_pb2.DESCRIPTOR.services_by_name["ScoringService"].full_name
 
@@ -156,7 +158,7 @@ class GeneratorClient:
         message = generation_pb2.GenerateRequest(
             request_id=request.request_id,
             prompts=[
-                generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=p), media=request.media_of(i))
+                generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=p), media=media_to_pb(request.media_of(i)))
                 for i, p in enumerate(request.prompts)
             ],
             sampling=request.sampling.to_pb(),
@@ -204,7 +206,7 @@ class ScorerClient:
         labels: Sequence[str],
         references: Sequence[str],
         deadline: Deadline,
-        media: Sequence[media_pb2.PromptMedia | None] = (),
+        media: Sequence[EncodedMedia | None] = (),
     ) -> Scores:
         """Rewards and metrics for ``queries`` (``media``: each query's prompt images/videos, or empty);
         UNAVAILABLE is retried within the budget (see the class).
@@ -216,7 +218,7 @@ class ScorerClient:
         """
         message = scoring_pb2.ScoreRequest(
             queries=queries, prompts=prompts, labels=labels, references=references,
-            media=[m if m is not None else media_pb2.PromptMedia() for m in media],
+            media=[media_to_pb(m) for m in media],
         )
         budget_s = deadline.timeout(self._timeout_s)
         retries = stamina.retry_context(

@@ -29,10 +29,11 @@ from typing import Protocol
 
 import torch
 
-from fastexp.v1 import media_pb2
 from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FastexpError, InvalidRequest, RewardFailed, StreamFailed
+from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.media import EncodedMedia
 from services.common.weights import ReceivedUpdate, check_update, copy_into, module_spec
 from services.experience.batching import concat_forward, split_experience, split_forward
 from services.experience.estimate import estimate_experience
@@ -46,7 +47,6 @@ from services.experience.runs import KLController, RunningMoments, RunState, Run
 from services.experience.sequences import build_rollout
 from services.experience.types import Experience, ForwardOutputs, Rollout
 from services.experience.value_model import ValueModel
-from services.generator.engine import CompletionRecord, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Scorer(Protocol):
         labels: Sequence[str],
         references: Sequence[str],
         deadline: Deadline,
-        media: Sequence[media_pb2.PromptMedia | None] = (),
+        media: Sequence[EncodedMedia | None] = (),
     ) -> Scores: ...
 
 

@@ -10,9 +10,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from fastexp.v1 import experience_pb2, media_pb2
+from fastexp.v1 import experience_pb2
 from services.common.errors import InvalidRequest
-from services.common.media import MediaLimits, decode_media
+from services.common.media import EncodedMedia, MediaLimits, decode_media
+from services.common.media_wire import media_from_pb
 from services.common.sampling import RequestLimits, SamplingOptions, validate_batch
 from services.experience.advantages import ALIASES, ESTIMATORS, AdvantageEstimator, get_estimator
 from services.experience.kl import KL_ESTIMATORS
@@ -41,7 +42,7 @@ class PromptSpec:
     token_ids: tuple[int, ...]
     reference: str
     label: str
-    media: media_pb2.PromptMedia | None = None
+    media: EncodedMedia | None = None
     vision: PromptVision | None = None
 
     @property
@@ -347,11 +348,12 @@ def _render_prompt(
     media_limits: MediaLimits,
 ) -> PromptSpec:
     field = f"prompts[{index}]"
-    multimodal = bool(prompt.images) or bool(prompt.videos)
+    encoded = media_from_pb(prompt.images, prompt.videos)
+    multimodal = not encoded.empty
     if multimodal and vision is None:
         what = "images" if prompt.images else "videos"
         raise InvalidRequest(f"{field}.{what}", "the policy is a text-only model; it takes no images or videos")
-    media = decode_media(prompt.images, prompt.videos, field, media_limits) if multimodal else None
+    media = decode_media(encoded, field, media_limits) if multimodal else None
     kind = prompt.WhichOneof("prompt")
     if kind == "chat":
         messages = [{"role": m.role, "content": m.content} for m in prompt.chat.messages]
@@ -393,6 +395,6 @@ def _render_prompt(
         raise InvalidRequest(field, f"{length} tokens; the model's limit is {max_model_len} (prompt + response)")
     return PromptSpec(
         text=text, token_ids=ids, reference=prompt.reference, label=prompt.label,
-        media=media_pb2.PromptMedia(images=prompt.images, videos=prompt.videos) if multimodal else None,
+        media=encoded if multimodal else None,
         vision=processed,
     )

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
+from services.common.generation import CompletionRecord
 from services.experience.request import PromptSpec
 from services.experience.types import Rollout
 from services.experience.vision import VisionTokens, repair_placeholders, stack_rows
-from services.generator.engine import CompletionRecord
 
 
 def build_rollout(

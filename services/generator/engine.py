@@ -1,4 +1,5 @@
-"""The generator's core: the engine Protocol its backends implement, and the records they exchange.
+"""The generator's core: the engine Protocol its backends implement and what an engine serves (the request and
+completion records it exchanges with the experience service are in :mod:`services.common.generation`).
 
 Nothing here imports grpc. Backends: :mod:`services.generator.vllm_engine` (vLLM's async engine, continuous
 batching) and :mod:`services.generator.hf_engine` (transformers ``generate``, the fallback).
@@ -10,52 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-import numpy as np
-
-from fastexp.v1 import media_pb2
-from services.common.media import DecodedMedia
-from services.common.sampling import SamplingOptions
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """P tokenized prompts, each sampled ``n_samples_per_prompt`` times with the same options."""
-
-    request_id: str
-    prompts: tuple[tuple[int, ...], ...]
-    sampling: SamplingOptions
-    n_samples_per_prompt: int
-    # P entries (or empty): each prompt's images/videos, None for a text-only prompt. A prompt with media holds
-    # one unexpanded placeholder per item; the engine's processor expands them.
-    media: tuple[media_pb2.PromptMedia | None, ...] = ()
-    # Set by the generator's servicer: the same media decoded (what engines read); empty for text-only requests.
-    decoded_media: tuple[DecodedMedia | None, ...] = ()
-
-    def media_of(self, index: int) -> media_pb2.PromptMedia | None:
-        return self.media[index] if self.media else None
-
-    def decoded_media_of(self, index: int) -> DecodedMedia | None:
-        return self.decoded_media[index] if self.decoded_media else None
-
-
-@dataclass(frozen=True)
-class CompletionRecord:
-    """One finished sample.
-
-    ``output_log_probs`` is float32 ``(T,)``, ``T = len(output_token_ids)``: the log-prob (nats) of each sampled
-    token under the engine's raw, untempered next-token distribution (vLLM's ``raw_logprobs`` mode).
-    """
-
-    prompt_index: int
-    sample_index: int
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    output_log_probs: np.ndarray
-    finish_reason: FinishReason
-    text: str
-    policy_version: int
+from services.common.generation import CompletionRecord, GenerationRequest
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,14 @@ import grpc
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common import metrics
 from services.common.errors import InvalidRequest, Overloaded
+from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.media import decode_media
+from services.common.media_wire import media_from_pb
 from services.common.sampling import validate_batch
 from services.common.settings import GeneratorSettings
 from services.common.tensor_codec import from_numpy
 from services.common.weights import check_update, model_spec, staged_update
-from services.generator.engine import CompletionRecord, GenerationEngine, GenerationRequest
+from services.generator.engine import GenerationEngine
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +46,12 @@ def decode_request(
     vocab_guard = 1 << 31
     prompts, media, decoded = [], [], []
     for i, prompt in enumerate(message.prompts):
-        has_media = bool(prompt.media.images) or bool(prompt.media.videos)
-        if has_media and not engine.description.multimodal:
+        encoded = media_from_pb(prompt.media.images, prompt.media.videos)
+        if not encoded.empty and not engine.description.multimodal:
             raise InvalidRequest(f"prompts[{i}].media", "the model is text-only; it takes no images or videos")
-        media.append(prompt.media if has_media else None)
+        media.append(None if encoded.empty else encoded)
         decoded.append(
-            decode_media(prompt.media.images, prompt.media.videos, f"prompts[{i}].media", settings.media_limits())
-            if has_media else None
+            None if encoded.empty else decode_media(encoded, f"prompts[{i}].media", settings.media_limits())
         )
         kind = prompt.WhichOneof("input")
         ids = engine.tokenize(prompt.text) if kind == "text" else list(prompt.token_ids.ids)

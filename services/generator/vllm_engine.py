@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import NotReady
+from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.media import DecodedMedia
 from services.common.models import is_vision_language
-from services.generator.engine import CompletionRecord, GenerationRequest, ModelDescription
+from services.generator.engine import ModelDescription
 
 logger = logging.getLogger(__name__)
 

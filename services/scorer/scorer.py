@@ -13,9 +13,9 @@ from typing import Protocol
 
 import numpy as np
 
-from fastexp.v1 import media_pb2
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
+from services.common.media import EncodedMedia
 
 #: No caller deadline: each source's own timeouts apply.
 NO_DEADLINE = Deadline()
@@ -84,7 +84,7 @@ def make_items(
     prompts: Sequence[str],
     labels: Sequence[str],
     references: Sequence[str],
-    media: Sequence[media_pb2.PromptMedia] = (),
+    media: Sequence[EncodedMedia] = (),
 ) -> list[ScoreItem]:
     """Validate the OpenRLHF-style columns and split each query into prompt and response.
 
@@ -111,8 +111,8 @@ def make_items(
                 response=query[len(prompt) :],
                 label=labels[i] if labels else "",
                 reference=references[i] if references else "",
-                images=tuple(image.data for image in media[i].images) if media else (),
-                videos=tuple(tuple(video.frames) for video in media[i].videos) if media else (),
+                images=media[i].images if media else (),
+                videos=media[i].videos if media else (),
             )
         )
     return items

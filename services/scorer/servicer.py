@@ -9,6 +9,7 @@ import grpc
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
+from services.common.media_wire import media_from_pb
 from services.common.settings import ScorerSettings
 from services.common.tensor_codec import from_numpy
 from services.scorer.composition import RewardComposer
@@ -29,7 +30,10 @@ class ScoringServicer(scoring_pb2_grpc.ScoringServiceServicer):
     ) -> scoring_pb2.ScoreResponse:
         if len(request.queries) > self._settings.max_queries_per_request:
             raise InvalidRequest("queries", f"at most {self._settings.max_queries_per_request} per request")
-        items = make_items(request.queries, request.prompts, request.labels, request.references, request.media)
+        items = make_items(
+            request.queries, request.prompts, request.labels, request.references,
+            [media_from_pb(m.images, m.videos) for m in request.media],
+        )
         logger.debug("score %d items", len(items))
         result = await self._composer.score(items, Deadline.from_remaining(context.time_remaining()))
         return scoring_pb2.ScoreResponse(

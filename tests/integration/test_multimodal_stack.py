@@ -17,6 +17,7 @@ from PIL import Image
 
 from fastexp.v1 import experience_pb2_grpc
 from services.common.media import MediaLimits, decode_media
+from services.common.media_wire import media_from_pb
 from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
 from services.experience.sdk import Sampling, build_request, invalid_prompt_indices
 from services.experience.server import start_experience
@@ -113,7 +114,7 @@ async def test_mixed_text_image_video_request_streams_aligned_experiences(stack,
             text = processor.render_chat(
                 [{"role": m.role, "content": m.content} for m in item.chat.messages], len(item.images), len(item.videos)
             )
-            expected = processor.process(text, decode_media(item.images, item.videos, "p", MediaLimits()))
+            expected = processor.process(text, decode_media(media_from_pb(item.images, item.videos), "p", MediaLimits()))
             assert torch.equal(mine.image_grid_thw, expected.image_grid_thw)
             assert torch.equal(mine.video_grid_thw, expected.video_grid_thw)
             for got, want in ((mine.pixel_values, expected.pixel_values),

@@ -1,9 +1,9 @@
 import numpy as np
 import torch
 
+from services.common.generation import CompletionRecord
 from services.experience.request import PromptSpec
 from services.experience.sequences import build_rollout
-from services.generator.engine import CompletionRecord
 
 PAD = 2  # SmolLM2: pad == eos == 2
 

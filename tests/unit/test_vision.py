@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.errors import InvalidRequest
-from services.common.media import MediaLimits, decode_media
+from services.common.generation import CompletionRecord
+from services.common.media import EncodedMedia, MediaLimits, decode_media
 from services.experience.request import PromptSpec
 from services.experience.sequences import build_rollout
 from services.experience.vision import PromptVision, VisionProcessor, VisionTokens, repair_placeholders, stack_rows
-from services.generator.engine import CompletionRecord
 
 settings.register_profile("fastexp-vision", deadline=None, max_examples=80, derandomize=True)
 settings.load_profile("fastexp-vision")
@@ -138,16 +138,13 @@ def test_the_real_processor_per_prompt_equals_one_batched_call(tiny_vlm_path):
 
     processor = VisionProcessor.load(tiny_vlm_path)
     photos = list(sample_photos().values())
-    from fastexp.v1 import media_pb2
 
     prompts = [
         ([photos[0]], []), ([], []), ([photos[1], photos[0]], [video_frames(photos[0], 3)]), ([], [video_frames(photos[1], 2)]),
     ]
     texts, singles, all_images, all_videos = [], [], [], []
     for images, videos in prompts:
-        media = decode_media(
-            [media_pb2.Image(data=b) for b in images], [media_pb2.Video(frames=f) for f in videos], "p", MediaLimits()
-        )
+        media = decode_media(EncodedMedia(tuple(images), tuple(tuple(f) for f in videos)), "p", MediaLimits())
         text = processor.render_chat([{"role": "user", "content": "hi"}], len(images), len(videos))
         texts.append(text)
         singles.append(processor.process(text, media) if not media.empty else None)
@@ -166,7 +163,6 @@ def test_the_real_processor_per_prompt_equals_one_batched_call(tiny_vlm_path):
 
 
 def test_media_limits_name_the_field():
-    from fastexp.v1 import media_pb2
 
     limits = MediaLimits(max_images_per_prompt=1, max_videos_per_prompt=1, max_video_frames=2, max_image_pixels=10**6)
     cases = [
@@ -177,6 +173,5 @@ def test_media_limits_name_the_field():
     ]
     for (images, videos), message in cases:
         with pytest.raises(InvalidRequest) as caught:
-            decode_media([media_pb2.Image(data=b) for b in images], [media_pb2.Video(frames=f) for f in videos], "p",
-                         limits)
+            decode_media(EncodedMedia(tuple(images), tuple(tuple(f) for f in videos)), "p", limits)
         assert message in str(caught.value)

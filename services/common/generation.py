@@ -1,0 +1,57 @@
+"""Records the generator and the experience service exchange: a generation request and one finished sample.
+
+Both services use them (the experience service builds requests and reads completions through its gRPC client;
+the generator's servicer decodes the same request and its engines produce the completions), so they live here,
+below both. Nothing here imports gRPC or generated protobuf classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from services.common.media import DecodedMedia, EncodedMedia
+from services.common.sampling import SamplingOptions
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """P tokenized prompts, each sampled ``n_samples_per_prompt`` times with the same options."""
+
+    request_id: str
+    prompts: tuple[tuple[int, ...], ...]
+    sampling: SamplingOptions
+    n_samples_per_prompt: int
+    # P entries (or empty): each prompt's images/videos, None for a text-only prompt. A prompt with media holds
+    # one unexpanded placeholder per item; the engine's processor expands them.
+    media: tuple[EncodedMedia | None, ...] = ()
+    # Set by the generator's servicer: the same media decoded (what engines read); empty for text-only requests.
+    decoded_media: tuple[DecodedMedia | None, ...] = ()
+
+    def media_of(self, index: int) -> EncodedMedia | None:
+        return self.media[index] if self.media else None
+
+    def decoded_media_of(self, index: int) -> DecodedMedia | None:
+        return self.decoded_media[index] if self.decoded_media else None
+
+
+@dataclass(frozen=True)
+class CompletionRecord:
+    """One finished sample.
+
+    ``output_log_probs`` is float32 ``(T,)``, ``T = len(output_token_ids)``: the log-prob (nats) of each sampled
+    token under the engine's raw, untempered next-token distribution (vLLM's ``raw_logprobs`` mode).
+    """
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    output_log_probs: np.ndarray
+    finish_reason: FinishReason
+    text: str
+    policy_version: int
