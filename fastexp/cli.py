@@ -85,12 +85,9 @@ def serve(
 
 
 def _service_settings(service, config, common, *, model, backend, generator_address, scorer_address, critic_model):
-    from services.common.settings import (
-        ExperienceSettings,
-        GeneratorSettings,
-        RewardServerSettings,
-        ScorerSettings,
-    )
+    from services.experience.settings import ExperienceSettings
+    from services.generator.settings import GeneratorSettings
+    from services.scorer.settings import RewardServerSettings, ScorerSettings
 
     if service is Service.generator:
         from services.generator.server import serve as run

@@ -11,14 +11,14 @@ import grpc
 from fastexp.v1 import experience_pb2, experience_pb2_grpc
 from services.common.models import resolve_model
 from services.common.server import RunningServer, create_server, serve_until_signalled
-from services.common.settings import ExperienceSettings
 from services.experience.clients import GeneratorClient, ScorerClient, open_channel
 from services.experience.logprobs import LogProbModel
 from services.experience.pipeline import ExperienceMaker, ForwardModels
 from services.experience.policy import PolicyState
 from services.experience.runs import RunStore
 from services.experience.servicer import ExperienceServicer
-from services.experience.upstream import GeneratorInfo, ProbeSettings, UpstreamMonitor
+from services.experience.settings import ExperienceSettings
+from services.experience.upstream import GeneratorInfo, UpstreamMonitor
 from services.experience.value_model import ValueModel
 from services.experience.vision import VisionProcessor
 
@@ -106,9 +106,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
 
     upstream = UpstreamMonitor(
         generator, scorer, generator_address=settings.generator_address, scorer_address=settings.scorer_address,
-        on_generator_info=generator_reached,
-        settings=ProbeSettings(timeout_s=settings.upstream_probe_timeout_s, interval_s=settings.upstream_probe_interval_s,
-                               backoff_max_s=settings.upstream_backoff_max_s),
+        on_generator_info=generator_reached, settings=settings.probe_settings(),
     )
     servicer = ExperienceServicer(
         maker, tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,

@@ -8,9 +8,9 @@ import logging
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common.models import resolve_model
 from services.common.server import RunningServer, create_server, serve_until_signalled
-from services.common.settings import GeneratorSettings
 from services.generator.engine import GenerationEngine
 from services.generator.servicer import GenerationServicer
+from services.generator.settings import GeneratorSettings
 
 logger = logging.getLogger(__name__)
 

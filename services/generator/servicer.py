@@ -17,10 +17,10 @@ from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.media import decode_media
 from services.common.media_wire import media_from_pb
 from services.common.sampling import validate_batch
-from services.common.settings import GeneratorSettings
 from services.common.tensor_codec import from_numpy
 from services.common.weights import check_update, model_spec, staged_update
 from services.generator.engine import GenerationEngine
+from services.generator.settings import GeneratorSettings
 
 logger = logging.getLogger(__name__)
 

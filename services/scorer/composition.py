@@ -27,7 +27,6 @@ import torch
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
 from services.common.metrics import REWARD_SOURCE_SECONDS
-from services.common.settings import ScorerSettings
 from services.scorer.config import (
     DEFAULT_RECIPE,
     LocalModelConfig,
@@ -47,6 +46,7 @@ from services.scorer.scorer import (
     apply_fallback,
     checked_rewards,
 )
+from services.scorer.settings import ScorerSettings
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
 from services.common.errors import InvalidRequest
-from services.common.settings import RewardServerSettings
 from services.scorer.composition import RewardComposer, build_composer
 from services.scorer.scorer import make_items
+from services.scorer.settings import RewardServerSettings
 
 logger = logging.getLogger(__name__)
 

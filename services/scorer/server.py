@@ -7,9 +7,9 @@ import logging
 
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
 from services.common.server import RunningServer, create_server, serve_until_signalled
-from services.common.settings import ScorerSettings
 from services.scorer.composition import RewardComposer, build_composer
 from services.scorer.servicer import ScoringServicer
+from services.scorer.settings import ScorerSettings
 
 logger = logging.getLogger(__name__)
 

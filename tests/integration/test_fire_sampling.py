@@ -7,9 +7,9 @@ import grpc
 import pytest
 
 from fastexp.v1 import generation_pb2_grpc
-from services.common.settings import GeneratorSettings
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
+from services.generator.settings import GeneratorSettings
 from tests.support.fire import HOT, assert_only_the_first_token_is_hot, fire_request
 
 

@@ -12,7 +12,6 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
-from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
 from services.common.tensor_codec import to_numpy
 from services.experience.advantages import ESTIMATORS, get_estimator
 from services.experience.estimate import estimate_experience
@@ -20,11 +19,14 @@ from services.experience.request import AdvantageOptions, ExperienceConfig, KLOp
 from services.experience.runs import KLController, RunningMoments, RunState
 from services.experience.sdk import Sampling, build_request, save_value_model, unpack_experience
 from services.experience.server import start_experience
+from services.experience.settings import ExperienceSettings
 from services.experience.types import ForwardOutputs, Rollout
 from services.experience.wire import experience_from_pb
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
+from services.generator.settings import GeneratorSettings
 from services.scorer.server import build_scorer, start_scorer
+from services.scorer.settings import ScorerSettings
 
 PROMPTS = [
     [{"role": "user", "content": "What is 2 + 3?"}],

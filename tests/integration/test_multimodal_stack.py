@@ -18,14 +18,16 @@ from PIL import Image
 from fastexp.v1 import experience_pb2_grpc
 from services.common.media import MediaLimits, decode_media
 from services.common.media_wire import media_from_pb
-from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
 from services.experience.sdk import Sampling, build_request, invalid_prompt_indices
 from services.experience.server import start_experience
+from services.experience.settings import ExperienceSettings
 from services.experience.vision import VisionProcessor
 from services.experience.wire import experience_from_pb
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
+from services.generator.settings import GeneratorSettings
 from services.scorer.server import build_scorer, start_scorer
+from services.scorer.settings import ScorerSettings
 from tests.support.http_servers import serving
 from tests.support.vlm import sample_photos, video_frames
 

@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc
-from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
 from services.common.weights import weight_chunks
 from services.experience.sdk import Sampling, build_request
 from services.experience.server import start_experience
+from services.experience.settings import ExperienceSettings
 from services.experience.wire import experience_from_pb
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
+from services.generator.settings import GeneratorSettings
 from services.scorer.server import build_scorer, start_scorer
+from services.scorer.settings import ScorerSettings
 
 N = 2
 

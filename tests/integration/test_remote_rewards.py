@@ -16,12 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services.common.deadlines import Deadline
-from services.common.settings import ScorerSettings
 from services.scorer.composition import build_composer
 from services.scorer.config import RemoteConfig
 from services.scorer.http_server import create_app
 from services.scorer.remote import RemoteScorer
 from services.scorer.scorer import ScoreItem
+from services.scorer.settings import ScorerSettings
 from tests.support.http_servers import serving
 
 PLUGINS = "tests.support.reward_plugins"

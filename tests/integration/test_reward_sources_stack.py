@@ -15,15 +15,17 @@ import pytest
 import torch
 
 from fastexp.v1 import experience_pb2_grpc
-from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
 from services.experience.sdk import Sampling, build_request
 from services.experience.server import start_experience
+from services.experience.settings import ExperienceSettings
 from services.experience.wire import experience_from_pb
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
+from services.generator.settings import GeneratorSettings
 from services.scorer.composition import build_composer
 from services.scorer.http_server import create_app
 from services.scorer.server import start_scorer
+from services.scorer.settings import ScorerSettings
 from tests.support.http_servers import serving
 
 PLUGINS = "tests.support.reward_plugins"

@@ -15,12 +15,14 @@ from pydantic import ValidationError
 
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc
 from services.common.security import ClientTLS, SecurityConfigError
-from services.common.settings import ExperienceSettings, GeneratorSettings, ScorerSettings
 from services.experience.sdk import ExperienceClient, Sampling, build_request, update_generator_weights
 from services.experience.server import start_experience
+from services.experience.settings import ExperienceSettings
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
+from services.generator.settings import GeneratorSettings
 from services.scorer.server import build_scorer, start_scorer
+from services.scorer.settings import ScorerSettings
 from tests.support.certs import make_pki
 
 CALL_TOKEN = "trainer-token-5f1c"  # noqa: S105 - test credentials

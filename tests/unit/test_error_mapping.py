@@ -6,8 +6,8 @@ import pytest
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
 from services.common.errors import InvalidRequest, NotReady, Overloaded, UpstreamTimeout
 from services.common.server import create_server
-from services.common.settings import ScorerSettings
 from services.scorer.servicer import ScoringServicer
+from services.scorer.settings import ScorerSettings
 
 ERRORS = {
     "invalid": (InvalidRequest("queries[3]", "too long"), grpc.StatusCode.INVALID_ARGUMENT, "queries[3]: too long"),

@@ -8,10 +8,10 @@ import pytest
 from pydantic import ValidationError
 
 from services.common.errors import InvalidRequest
-from services.common.settings import ScorerSettings
 from services.scorer.composition import ConfigError, build_composer
 from services.scorer.rules import RuleScorer, boxed_format_reward, import_callable, math_verify_reward
 from services.scorer.scorer import ScoreItem, make_items
+from services.scorer.settings import ScorerSettings
 
 PLUGINS = "tests.support.reward_plugins"
 

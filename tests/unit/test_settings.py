@@ -1,7 +1,8 @@
 import pydantic
 import pytest
 
-from services.common.settings import ExperienceSettings, GeneratorSettings
+from services.experience.settings import ExperienceSettings
+from services.generator.settings import GeneratorSettings
 
 
 def test_precedence_flags_over_env_over_yaml_over_defaults(tmp_path, monkeypatch):

@@ -1,0 +1,96 @@
+"""The experience service's typed settings (precedence and parsing: :mod:`services.common.settings`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.models import SMOLLM2_ALIAS
+from services.common.security import ClientTLS, read_tokens
+from services.common.settings import GenerationLimits
+from services.experience.upstream import ProbeSettings
+
+
+class ExperienceSettings(GenerationLimits):
+    """The experience service: where the generator and scorer are, and the models it runs itself."""
+
+    section: ClassVar[str] = "experience"
+    model_config = SettingsConfigDict(env_prefix="FASTEXP_EXPERIENCE_", extra="forbid")
+
+    port: int = Field(50053, ge=0, le=65535)
+    generator_address: str = Field("127.0.0.1:50051", description="host:port of the generator service")
+    scorer_address: str = Field("127.0.0.1:50052", description="host:port of the scorer service")
+    actor_model: str = Field(SMOLLM2_ALIAS, description="actor replica for action_log_probs (same as policy)")
+    reference_model: str = Field(SMOLLM2_ALIAS, description="frozen reference for base_action_log_probs")
+    critic_model: str | None = Field(
+        None, description="critic checkpoint folder (backbone + value head) for values and the gae estimator"
+    )
+    max_runs: int = Field(1024, ge=1, description="runs whose reward statistics and kl_coef are kept (LRU)")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = Field("cpu", description="torch device for actor/reference forward passes")
+    forward_micro_batch_size: int = Field(8, ge=1, description="rows per actor/reference/critic forward pass (packed or padded)")
+    torch_threads: int | None = Field(
+        None, ge=1, description="CPU threads of the forward passes (None: torch's default, one per core); on a host "
+        "whose cores a CPU inference engine also uses, fewer avoid oversubscribing them",
+    )
+    forward_share_prompt: bool = Field(
+        True, description="packed forwards (packing_samples) compute each prompt group's prompt once, not n times"
+    )
+    max_concurrent_streams: int = Field(
+        64, ge=1, description="MakeExperiences streams served at once; more get RESOURCE_EXHAUSTED"
+    )
+    max_groups_ahead: int = Field(
+        64, ge=1,
+        description="backpressure: most prompt groups of one stream generated or generating and not yet streamed "
+        "(at least one batch's groups; the whole request with normalization_scope ROLLOUT)",
+    )
+    generate_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Generate stream")
+    score_timeout_s: float = Field(120.0, gt=0, description="deadline of one Score call")
+    # The generator and scorer are waited for as long as the service runs (services.experience.upstream).
+    upstream_probe_timeout_s: float = Field(5.0, gt=0, description="deadline of one readiness probe of the generator or scorer")
+    upstream_probe_interval_s: float = Field(2.0, gt=0, description="time between probes of the generator while ready")
+    upstream_backoff_max_s: float = Field(
+        5.0, gt=0, description="largest wait between probes while a dependency is unreachable (doubling from 0.25 s)"
+    )
+    update_weights_timeout_s: float = Field(
+        600.0, gt=0, description="deadline of forwarding one policy update to the generator (capped by the caller's)"
+    )
+    weights_staging_dir: str | None = Field(
+        None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
+    )
+    upstream_tls_ca_file: Path | None = Field(
+        None, description="CA that signed the generator's and scorer's certificates (set: connect with TLS)"
+    )
+    upstream_tls_cert_file: Path | None = Field(None, description="this service's client certificate (mTLS)")
+    upstream_tls_key_file: Path | None = Field(None, description="this service's client key (mTLS)")
+    upstream_tls_server_name: str | None = Field(None, description="name to check in their certificates")
+    upstream_token_file: Path | None = Field(
+        None, description="bearer token sent to the generator and scorer (an admin token: it forwards updates)"
+    )
+
+    def probe_settings(self) -> ProbeSettings:
+        """How the generator and scorer are watched, as the plain record the monitor takes."""
+        return ProbeSettings(
+            timeout_s=self.upstream_probe_timeout_s, interval_s=self.upstream_probe_interval_s,
+            backoff_max_s=self.upstream_backoff_max_s,
+        )
+
+    def upstream_tls(self) -> ClientTLS | None:
+        """TLS for the calls to the generator and scorer, or ``None`` for plaintext."""
+        if self.upstream_tls_ca_file is None:
+            return None
+        return ClientTLS(self.upstream_tls_ca_file, self.upstream_tls_cert_file, self.upstream_tls_key_file,
+                         self.upstream_tls_server_name)
+
+    def upstream_token(self) -> str | None:
+        """The bearer token for the generator and scorer (the file's first token), or ``None``.
+
+        Raises:
+            SecurityConfigError: the file is unreadable or empty.
+        """
+        if self.upstream_token_file is None:
+            return None
+        return read_tokens(self.upstream_token_file, "upstream_token_file")[0].decode()

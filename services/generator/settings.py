@@ -1,0 +1,35 @@
+"""The generator service's typed settings (precedence and parsing: :mod:`services.common.settings`)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.models import SMOLLM2_ALIAS
+from services.common.settings import GenerationLimits
+
+
+class GeneratorSettings(GenerationLimits):
+    """The generator service: which model, which engine, and request limits."""
+
+    section: ClassVar[str] = "generator"
+    model_config = SettingsConfigDict(env_prefix="FASTEXP_GENERATOR_", extra="forbid")
+
+    port: int = Field(50051, ge=0, le=65535)
+    model: str = Field(SMOLLM2_ALIAS, description="model folder, hub id, or the embedded default's alias")
+    backend: Literal["auto", "vllm", "hf"] = Field("auto", description="auto: vLLM when importable, else HF")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: int = Field(2048, ge=16, description="most prompt + response tokens per sequence")
+    seed: int = Field(0, description="engine seed")
+    kv_cache_memory_bytes: int | None = Field(
+        2 * 1024**3, ge=1, description="vLLM KV-cache size; on CPU this is host memory. None: use the utilization"
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM memory fraction if no KV size")
+    enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (faster start, slower steps)")
+    max_num_seqs: int | None = Field(None, ge=1, description="vLLM: most sequences per scheduler step (None: vLLM's default)")
+    hf_max_batch_size: int = Field(32, ge=1, description="HF backend: sequences per generate() call")
+    weights_staging_dir: str | None = Field(
+        None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
+    )
