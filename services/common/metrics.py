@@ -34,7 +34,10 @@ GENERATED_TOKENS = Counter("fastexp_generated_tokens", "Response tokens sampled 
 GENERATION_REQUESTS_IN_FLIGHT = Gauge(
     "fastexp_generation_requests_in_flight", "Sequences submitted to the engine and not yet finished"
 )
-POLICY_VERSION = Gauge("fastexp_policy_version", "Weights version now serving (generator) or held (experience)")
+POLICY_VERSION = Gauge(
+    "fastexp_policy_version", "Weights version now serving (generator) or live (experience: its actor replica)",
+    ["service"],
+)
 QUEUE_DEPTH = Gauge(
     "fastexp_queue_depth",
     "Prompt groups waiting in the experience pipeline: scored (awaiting a forward), forwarded (awaiting a batch)",

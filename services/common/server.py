@@ -12,6 +12,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -113,6 +114,52 @@ async def create_server(
     await running.set_serving(False)
     await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     return running
+
+
+class ServerSettings(Protocol):
+    """The settings fields a server is built from (every service's settings class has them)."""
+
+    host: str
+    port: int
+    max_message_bytes: int
+
+    def server_tls(self) -> ServerTLS | None: ...
+
+    def auth(self) -> AuthInterceptor | None: ...
+
+
+async def start_service(
+    settings: ServerSettings, service_name: str, register: Callable[[grpc.aio.Server], None]
+) -> RunningServer:
+    """:func:`create_server` for one fastexp service from its settings (address, message limit, TLS, tokens);
+    health is NOT_SERVING until the caller's :meth:`RunningServer.set_serving`.
+
+    Raises:
+        RuntimeError: the address could not be bound. SecurityConfigError: a TLS or token file is unusable.
+    """
+    return await create_server(
+        host=settings.host,
+        port=settings.port,
+        register=register,
+        service_names=[service_name],
+        max_message_bytes=settings.max_message_bytes,
+        tls=settings.server_tls(),
+        auth=settings.auth(),
+    )
+
+
+#: Starts a service: its running server, and what to close once that server has stopped.
+Starter = Callable[[], Awaitable[tuple[RunningServer, Callable[[], Awaitable[None]]]]]
+
+
+def run_service(start: Starter, grace_s: float) -> None:
+    """Start a service and serve it until SIGTERM/SIGINT, then stop in order (blocking; the CLI's entry)."""
+
+    async def main() -> None:
+        running, cleanup = await start()
+        await serve_until_signalled(running, grace_s, cleanup=cleanup)
+
+    asyncio.run(main())
 
 
 async def serve_until_signalled(

@@ -231,7 +231,6 @@ class ExperienceMaker:
         self._forward_lock = asyncio.Lock()
         self.policy = policy if policy is not None else PolicyState()
         self._actor_version = self.policy.version  # changed under the forward lock, with the actor's weights
-        metrics.POLICY_VERSION.set_function(lambda: self.policy.version)
         self.critic_version = 0
         self._max_groups_ahead = max_groups_ahead
 

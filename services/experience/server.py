@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 
 from fastexp.v1 import experience_pb2, experience_pb2_grpc
+from services.common import metrics
 from services.common.models import resolve_model
-from services.common.server import RunningServer, create_server, serve_until_signalled
+from services.common.server import RunningServer, run_service, start_service
 from services.experience.clients import GeneratorClient, ScorerClient, open_channel
 from services.experience.logprobs import LogProbModel
 from services.experience.pipeline import ExperienceMaker, ForwardModels
@@ -112,15 +114,10 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         maker, tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,
         settings.max_concurrent_streams, vision=vision, media_limits=settings.media_limits(),
     )
-    running = await create_server(
-        host=settings.host,
-        port=settings.port,
-        register=lambda server: experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server),
-        service_names=[SERVICE_NAME],
-        max_message_bytes=settings.max_message_bytes,
-        tls=settings.server_tls(),
-        auth=settings.auth(),
+    running = await start_service(
+        settings, SERVICE_NAME, lambda server: experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server)
     )
+    metrics.POLICY_VERSION.labels("experience").set_function(lambda: policy.version)
     watcher = asyncio.create_task(upstream.run(running.set_serving), name="upstream-monitor")
     logger.info(
         "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",
@@ -132,8 +129,8 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
 def serve(settings: ExperienceSettings) -> None:
     """Run the experience service until SIGTERM/SIGINT (blocking)."""
 
-    async def main() -> None:
+    async def start() -> tuple[RunningServer, Callable[[], Awaitable[None]]]:
         service = await start_experience(settings)
-        await serve_until_signalled(service.running, settings.grace_period_s, cleanup=service.close)
+        return service.running, service.close
 
-    asyncio.run(main())
+    run_service(start, settings.grace_period_s)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
+from services.common import metrics
 from services.common.models import resolve_model
-from services.common.server import RunningServer, create_server, serve_until_signalled
+from services.common.server import RunningServer, run_service, start_service
 from services.generator.engine import GenerationEngine
 from services.generator.servicer import GenerationServicer
 from services.generator.settings import GeneratorSettings
@@ -49,16 +50,11 @@ def build_engine(settings: GeneratorSettings) -> GenerationEngine:
 async def start_generator(settings: GeneratorSettings, engine: GenerationEngine) -> RunningServer:
     """Serve ``engine`` on ``settings.host:settings.port``; health is SERVING once the engine is healthy."""
     servicer = GenerationServicer(engine, settings)
-    running = await create_server(
-        host=settings.host,
-        port=settings.port,
-        register=lambda server: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server),
-        service_names=[SERVICE_NAME],
-        max_message_bytes=settings.max_message_bytes,
-        tls=settings.server_tls(),
-        auth=settings.auth(),
+    running = await start_service(
+        settings, SERVICE_NAME, lambda server: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     )
     await engine.check_health()
+    metrics.POLICY_VERSION.labels("generator").set_function(lambda: engine.policy_version)
     await running.set_serving(True)
     logger.info("generator serving on %s:%d (%s backend)", settings.host, running.port, engine.description.backend)
     return running
@@ -67,9 +63,8 @@ async def start_generator(settings: GeneratorSettings, engine: GenerationEngine)
 def serve(settings: GeneratorSettings) -> None:
     """Run the generator until SIGTERM/SIGINT (blocking)."""
 
-    async def main() -> None:
+    async def start() -> tuple[RunningServer, Callable[[], Awaitable[None]]]:
         engine = build_engine(settings)
-        running = await start_generator(settings, engine)
-        await serve_until_signalled(running, settings.grace_period_s, cleanup=engine.close)
+        return await start_generator(settings, engine), engine.close
 
-    asyncio.run(main())
+    run_service(start, settings.grace_period_s)

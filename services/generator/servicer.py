@@ -95,7 +95,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._spec = model_spec(engine.description.model_name)
         self._updating = asyncio.Lock()
         self._tokens = metrics.GENERATED_TOKENS.labels(engine.description.backend)
-        metrics.POLICY_VERSION.set_function(lambda: engine.policy_version)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
-from services.common.server import RunningServer, create_server, serve_until_signalled
+from services.common.server import RunningServer, run_service, start_service
 from services.scorer.composition import RewardComposer, build_composer
 from services.scorer.servicer import ScoringServicer
 from services.scorer.settings import ScorerSettings
@@ -32,14 +32,8 @@ async def start_scorer(settings: ScorerSettings, scorer: RewardComposer) -> Runn
         ConfigError: a source could not start (missing model folder, bad import path); nothing is left serving.
     """
     servicer = ScoringServicer(scorer, settings)
-    running = await create_server(
-        host=settings.host,
-        port=settings.port,
-        register=lambda server: scoring_pb2_grpc.add_ScoringServiceServicer_to_server(servicer, server),
-        service_names=[SERVICE_NAME],
-        max_message_bytes=settings.max_message_bytes,
-        tls=settings.server_tls(),
-        auth=settings.auth(),
+    running = await start_service(
+        settings, SERVICE_NAME, lambda server: scoring_pb2_grpc.add_ScoringServiceServicer_to_server(servicer, server)
     )
     try:
         await scorer.start()
@@ -54,9 +48,8 @@ async def start_scorer(settings: ScorerSettings, scorer: RewardComposer) -> Runn
 def serve(settings: ScorerSettings) -> None:
     """Run the scorer until SIGTERM/SIGINT (blocking)."""
 
-    async def main() -> None:
+    async def start() -> tuple[RunningServer, Callable[[], Awaitable[None]]]:
         scorer = build_scorer(settings)
-        running = await start_scorer(settings, scorer)
-        await serve_until_signalled(running, settings.grace_period_s, cleanup=scorer.close)
+        return await start_scorer(settings, scorer), scorer.close
 
-    asyncio.run(main())
+    run_service(start, settings.grace_period_s)
