@@ -12,19 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from services.experience.layout import EXPERIENCE_LAYOUT, FIRST_BATCH_ONLY, Kind
 from services.experience.types import Experience, ForwardOutputs
-
-#: (B, A) fields of an Experience; (B, S) fields are ``sequences`` and ``attention_mask``.
-_ACTION_FIELDS = frozenset({
-    "action_mask", "action_log_probs", "base_action_log_probs", "values", "returns", "advantages", "kl",
-    "rollout_log_probs", "action_entropy",
-})
-_SEQUENCE_FIELDS = frozenset({"sequences", "attention_mask"})
-#: per-row (B,) tensors and tuples
-_ROW_FIELDS = frozenset({
-    "reward", "response_length", "total_length", "shaped_reward", "prompt_index", "sample_index", "prompt_texts",
-    "response_texts", "policy_version",
-})
 
 
 def pad_actions(tensor: torch.Tensor, width: int) -> torch.Tensor:
@@ -85,21 +74,22 @@ def split_experience(experience: Experience, rows_per_batch: int) -> list[Experi
         left = prompt_width - int((experience.total_length[rows] - response_length).max())
         fields = {}
         for name, value in zip(Experience._fields, experience, strict=True):
-            if name in _SEQUENCE_FIELDS:
+            kind = EXPERIENCE_LAYOUT[name].kind
+            if value is None or kind in (Kind.SCALAR, Kind.BATCH):
+                pass
+            elif kind is Kind.SEQUENCE:
                 value = value[rows, left : prompt_width + num_actions]
-            elif name in _ACTION_FIELDS:
-                value = None if value is None else value[rows, :num_actions]
-            elif name == "reward_metrics":
+            elif kind is Kind.ACTION:
+                value = value[rows, :num_actions]
+            elif kind is Kind.METRICS:
                 value = {key: metric[rows] for key, metric in value.items()}
-            elif name in _ROW_FIELDS:
+            elif kind is Kind.ROW:
                 value = value[rows]
-            elif name == "vision":
-                value = None if value is None else value.select(rows)
+            elif kind is Kind.VISION:
+                value = value.select(rows)
             fields[name] = value
         fields["batch_index"] = experience.batch_index + number
         if number:
-            fields["dropped_prompt_indices"] = ()
-            fields["resampled_groups"] = 0
-            fields["repaired_vision_tokens"] = 0  # counted with the first batch
+            fields.update(FIRST_BATCH_ONLY)  # counts since the previous batch go with the first one
         batches.append(Experience(**fields))
     return batches

@@ -8,10 +8,13 @@ state comes out; nothing is mutated.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from services.experience.advantages import TokenInputs
 from services.experience.kl import compute_approx_kl
+from services.experience.layout import EXPERIENCE_LAYOUT
 from services.experience.processing import (
     clip_with_fraction,
     overlong_penalty,
@@ -21,7 +24,7 @@ from services.experience.processing import (
 )
 from services.experience.request import ExperienceConfig
 from services.experience.rewards import compute_reward
-from services.experience.runs import RunState
+from services.experience.runs import RunningMoments, RunState
 from services.experience.types import Experience, ForwardOutputs, Rollout
 
 
@@ -68,23 +71,9 @@ def estimate_experience(
         raise ValueError(f"{batch} rows are not whole groups of {n}")
     mask = rollout.action_mask
     kl = compute_approx_kl(forward.action_log_probs, forward.base_action_log_probs, mask, config.kl.kl_estimator)
-
-    shaped = reward.float()
-    options = config.reward
-    if options.overlong_buffer_len > 0:
-        shaped = shaped + overlong_penalty(
-            rollout.response_length, options.max_new_tokens, options.overlong_buffer_len,
-            options.overlong_buffer_penalty_factor,
-        )
-    shaped = config.estimator.shape_rewards(shaped.view(batch // n, n)).reshape(batch)
-    moments, norm_mean, norm_std = state.reward_moments, 0.0, 1.0
-    if options.reward_running_norm:
-        moments = moments.update(shaped)
-        shaped, norm_mean, norm_std = running_normalize(shaped, moments, options.reward_running_norm_minus_mean)
-    shaped, reward_clip_frac = clip_with_fraction(shaped, options.reward_clip)
-
+    shaped = _shape_rewards(reward.float(), rollout.response_length, config, state)
     kl_coef = state.kl.value
-    per_token_rewards = compute_reward(shaped, 0.0 if config.kl.use_kl_loss else kl_coef, kl, mask)
+    per_token_rewards = compute_reward(shaped.reward, 0.0 if config.kl.use_kl_loss else kl_coef, kl, mask)
     advantages, returns = config.estimator.advantages(
         TokenInputs(per_token_rewards, mask, forward.values, n, config.gamma, config.lambd)
     )
@@ -92,37 +81,68 @@ def estimate_experience(
         advantages = whiten(advantages, mask)
     advantages, advantage_clip_frac = clip_with_fraction(advantages, config.advantage.advantage_clip, mask)
 
-    next_state = RunState(reward_moments=moments, kl=state.kl.update(sequence_mean_kl(kl, mask), batch))
+    next_state = RunState(reward_moments=shaped.moments, kl=state.kl.update(sequence_mean_kl(kl, mask), batch))
+    rows = {name: getattr(rollout, name) for name in _FROM_ROLLOUT}
     experience = Experience(
-        sequences=rollout.sequences,
-        attention_mask=rollout.attention_mask,
-        action_mask=mask,
-        action_log_probs=forward.action_log_probs * mask,
-        base_action_log_probs=forward.base_action_log_probs * mask,
-        values=None if forward.values is None else forward.values.float() * mask,
+        **rows,
+        **_masked_forward(forward, mask),
         returns=returns,
         advantages=advantages,
         kl=kl,
         reward=reward.float(),
-        response_length=rollout.response_length,
-        total_length=rollout.total_length,
-        prompt_index=rollout.prompt_index,
-        sample_index=rollout.sample_index,
-        prompt_texts=rollout.prompt_texts,
-        response_texts=rollout.response_texts,
-        policy_version=rollout.policy_version,
         reward_metrics=reward_metrics,
         kl_coef=kl_coef,
         batch_index=batch_index,
-        rollout_log_probs=rollout.rollout_log_probs,
-        vision=rollout.vision,
-        repaired_vision_tokens=rollout.repaired_vision_tokens,
-        shaped_reward=shaped,
-        action_entropy=None if forward.action_entropy is None else forward.action_entropy * mask,
-        reward_clip_frac=reward_clip_frac,
+        shaped_reward=shaped.reward,
+        reward_clip_frac=shaped.clip_frac,
         advantage_clip_frac=advantage_clip_frac,
-        reward_norm_mean=norm_mean,
-        reward_norm_std=norm_std,
+        reward_norm_mean=shaped.norm_mean,
+        reward_norm_std=shaped.norm_std,
         dropped_prompt_indices=dropped_prompt_indices,
     )
     return experience, next_state
+
+
+#: Experience fields copied from the Rollout as they are.
+_FROM_ROLLOUT = (
+    "sequences", "attention_mask", "action_mask", "response_length", "total_length", "prompt_index", "sample_index",
+    "prompt_texts", "response_texts", "policy_version", "rollout_log_probs", "vision", "repaired_vision_tokens",
+)
+
+
+class _ShapedRewards(NamedTuple):
+    """Sequence-level rewards after stages 2-5: ``reward`` (B,) float32, the run's updated moments, the
+    normalization statistics used (0 and 1 when off) and the fraction of rows ``reward_clip`` changed."""
+
+    reward: torch.Tensor
+    moments: RunningMoments
+    norm_mean: float
+    norm_std: float
+    clip_frac: float
+
+
+def _shape_rewards(
+    reward: torch.Tensor, response_length: torch.Tensor, config: ExperienceConfig, state: RunState
+) -> _ShapedRewards:
+    """Stages 2-5 of :func:`estimate_experience` over (B,) rewards."""
+    options, batch, n = config.reward, reward.shape[0], config.n_samples_per_prompt
+    if options.overlong_buffer_len > 0:
+        reward = reward + overlong_penalty(
+            response_length, options.max_new_tokens, options.overlong_buffer_len,
+            options.overlong_buffer_penalty_factor,
+        )
+    reward = config.estimator.shape_rewards(reward.view(batch // n, n)).reshape(batch)
+    moments, norm_mean, norm_std = state.reward_moments, 0.0, 1.0
+    if options.reward_running_norm:
+        moments = moments.update(reward)
+        reward, norm_mean, norm_std = running_normalize(reward, moments, options.reward_running_norm_minus_mean)
+    reward, clip_frac = clip_with_fraction(reward, options.reward_clip)
+    return _ShapedRewards(reward, moments, norm_mean, norm_std, clip_frac)
+
+
+def _masked_forward(forward: ForwardOutputs, mask: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """The forward outputs as Experience fields: each in its layout dtype, 0 on padding (absent ones None)."""
+    return {
+        name: None if value is None else value.to(EXPERIENCE_LAYOUT[name].dtype) * mask
+        for name, value in zip(ForwardOutputs._fields, forward, strict=True)
+    }

@@ -10,13 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from services.experience.layout import ACTION_FIELDS
 from services.experience.types import Experience
-
-#: Per-action (B, A) fields that pack to (1, N); ``None`` values stay ``None``.
-ACTION_FIELDS = (
-    "action_mask", "action_log_probs", "base_action_log_probs", "values", "returns", "advantages", "kl",
-    "rollout_log_probs", "action_entropy",
-)
 
 
 def pack_experience(experience: Experience) -> Experience:

@@ -6,31 +6,20 @@ import torch
 
 from fastexp.v1 import experience_pb2
 from services.common.tensor_codec import to_torch, write_torch
+from services.experience.layout import EXPERIENCE_LAYOUT, Kind, fields_of
 from services.experience.types import Experience
 from services.experience.vision import VisionInputs
 
-_TENSORS = (
-    "sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs", "returns",
-    "advantages", "kl", "reward", "response_length", "total_length", "rollout_log_probs", "shaped_reward",
-)
-_OPTIONAL_TENSORS = ("values", "action_entropy", "packed_seq_lens")
-_SCALARS = (
-    "kl_coef", "batch_index", "reward_clip_frac", "advantage_clip_frac", "reward_norm_mean", "reward_norm_std",
-    "actor_policy_version", "resampled_groups", "repaired_vision_tokens",
-)
+# Each Experience field travels in the ExperienceBatch field of the same name (services.experience.layout).
+_TENSORS = tuple(name for name, layout in EXPERIENCE_LAYOUT.items() if layout.tensor and not layout.optional)
+_OPTIONAL_TENSORS = tuple(name for name, layout in EXPERIENCE_LAYOUT.items() if layout.tensor and layout.optional)
+_SCALARS = fields_of(Kind.SCALAR)
+_REPEATED = fields_of(Kind.ROW, tensor=False) + fields_of(Kind.BATCH)  # tuples of ints or strings
 
 
 def experience_to_pb(experience: Experience) -> experience_pb2.ExperienceBatch:
     """Encode an Experience; tensors keep their dtypes (int64 ids and lengths, bool mask, float32 values)."""
-    message = experience_pb2.ExperienceBatch(
-        prompt_index=experience.prompt_index,
-        sample_index=experience.sample_index,
-        prompt_texts=experience.prompt_texts,
-        response_texts=experience.response_texts,
-        policy_version=experience.policy_version,
-        dropped_prompt_indices=experience.dropped_prompt_indices,
-        **{name: getattr(experience, name) for name in _SCALARS},
-    )
+    message = experience_pb2.ExperienceBatch(**{name: getattr(experience, name) for name in _SCALARS + _REPEATED})
     for name in _TENSORS:
         write_torch(getattr(experience, name), getattr(message, name))
     for name in _OPTIONAL_TENSORS:
@@ -78,13 +67,8 @@ def experience_from_pb(message: experience_pb2.ExperienceBatch) -> Experience:
         tensors[name] = to_torch(getattr(message, name)) if message.HasField(name) else None
     return Experience(
         **tensors,
-        prompt_index=tuple(message.prompt_index),
-        sample_index=tuple(message.sample_index),
-        prompt_texts=tuple(message.prompt_texts),
-        response_texts=tuple(message.response_texts),
-        policy_version=tuple(message.policy_version),
-        reward_metrics={name: to_torch(t) for name, t in message.reward_metrics.items()},
-        dropped_prompt_indices=tuple(message.dropped_prompt_indices),
-        vision=_vision_from_pb(message),
+        **{name: tuple(getattr(message, name)) for name in _REPEATED},
         **{name: getattr(message, name) for name in _SCALARS},
+        reward_metrics={name: to_torch(t) for name, t in message.reward_metrics.items()},
+        vision=_vision_from_pb(message),
     )
