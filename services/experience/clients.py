@@ -32,7 +32,7 @@ from services.common.security import ClientTLS, bearer_metadata
 from services.common.server import RECONNECT_BACKOFF_OPTIONS, grpc_options
 from services.common.tensor_codec import to_numpy, to_torch
 from services.common.weights import ReceivedUpdate, entry_chunks
-from services.experience.pipeline import Scores
+from services.experience.events import Scores
 from services.experience.upstream import GeneratorInfo
 
 SCORER_SERVICE = scoring_pb2.DESCRIPTOR.services_by_name["ScoringService"].full_name

@@ -14,8 +14,9 @@ from services.common import metrics
 from services.common.models import resolve_model
 from services.common.server import RunningServer, run_service, start_service
 from services.experience.clients import GeneratorClient, ScorerClient, open_channel
+from services.experience.forwarder import ForwardModels
 from services.experience.logprobs import LogProbModel
-from services.experience.pipeline import ExperienceMaker, ForwardModels
+from services.experience.pipeline import ExperienceMaker
 from services.experience.policy import PolicyState
 from services.experience.runs import RunStore
 from services.experience.servicer import ExperienceServicer
@@ -90,7 +91,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     def generator_reached(info: GeneratorInfo, first: bool) -> None:
         if first:
             # no stream or update can have run yet (both need the generator): its version is the live one
-            policy.version = info.policy_version
+            maker.adopt_policy_version(info.policy_version)
             if info.policy_version:
                 logger.warning(
                     "the generator serves policy version %d, but the actor replica was loaded from %s: "
@@ -118,6 +119,8 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         settings, SERVICE_NAME, lambda server: experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server)
     )
     metrics.POLICY_VERSION.labels("experience").set_function(lambda: policy.version)
+    for queue in ("scored", "forwarded"):
+        metrics.QUEUE_DEPTH.labels(queue).set_function(lambda queue=queue: maker.queue_depth(queue))
     watcher = asyncio.create_task(upstream.run(running.set_serving), name="upstream-monitor")
     logger.info(
         "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",

@@ -19,7 +19,8 @@ from services.common.logs import bind_request_id, current_request_id
 from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits
 from services.common.weights import staged_update
-from services.experience.pipeline import ExperienceMaker, StreamStats
+from services.experience.events import StreamStats
+from services.experience.pipeline import ExperienceMaker
 from services.experience.request import InvalidPrompts, decode_request
 from services.experience.upstream import GeneratorInfo
 from services.experience.vision import VisionProcessor

@@ -1,0 +1,128 @@
+"""The records the experience pipeline's stages pass each other, and what the pipeline calls out to.
+
+The producer (:mod:`~services.experience.producer`) turns prompts into scored prompt groups and puts *events* on a
+stream's queue: :class:`ScoredGroup`, :class:`Dropped` (dynamic sampling), :class:`RoundStarted`,
+:class:`GroupsResampled`, and finally :class:`Done` or :class:`Failed`. The consumer (:mod:`~services.experience.
+pipeline`) folds them into its :class:`~services.experience.batcher.Inbox`, has the forwarder
+(:mod:`~services.experience.forwarder`) turn scored groups into :class:`ForwardedGroup` records, and streams
+batches. Every event is immutable; only the consumer counts them into :class:`StreamStats`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.common.deadlines import Deadline
+from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.media import EncodedMedia
+from services.common.weights import ReceivedUpdate
+from services.experience.types import ForwardOutputs
+
+
+@dataclass(frozen=True)
+class Scores:
+    """``rewards`` (N,) float32 and named (N,) float32 metrics."""
+
+    rewards: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+class Generator(Protocol):
+    """Where completions come from (the generator service, through ``GeneratorClient``)."""
+
+    def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]: ...
+
+    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline) -> int:
+        """Apply a policy update; return the new policy version once it is live."""
+        ...
+
+
+class Scorer(Protocol):
+    """Where rewards come from (the scorer service, through ``ScorerClient``)."""
+
+    async def score(
+        self,
+        queries: Sequence[str],
+        prompts: Sequence[str],
+        labels: Sequence[str],
+        references: Sequence[str],
+        deadline: Deadline,
+        media: Sequence[EncodedMedia | None] = (),
+    ) -> Scores: ...
+
+
+@dataclass
+class StreamStats:
+    """Counters of one ``make_experiences`` call, complete once the stream ends (trailing metadata). Only the
+    consumer writes them, from the events it receives."""
+
+    generation_rounds: int = 0
+    dropped_groups: int = 0
+    resampled_groups: int = 0
+    undelivered_prompt_indices: list[int] | None = None  # set when the stream failed: what a retry should send
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """A prompt group's n completions (sample order) and their scores."""
+
+    completions: tuple[CompletionRecord, ...]
+    scores: Scores
+    resampled: bool = False  # came back from a resample the consumer asked for
+
+    @property
+    def prompt_index(self) -> int:
+        return self.completions[0].prompt_index
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest version among the group's samples."""
+        return min(c.policy_version for c in self.completions)
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """Dynamic sampling dropped this prompt's group (all its rewards were equal)."""
+
+    prompt_index: int
+    resampled: bool = False
+
+
+@dataclass(frozen=True)
+class RoundStarted:
+    """A generation round started (dynamic sampling's refills and off-policy admission run several)."""
+
+
+@dataclass(frozen=True)
+class GroupsResampled:
+    """``count`` groups an update interrupted (aborting partial rollouts) are being generated again."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """Every group was generated once; only resamples the consumer asked for may still come."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The producer stopped on ``error``; groups received before it are still delivered."""
+
+    error: BaseException
+
+
+Event = ScoredGroup | Dropped | RoundStarted | GroupsResampled | Done | Failed
+
+
+@dataclass(frozen=True)
+class ForwardedGroup:
+    """A scored group with its forward outputs, (n, a) with a = the group's longest response."""
+
+    scored: ScoredGroup
+    forward: ForwardOutputs
+    actor_version: int  # the actor replica's version when it computed action_log_probs

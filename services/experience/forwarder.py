@@ -1,0 +1,156 @@
+"""The forwarder stage: the actor, reference (and critic) forward passes over scored groups, and batch assembly.
+
+It owns the models the experience service runs and the lock that serializes their use (forward passes share the
+device; weight copies wait for the pass in flight). Forward passes run in a worker thread, on whatever scored
+groups are ready, rows sorted by length for padded passes; each group's outputs come back trimmed to its own
+response width (:func:`~services.experience.batching.split_forward`) and are re-padded per batch by
+:meth:`Forwarder.assemble`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.common import metrics
+from services.common.weights import TensorEntry, copy_into
+from services.experience.batching import concat_forward, split_forward
+from services.experience.events import ForwardedGroup, ScoredGroup
+from services.experience.forward import chunks
+from services.experience.logprobs import LogProbModel
+from services.experience.request import ExperienceConfig, ExperienceRequest
+from services.experience.sequences import build_rollout
+from services.experience.types import ForwardOutputs, Rollout
+from services.experience.value_model import ValueModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ForwardModels:
+    """The models the experience service runs itself; ``critic`` only when configured (``gae`` needs it)."""
+
+    actor: LogProbModel
+    reference: LogProbModel
+    critic: ValueModel | None = None
+    micro_batch_size: int = 8
+    share_prompt: bool = True  # packed forwards compute each group's prompt once (forward.shared_prompt_chunks)
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """A batch's inputs to the estimate, from its forwarded groups in order: the rollout, rewards (B,), reward
+    metrics (B,) each (NaN for rows whose scorer lacks one) and the forward outputs (B, A)."""
+
+    rollout: Rollout
+    rewards: torch.Tensor
+    reward_metrics: dict[str, torch.Tensor]
+    forward: ForwardOutputs
+
+
+class Forwarder:
+    """Runs :class:`ForwardModels` (module docs). ``actor_version``: the policy version of the actor replica's
+    weights, changed only together with them, under the lock."""
+
+    def __init__(self, models: ForwardModels, pad_token_id: int, actor_version: int = 0) -> None:
+        self._models = models
+        self._pad_token_id = pad_token_id
+        self._lock = asyncio.Lock()
+        self.actor_version = actor_version
+
+    @property
+    def has_critic(self) -> bool:
+        return self._models.critic is not None
+
+    def actor_tensors(self) -> dict[str, torch.Tensor]:
+        return self._models.actor.tensors()
+
+    def critic_tensors(self) -> dict[str, torch.Tensor] | None:
+        return None if self._models.critic is None else self._models.critic.tensors()
+
+    def rows_per_pass(self, config: ExperienceConfig) -> int:
+        """Rows one :meth:`forward` call takes at most (a batch's micro-rollout, at least the models' micro-batch)."""
+        return max(config.micro_rollout_batch_size, self._models.micro_batch_size)
+
+    async def forward(self, groups: Sequence[ScoredGroup], request: ExperienceRequest) -> tuple[ForwardedGroup, ...]:
+        """Each group with its forward outputs (n, a_g), computed in a worker thread under the lock."""
+        async with self._lock:
+            forwards = await asyncio.to_thread(self._forward_groups, groups, request)
+            actor_version = self.actor_version
+        return tuple(ForwardedGroup(g, f, actor_version) for g, f in zip(groups, forwards, strict=True))
+
+    async def load_actor(self, entries: Sequence[TensorEntry], version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy a checked policy update into the actor between forward passes; it is then ``version``."""
+        async with self._lock:
+            await asyncio.to_thread(copy_into, tensors, entries)
+            self.actor_version = version
+
+    async def load_critic(self, entries: Sequence[TensorEntry], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy a checked critic update into the critic between forward passes (not cancelled half-way)."""
+        async with self._lock:
+            await asyncio.shield(asyncio.to_thread(copy_into, tensors, entries))
+
+    def assemble(self, groups: Sequence[ForwardedGroup], request: ExperienceRequest) -> Assembled:
+        """The batch of ``groups`` (see :class:`Assembled`); counts vision placeholder repairs."""
+        rollout = build_rollout(
+            [c for g in groups for c in g.scored.completions], request.prompts, self._pad_token_id,
+            self._models.actor.vision_tokens,
+        )
+        if rollout.repaired_vision_tokens:
+            metrics.VISION_TOKEN_REPAIRS.labels("response_placeholder").inc(rollout.repaired_vision_tokens)
+            logger.debug("%s: %d sampled placeholder tokens replaced by the pad token",
+                         request.request_id, rollout.repaired_vision_tokens)
+        if rollout.vision_prompt_mismatches:
+            metrics.VISION_TOKEN_REPAIRS.labels("prompt_mismatch").inc(rollout.vision_prompt_mismatches)
+        forward = concat_forward([g.forward for g in groups], rollout.action_mask.shape[1])
+        scores = [g.scored.scores for g in groups]
+        names = sorted({name for s in scores for name in s.metrics})
+        reward_metrics = {
+            name: torch.cat([
+                s.metrics[name].float() if name in s.metrics else torch.full((len(s.rewards),), float("nan"))
+                for s in scores
+            ])
+            for name in names
+        }
+        return Assembled(rollout, torch.cat([s.rewards.float() for s in scores]), reward_metrics, forward)
+
+    def _forward_groups(self, groups: Sequence[ScoredGroup], request: ExperienceRequest) -> list[ForwardOutputs]:
+        """Per-group forward outputs (n, a_g) of ``groups`` (runs in a worker thread).
+
+        Padded forwards sort the rows by length first, so each micro-batch pads only to rows of similar length.
+        """
+        completions = [c for g in groups for c in g.completions]
+        order = list(range(len(completions)))
+        if not request.config.packing_samples:
+            order.sort(key=lambda i: len(completions[i].prompt_token_ids) + len(completions[i].output_token_ids))
+        rollout = build_rollout(
+            [completions[i] for i in order], request.prompts, self._pad_token_id, self._models.actor.vision_tokens
+        )
+        forward = self._run_models(rollout, request.config)
+        inverse = torch.empty(len(order), dtype=torch.int64)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        forward = ForwardOutputs(*(None if t is None else t[inverse] for t in forward))
+        widths = [max(1, max(len(c.output_token_ids) for c in g.completions)) for g in groups]
+        return split_forward(forward, [len(g.completions) for g in groups], widths)
+
+    def _run_models(self, rollout: Rollout, config: ExperienceConfig) -> ForwardOutputs:
+        """Actor, reference (and critic) passes over the rollout's rows (runs in a worker thread)."""
+        models = self._models
+        # a vision-language model's rows stay padded: its M-RoPE positions are not the packed layouts' 1D ones
+        packed = config.packing_samples and models.actor.vision_tokens is None
+        parts = chunks(rollout, models.micro_batch_size, packed=packed, share_prompt=models.share_prompt)
+        with metrics.stage_timer("actor"):
+            actor, entropy = models.actor.action_log_probs(parts, with_entropy=config.return_action_entropy)
+        with metrics.stage_timer("reference"):
+            reference, _ = models.reference.action_log_probs(parts)
+        values = None
+        if config.estimator.needs_critic:
+            if models.critic is None:
+                raise ValueError("gae needs a critic")  # request validation rejects this first
+            with metrics.stage_timer("critic"):
+                values = models.critic.values(parts)
+        return ForwardOutputs(actor, reference, values, entropy)
