@@ -24,7 +24,7 @@ from services.experience.request import (
     PromptSpec,
 )
 from services.generator.hf_engine import HFEngine
-from services.scorer.rules import math_verify_reward
+from tests.support.inprocess import InProcessGenerator, InProcessRuleScorer
 
 
 class FailingAfter:
@@ -41,24 +41,6 @@ class FailingAfter:
                 raise NotReady("generator: UNAVAILABLE: connection lost")
             count += 1
             yield record
-
-
-class InProcessRuleScorer:
-    """math-verify called directly (no worker pool), for in-process pipeline tests."""
-
-    async def score(self, queries, prompts, labels, references, deadline, media=()):
-        results = [math_verify_reward(q[len(p):], r) for q, p, r in zip(queries, prompts, references, strict=True)]
-        return Scores(torch.tensor([r for r, _ in results]), {})
-
-
-class InProcessGenerator:
-    """The engine called directly, as the generator service would (the deadline is the service's concern)."""
-
-    def __init__(self, engine: HFEngine) -> None:
-        self._engine = engine
-
-    def generate(self, request, deadline):
-        return self._engine.generate(request)
 
 
 class ScriptedVerifier:

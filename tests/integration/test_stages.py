@@ -1,0 +1,150 @@
+"""The pipeline's stages one at a time, on the real HF engine and a real tiny Llama: the producer's events and
+backpressure, the forwarder's per-group outputs and assembly, and weight sync's all-or-nothing updates."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from services.common.deadlines import Deadline
+from services.common.errors import InvalidRequest
+from services.common.sampling import SamplingOptions
+from services.common.weights import ReceivedUpdate, WeightStager
+from services.experience.advantages import get_estimator
+from services.experience.events import Done, RoundStarted, ScoredGroup
+from services.experience.forwarder import Forwarder, ForwardModels
+from services.experience.logprobs import LogProbModel
+from services.experience.policy import PolicyState
+from services.experience.producer import Producer
+from services.experience.request import ExperienceConfig, ExperienceRequest, PromptSpec
+from services.experience.sequences import build_rollout
+from services.experience.weight_sync import WeightSync
+from services.generator.hf_engine import HFEngine
+from tests.support.inprocess import InProcessGenerator, InProcessRuleScorer
+
+N = 2
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    return HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_model_path):
+    return LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
+
+
+def _request(count: int, **options) -> ExperienceRequest:
+    prompts = tuple(PromptSpec(f"p{i}", (100 + i, 101, 102), "1", "") for i in range(count))
+    config = ExperienceConfig(n_samples_per_prompt=N, estimator=get_estimator("group_norm"), **options)
+    return ExperienceRequest("stage", prompts, SamplingOptions(max_new_tokens=6, min_new_tokens=2), config)
+
+
+class RecordingGenerator(InProcessGenerator):
+    """The in-process engine, recording how many prompts each generation request carried."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        super().__init__(engine)
+        self.sizes: list[int] = []
+
+    def generate(self, request, deadline):
+        self.sizes.append(len(request.prompts))
+        return super().generate(request, deadline)
+
+
+async def _next_group(run) -> ScoredGroup:
+    while not isinstance(event := await asyncio.wait_for(run.events.get(), 60), ScoredGroup):
+        pass
+    return event
+
+
+async def test_the_producer_emits_each_group_whole_and_in_sample_order_then_done(engine):
+    run = Producer(InProcessGenerator(engine), InProcessRuleScorer(), PolicyState(), 64).start(
+        _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
+    )
+    events = [await asyncio.wait_for(run.events.get(), 60) for _ in range(5)]
+    await run.close()
+    assert isinstance(events[0], RoundStarted) and isinstance(events[-1], Done)
+    groups = [e for e in events if isinstance(e, ScoredGroup)]
+    assert sorted(g.prompt_index for g in groups) == [0, 1, 2]
+    for group in groups:
+        assert [c.sample_index for c in group.completions] == list(range(N))
+        assert {c.prompt_index for c in group.completions} == {group.prompt_index}
+        assert group.scores.rewards.shape == (N,)
+
+
+async def test_the_producers_window_admits_a_prompt_only_when_a_streamed_group_releases_its_slot(engine):
+    generator = RecordingGenerator(engine)
+    run = Producer(generator, InProcessRuleScorer(), PolicyState(), max_groups_ahead=1).start(
+        _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
+    )
+    first = await _next_group(run)
+    await asyncio.sleep(0.5)
+    assert generator.sizes == [1] and run.events.empty()  # held back: no slot until the consumer streams it
+    run.release(1)
+    second = await _next_group(run)
+    run.release(1)
+    third = await _next_group(run)
+    await run.close()
+    assert generator.sizes == [1, 1, 1]
+    assert [first.prompt_index, second.prompt_index, third.prompt_index] == [0, 1, 2]
+
+
+async def test_the_forwarder_returns_each_groups_outputs_as_an_independent_forward_computes_them(engine, actor):
+    request = _request(2, micro_rollout_batch_size=2 * N)
+    run = Producer(InProcessGenerator(engine), InProcessRuleScorer(), PolicyState(), 64).start(
+        request, Deadline.from_remaining(120)
+    )
+    groups = [await _next_group(run), await _next_group(run)]
+    await run.close()
+    forwarder = Forwarder(ForwardModels(actor, actor, None, micro_batch_size=3), pad_token_id=2, actor_version=7)
+    forwarded = await forwarder.forward(groups, request)
+    for group in forwarded:
+        completions = group.scored.completions
+        width = max(len(c.output_token_ids) for c in completions)
+        assert group.forward.action_log_probs.shape == (N, width) and group.actor_version == 7
+        alone = build_rollout(list(completions), request.prompts, 2)
+        expected, _ = actor.action_log_probs(chunks(alone, 8, packed=False))
+        mask = alone.action_mask
+        torch.testing.assert_close(group.forward.action_log_probs[mask], expected[mask], atol=1e-5, rtol=1e-5)
+    batch = forwarder.assemble(forwarded, request)
+    assert batch.rollout.prompt_index == tuple(g.scored.prompt_index for g in forwarded for _ in range(N))
+    assert batch.forward.action_log_probs.shape == batch.rollout.action_mask.shape
+    assert torch.equal(batch.rewards, torch.cat([g.scored.scores.rewards for g in forwarded]))
+
+
+def _update(tensors: dict[str, torch.Tensor], target: str = "policy") -> ReceivedUpdate:
+    stager = WeightStager()
+    for name, tensor in tensors.items():
+        stager.add(name, "float32", tuple(tensor.shape), tensor.detach().numpy().tobytes())
+    return ReceivedUpdate(target, "staged", str(stager.folder), stager.finish())
+
+
+async def test_weight_sync_applies_a_policy_update_to_the_generator_then_the_actor(tiny_model_path):
+    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=2)
+    actor = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
+    forwarder = Forwarder(ForwardModels(actor, actor), pad_token_id=2)
+    policy = PolicyState()
+    sync = WeightSync(InProcessGenerator(engine), forwarder, policy)
+    name = "model.norm.weight"
+    new = torch.full_like(actor.tensors()[name], 0.5)
+    await sync.update(_update({name: new}), Deadline.from_remaining(60))
+    assert policy.version == 1 == engine.policy_version == forwarder.actor_version
+    assert torch.equal(actor.tensors()[name], new)
+
+
+async def test_weight_sync_applies_nothing_anywhere_from_a_bad_update(tiny_model_path):
+    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=2)
+    actor = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
+    sync = WeightSync(InProcessGenerator(engine), Forwarder(ForwardModels(actor, actor), pad_token_id=2), PolicyState())
+    before = actor.tensors()["model.norm.weight"].detach().clone()
+    with pytest.raises(InvalidRequest, match="no_such_tensor"):
+        await sync.update(_update({"model.norm.weight": before + 1, "no_such_tensor": torch.zeros(2)}),
+                          Deadline.from_remaining(60))
+    with pytest.raises(InvalidRequest, match="runs no critic"):
+        await sync.update(_update({"score.weight": torch.zeros(1)}, target="critic"), Deadline.from_remaining(60))
+    assert sync.policy.version == 0 == engine.policy_version and sync.critic_version == 0
+    assert torch.equal(actor.tensors()["model.norm.weight"], before)
