@@ -14,6 +14,7 @@ from services.common.sampling import SamplingOptions
 from services.common.weights import ReceivedUpdate, WeightStager
 from services.experience.advantages import get_estimator
 from services.experience.events import Done, RoundStarted, ScoredGroup
+from services.experience.forward import chunks
 from services.experience.forwarder import Forwarder, ForwardModels
 from services.experience.logprobs import LogProbModel
 from services.experience.policy import PolicyState
