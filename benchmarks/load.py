@@ -20,10 +20,10 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from fastexp import ExperienceClient, Sampling
 from fastexp.datasets import reasoning_gym_problems
 from fastexp.launcher import LocalCluster
 from services.common.models import resolve_model
-from services.experience.sdk import ExperienceClient, Sampling
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ import time
 import numpy as np
 import torch
 
+from fastexp.types import Rollout
 from services.common.generation import CompletionRecord
 from services.experience.forward import chunks
 from services.experience.logprobs import LogProbModel
 from services.experience.request import PromptSpec
 from services.experience.sequences import build_rollout
-from services.experience.types import Rollout
 
 
 def make_rollout(

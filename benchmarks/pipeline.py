@@ -40,13 +40,13 @@ from pathlib import Path
 
 import grpc
 
+from fastexp import ExperienceClient, Sampling
 from fastexp.datasets import reasoning_gym_problems
 from fastexp.launcher import LocalCluster
+from fastexp.types import Experience
 from fastexp.v1 import experience_pb2, generation_pb2, generation_pb2_grpc
+from fastexp.wire import experience_from_pb, experience_to_pb
 from services.common.server import grpc_options
-from services.experience.sdk import ExperienceClient, Sampling
-from services.experience.types import Experience
-from services.experience.wire import experience_from_pb, experience_to_pb
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 

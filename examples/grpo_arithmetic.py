@@ -30,10 +30,10 @@ import torch
 import typer
 from tqdm import tqdm
 
+from fastexp import Experience, ExperienceClient, Sampling
 from fastexp.datasets import Problem, task_problems
 from fastexp.launcher import LocalCluster
 from services.common.models import resolve_model
-from services.experience.sdk import Experience, ExperienceClient, Sampling
 
 logger = logging.getLogger("grpo_arithmetic")
 

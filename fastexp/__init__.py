@@ -1,5 +1,44 @@
-"""fastexp: RLHF experience making as gRPC microservices.
+"""fastexp: RLHF experiences over gRPC.
 
-``fastexp.v1`` holds the code generated from ``proto/fastexp/v1`` by ``make proto`` (never edited by hand);
-``fastexp.cli`` is the ``fastexp`` command. The services live in ``services/``.
+``pip install fastexp`` gives trainers the client alone (grpcio, protobuf, numpy, torch)::
+
+    from fastexp import ExperienceClient, RequestOptions, Sampling
+
+The services, the CLI and the demo need the server extra (``pip install "fastexp[server]"``). Names are imported
+on first use, so ``import fastexp`` (or its generated ``fastexp.v1`` contract) costs nothing more.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "ExperienceClient": "fastexp.client",
+    "invalid_prompt_indices": "fastexp.client",
+    "undelivered_prompt_indices": "fastexp.client",
+    "update_generator_weights": "fastexp.client",
+    "RequestOptions": "fastexp.request",
+    "Sampling": "fastexp.request",
+    "DEFAULT_SAMPLING": "fastexp.request",
+    "build_request": "fastexp.request",
+    "encode_image": "fastexp.request",
+    "Experience": "fastexp.types",
+    "VisionInputs": "fastexp.types",
+    "unpack_experience": "fastexp.packing",
+    "pack_experience": "fastexp.packing",
+    "weight_chunks": "fastexp.weights",
+    "save_value_model": "fastexp.critic",
+    "ClientTLS": "fastexp.security",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fastexp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

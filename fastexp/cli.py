@@ -59,7 +59,7 @@ def serve(
     """
     from pydantic import ValidationError
 
-    from services.common.security import SecurityConfigError
+    from fastexp.security import SecurityConfigError
     from services.scorer.composition import ConfigError
 
     common = {"host": host, "port": port}
@@ -126,7 +126,7 @@ def health(
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.common.security import ClientTLS
+    from fastexp.security import ClientTLS
 
     if tls_ca_file is None:
         channel = grpc.insecure_channel(address)

@@ -24,12 +24,12 @@ from rich.table import Table
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from fastexp import ExperienceClient, Sampling
 from fastexp.datasets import task_problems
 from fastexp.launcher import LocalCluster, free_port
+from fastexp.types import Experience
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common.models import resolve_model
-from services.experience.sdk import ExperienceClient, Sampling
-from services.experience.types import Experience
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Literal
 
 import numpy as np
 
+from fastexp.sampling import SamplingOptions
 from services.common.media import DecodedMedia, EncodedMedia
-from services.common.sampling import SamplingOptions
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -20,28 +20,14 @@ from pathlib import Path
 
 import grpc
 
+from fastexp.security import AUTHORIZATION_KEY, SecurityConfigError, read_file
 from services.common.rpc import method_parts, wrap_handler
 
-AUTHORIZATION_KEY = "authorization"
 #: Methods that need the ``admin`` privilege (full method names' last part).
 ADMIN_METHODS = frozenset({"UpdateWeights"})
 #: Services anyone may call: health probes and reflection.
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                            "grpc.reflection.v1.ServerReflection"})
-
-
-class SecurityConfigError(ValueError):
-    """A TLS or token file is missing, empty or unreadable (raised at start-up, naming the setting)."""
-
-
-def _read(path: Path | str, setting: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise SecurityConfigError(f"{setting}: cannot read {path}: {error.strerror}") from error
-    if not data.strip():
-        raise SecurityConfigError(f"{setting}: {path} is empty")
-    return data
 
 
 def read_tokens(path: Path | str, setting: str) -> tuple[bytes, ...]:
@@ -50,7 +36,7 @@ def read_tokens(path: Path | str, setting: str) -> tuple[bytes, ...]:
     Raises:
         SecurityConfigError: unreadable, or no token in it.
     """
-    lines = (line.strip() for line in _read(path, setting).splitlines())
+    lines = (line.strip() for line in read_file(path, setting).splitlines())
     tokens = tuple(line for line in lines if line and not line.startswith(b"#"))
     if not tokens:
         raise SecurityConfigError(f"{setting}: {path} holds no token")
@@ -71,46 +57,12 @@ class ServerTLS:
         Raises:
             SecurityConfigError: a file is missing or empty.
         """
-        key_pair = (_read(self.key_file, "tls_key_file"), _read(self.cert_file, "tls_cert_file"))
+        key_pair = (read_file(self.key_file, "tls_key_file"), read_file(self.cert_file, "tls_cert_file"))
         if self.client_ca_file is None:
             return grpc.ssl_server_credentials([key_pair])
         return grpc.ssl_server_credentials(
-            [key_pair], root_certificates=_read(self.client_ca_file, "tls_client_ca_file"), require_client_auth=True
+            [key_pair], root_certificates=read_file(self.client_ca_file, "tls_client_ca_file"), require_client_auth=True
         )
-
-
-@dataclass(frozen=True)
-class ClientTLS:
-    """What a client needs for TLS: the CA that signed the server's certificate, and its own certificate and key
-    for mTLS (both or neither). ``server_name`` overrides the name checked against the certificate."""
-
-    ca_file: Path
-    cert_file: Path | None = None
-    key_file: Path | None = None
-    server_name: str | None = None
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        """gRPC channel credentials.
-
-        Raises:
-            SecurityConfigError: a file is missing or empty, or only one of cert/key is given.
-        """
-        if (self.cert_file is None) != (self.key_file is None):
-            raise SecurityConfigError("a client certificate needs both cert_file and key_file")
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca_file, "ca_file"),
-            private_key=None if self.key_file is None else _read(self.key_file, "key_file"),
-            certificate_chain=None if self.cert_file is None else _read(self.cert_file, "cert_file"),
-        )
-
-    def options(self) -> list[tuple[str, str]]:
-        """Channel options (the certificate name override, when set)."""
-        return [] if self.server_name is None else [("grpc.ssl_target_name_override", self.server_name)]
-
-
-def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """The ``authorization`` metadata for ``token`` (none for ``None``)."""
-    return ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

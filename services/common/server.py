@@ -63,14 +63,6 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-#: Client channels try to reconnect to a peer that is gone at most this often. gRPC's own default grows to 120 s,
-#: so a dependency that comes up after a long wait (an engine loading on a cold machine) or is restarted would
-#: stay unused for up to two minutes after it turned SERVING: calls fail fast while the channel backs off.
-RECONNECT_BACKOFF_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
 
 
 async def create_server(

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from services.experience.layout import EXPERIENCE_LAYOUT, FIRST_BATCH_ONLY, Kind
-from services.experience.types import Experience, ForwardOutputs
+from fastexp.layout import EXPERIENCE_LAYOUT, FIRST_BATCH_ONLY, Kind
+from fastexp.types import Experience, ForwardOutputs
 
 
 def pad_actions(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -14,6 +14,9 @@ import grpc
 import stamina
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fastexp.channels import channel_options
+from fastexp.security import ClientTLS, bearer_metadata
+from fastexp.tensor_codec import to_numpy, to_torch
 from fastexp.v1 import generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
 from services.common.errors import (
@@ -28,9 +31,6 @@ from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.logs import outbound_metadata
 from services.common.media import EncodedMedia
 from services.common.media_wire import media_to_pb
-from services.common.security import ClientTLS, bearer_metadata
-from services.common.server import RECONNECT_BACKOFF_OPTIONS, grpc_options
-from services.common.tensor_codec import to_numpy, to_torch
 from services.common.weights import ReceivedUpdate, entry_chunks
 from services.experience.events import Scores
 from services.experience.upstream import GeneratorInfo
@@ -71,7 +71,7 @@ def open_channel(
     Raises:
         services.common.security.SecurityConfigError: a TLS file is missing or empty.
     """
-    options = [*grpc_options(max_message_bytes), *RECONNECT_BACKOFF_OPTIONS, ("grpc.lb_policy_name", "round_robin")]
+    options = [*channel_options(max_message_bytes), ("grpc.lb_policy_name", "round_robin")]
     interceptors = [kind(token) for kind in (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary)] if token else None
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)

@@ -12,9 +12,10 @@ from typing import NamedTuple
 
 import torch
 
+from fastexp.layout import EXPERIENCE_LAYOUT
+from fastexp.types import Experience, ForwardOutputs, Rollout
 from services.experience.advantages import TokenInputs
 from services.experience.kl import compute_approx_kl
-from services.experience.layout import EXPERIENCE_LAYOUT
 from services.experience.processing import (
     clip_with_fraction,
     overlong_penalty,
@@ -25,7 +26,6 @@ from services.experience.processing import (
 from services.experience.request import ExperienceConfig
 from services.experience.rewards import compute_reward
 from services.experience.runs import RunningMoments, RunState
-from services.experience.types import Experience, ForwardOutputs, Rollout
 
 
 def estimate_experience(

@@ -16,11 +16,11 @@ from typing import Protocol
 
 import torch
 
+from fastexp.types import ForwardOutputs
 from services.common.deadlines import Deadline
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.media import EncodedMedia
 from services.common.weights import ReceivedUpdate
-from services.experience.types import ForwardOutputs
 
 
 @dataclass(frozen=True)

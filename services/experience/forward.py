@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.experience.types import Rollout
+from fastexp.types import Rollout
 from services.experience.vision import VisionInputs
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastexp.types import ForwardOutputs, Rollout
 from services.common import metrics
 from services.common.weights import TensorEntry, copy_into
 from services.experience.batching import concat_forward, split_forward
@@ -24,7 +25,6 @@ from services.experience.forward import chunks
 from services.experience.logprobs import LogProbModel
 from services.experience.request import ExperienceConfig, ExperienceRequest
 from services.experience.sequences import build_rollout
-from services.experience.types import ForwardOutputs, Rollout
 from services.experience.value_model import ValueModel
 
 logger = logging.getLogger(__name__)

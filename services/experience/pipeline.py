@@ -26,6 +26,8 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from fastexp.packing import pack_experience
+from fastexp.types import Experience
 from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FastexpError, StreamFailed
@@ -46,12 +48,10 @@ from services.experience.events import (
     StreamStats,
 )
 from services.experience.forwarder import Forwarder, ForwardModels
-from services.experience.packing import pack_experience
 from services.experience.policy import PolicyState
 from services.experience.producer import Producer, ProducerRun
 from services.experience.request import ExperienceConfig, ExperienceRequest
 from services.experience.runs import KLController, RunningMoments, RunState, RunStore
-from services.experience.types import Experience
 from services.experience.weight_sync import WeightSync
 
 __all__ = ["ExperienceMaker", "ForwardModels", "Generator", "Scorer", "Scores", "StreamStats"]

@@ -10,11 +10,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from fastexp.sampling import SamplingOptions
 from fastexp.v1 import experience_pb2
 from services.common.errors import InvalidRequest
 from services.common.media import EncodedMedia, MediaLimits, decode_media
 from services.common.media_wire import media_from_pb
-from services.common.sampling import RequestLimits, SamplingOptions, validate_batch
+from services.common.sampling import RequestLimits, validate_batch
 from services.experience.advantages import ALIASES, ESTIMATORS, AdvantageEstimator, get_estimator
 from services.experience.kl import KL_ESTIMATORS
 from services.experience.vision import PromptVision, VisionProcessor

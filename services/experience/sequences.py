@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from fastexp.types import Rollout
 from services.common.generation import CompletionRecord
 from services.experience.request import PromptSpec
-from services.experience.types import Rollout
 from services.experience.vision import VisionTokens, repair_placeholders, stack_rows
 
 

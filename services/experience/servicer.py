@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
+from fastexp.wire import experience_to_pb
 from services.common.deadlines import Deadline
 from services.common.errors import Overloaded
 from services.common.logs import bind_request_id, current_request_id
@@ -24,13 +25,12 @@ from services.experience.pipeline import ExperienceMaker
 from services.experience.request import InvalidPrompts, decode_request
 from services.experience.upstream import GeneratorInfo
 from services.experience.vision import VisionProcessor
-from services.experience.wire import experience_to_pb
 
 #: Trailing metadata of a failed stream: the prompt indices not delivered, comma-separated (SDK:
-#: :func:`services.experience.sdk.undelivered_prompt_indices`).
+#: :func:`fastexp.undelivered_prompt_indices`).
 UNDELIVERED_KEY = "fastexp-undelivered-prompt-indices"
 #: Trailing metadata of an INVALID_ARGUMENT answer caused by prompts: every invalid prompt index,
-#: comma-separated (SDK: :func:`services.experience.sdk.invalid_prompt_indices`).
+#: comma-separated (SDK: :func:`fastexp.invalid_prompt_indices`).
 INVALID_PROMPTS_KEY = "fastexp-invalid-prompt-indices"
 
 

@@ -8,8 +8,9 @@ from typing import ClassVar, Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from fastexp.security import ClientTLS
 from services.common.models import SMOLLM2_ALIAS
-from services.common.security import ClientTLS, read_tokens
+from services.common.security import read_tokens
 from services.common.settings import GenerationLimits
 from services.experience.upstream import ProbeSettings
 

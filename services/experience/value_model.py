@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fastexp.critic import save_value_model
 from services.experience.forward import ForwardChunk
 from services.experience.logprobs import DTYPES
 
@@ -117,28 +118,6 @@ class ValueModel:
             ).last_hidden_state[:, chunk.hidden_index.to(device)]
             out.append(chunk.to_rows(self._value_head(hidden.float()).squeeze(-1).cpu()))
         return torch.cat(out)
-
-
-def save_value_model(backbone: Any, value_head: torch.nn.Linear, path: str | Path, tokenizer: Any = None) -> Path:
-    """Write a critic checkpoint that :meth:`ValueModel.load` reads.
-
-    Args:
-        backbone: an HF ``PreTrainedModel`` without LM head (``AutoModel``), or a causal LM whose backbone is used.
-        value_head: ``Linear(H, 1)``; saved as ``value_head.weight`` (1, H) [and ``value_head.bias``].
-        tokenizer: saved alongside when given.
-    """
-    from safetensors.torch import save_file
-
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    base = getattr(backbone, backbone.base_model_prefix, backbone) if hasattr(backbone, "lm_head") else backbone
-    state = {f"{base.base_model_prefix}.{k}": v.detach().contiguous() for k, v in base.state_dict().items()}
-    state.update({f"value_head.{k}": v.detach().float().contiguous() for k, v in value_head.state_dict().items()})
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    base.config.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    return folder
 
 
 def init_critic(model_path: str, out: str | Path, dtype: str = "bfloat16") -> Path:

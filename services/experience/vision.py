@@ -17,10 +17,11 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from fastexp.types import VisionInputs
 from services.common.media import DecodedMedia
 from services.common.models import is_vision_language
 
@@ -50,51 +51,6 @@ class PromptVision:
     @property
     def video_count(self) -> int:
         return self.video_grid_thw.shape[0]
-
-
-class VisionInputs(NamedTuple):
-    """The vision inputs of B rows, concatenated in row order (the ExperienceBatch fields of the same names).
-
-    Row i's images are ``image_grid_thw[sum(image_count[:i]) : sum(image_count[:i + 1])]`` and its patches the
-    matching ``prod(grid)`` rows of ``pixel_values``; likewise for videos.
-
-    Shape:
-        pixel_values: (N_i, D) float32 or None when no row has images; image_grid_thw: (I, 3) int64;
-        image_count: B ints; pixel_values_videos: (N_v, D) float32 or None; video_grid_thw: (V, 3) int64;
-        video_count: B ints.
-    """
-
-    pixel_values: torch.Tensor | None
-    image_grid_thw: torch.Tensor
-    image_count: tuple[int, ...]
-    pixel_values_videos: torch.Tensor | None
-    video_grid_thw: torch.Tensor
-    video_count: tuple[int, ...]
-
-    def select(self, rows: slice) -> VisionInputs:
-        """The inputs of ``rows`` (a contiguous slice of the B rows)."""
-        image_grid, image_patches = _slice_items(self.image_grid_thw, self.image_count, rows)
-        video_grid, video_patches = _slice_items(self.video_grid_thw, self.video_count, rows)
-        return VisionInputs(
-            pixel_values=None if self.pixel_values is None or image_patches.stop == image_patches.start
-            else self.pixel_values[image_patches],
-            image_grid_thw=image_grid,
-            image_count=self.image_count[rows],
-            pixel_values_videos=None if self.pixel_values_videos is None or video_patches.stop == video_patches.start
-            else self.pixel_values_videos[video_patches],
-            video_grid_thw=video_grid,
-            video_count=self.video_count[rows],
-        )
-
-
-def _slice_items(grid: torch.Tensor, counts: Sequence[int], rows: slice) -> tuple[torch.Tensor, slice]:
-    """Grid rows and patch-row range of the items belonging to ``rows``."""
-    start, stop, _ = rows.indices(len(counts))
-    first = sum(counts[:start])
-    last = first + sum(counts[start:stop])
-    patches = grid.prod(dim=1) if grid.numel() else torch.zeros(0, dtype=torch.int64)
-    begin = int(patches[:first].sum())
-    return grid[first:last], slice(begin, begin + int(patches[first:last].sum()))
 
 
 def _empty_grid() -> torch.Tensor:

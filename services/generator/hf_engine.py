@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastexp.sampling import SamplingOptions
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.models import is_vision_language
-from services.common.sampling import SamplingOptions
 from services.common.weights import TensorEntry, copy_into, update_entries
 from services.generator.engine import ModelDescription
 

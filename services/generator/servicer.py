@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from fastexp.tensor_codec import from_numpy
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common import metrics
 from services.common.errors import InvalidRequest, Overloaded
@@ -17,7 +18,6 @@ from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.media import decode_media
 from services.common.media_wire import media_from_pb
 from services.common.sampling import validate_batch
-from services.common.tensor_codec import from_numpy
 from services.common.weights import check_update, model_spec, staged_update
 from services.generator.engine import GenerationEngine
 from services.generator.settings import GeneratorSettings

@@ -6,11 +6,11 @@ import logging
 
 import grpc
 
+from fastexp.tensor_codec import from_numpy
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
 from services.common.media_wire import media_from_pb
-from services.common.tensor_codec import from_numpy
 from services.scorer.composition import RewardComposer
 from services.scorer.scorer import make_items
 from services.scorer.settings import ScorerSettings

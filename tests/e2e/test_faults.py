@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 
+from fastexp import ExperienceClient, Sampling, undelivered_prompt_indices
 from fastexp.launcher import LocalCluster
-from services.experience.sdk import ExperienceClient, Sampling, undelivered_prompt_indices
 
 pytestmark = [pytest.mark.smollm2]
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from fastexp.launcher import LocalCluster
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc, tensor_pb2
-from services.experience.wire import experience_from_pb
+from fastexp.wire import experience_from_pb
 
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 MAX_MESSAGE_BYTES = 1024 * 1024

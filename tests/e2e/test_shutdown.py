@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 
+from fastexp import ExperienceClient, Sampling
 from fastexp.launcher import LocalCluster
-from services.experience.sdk import ExperienceClient, Sampling
 
 pytestmark = [pytest.mark.smollm2]
 

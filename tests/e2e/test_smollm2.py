@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from fastexp import ExperienceClient, Sampling
 from fastexp.datasets import reasoning_gym_problems
 from fastexp.launcher import LocalCluster
-from services.experience.sdk import ExperienceClient, Sampling
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm2]
 

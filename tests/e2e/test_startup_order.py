@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
+from fastexp import ExperienceClient, Sampling
 from fastexp.launcher import LocalCluster, health_status
-from services.experience.sdk import ExperienceClient, Sampling
 
 pytestmark = [pytest.mark.smollm2]
 

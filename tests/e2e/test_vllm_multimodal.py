@@ -11,8 +11,8 @@ import grpc
 import httpx
 import pytest
 
+from fastexp import ExperienceClient, Sampling, invalid_prompt_indices
 from fastexp.launcher import LocalCluster, free_port
-from services.experience.sdk import ExperienceClient, Sampling, invalid_prompt_indices
 from tests.support.vlm import sample_photos, video_frames
 
 pytestmark = pytest.mark.vllm

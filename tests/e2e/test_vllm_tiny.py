@@ -13,9 +13,9 @@ import httpx
 import pytest
 import torch
 
+from fastexp import ExperienceClient, Sampling, build_request
 from fastexp.launcher import LocalCluster, free_port
 from fastexp.v1 import experience_pb2_grpc
-from services.experience.sdk import ExperienceClient, Sampling, build_request
 
 pytestmark = pytest.mark.vllm
 
@@ -180,9 +180,9 @@ def test_weight_update_inside_the_running_vllm_engine(cluster, tiny_model_path):
     engine restart; sampled log-probs then follow a forward pass of the new weights, tagged with version 1."""
     from transformers import AutoModelForCausalLM
 
+    from fastexp import update_generator_weights
+    from fastexp.tensor_codec import to_numpy
     from fastexp.v1 import generation_pb2, generation_pb2_grpc
-    from services.common.tensor_codec import to_numpy
-    from services.experience.sdk import update_generator_weights
 
     original = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     updated = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()

@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 import torch
 
+from fastexp.critic import save_value_model
+from fastexp.packing import pack_experience, unpack_experience
+from fastexp.types import Experience
 from services.common.generation import CompletionRecord
 from services.experience.forward import chunks
 from services.experience.logprobs import LogProbModel
-from services.experience.packing import pack_experience, unpack_experience
 from services.experience.request import PromptSpec
 from services.experience.sequences import build_rollout
-from services.experience.types import Experience
-from services.experience.value_model import ValueModel, init_critic, save_value_model
+from services.experience.value_model import ValueModel, init_critic
 
 PAD = 2
 

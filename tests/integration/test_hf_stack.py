@@ -11,17 +11,17 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fastexp import Sampling, build_request, save_value_model, unpack_experience
+from fastexp.tensor_codec import to_numpy
+from fastexp.types import ForwardOutputs, Rollout
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
-from services.common.tensor_codec import to_numpy
+from fastexp.wire import experience_from_pb
 from services.experience.advantages import ESTIMATORS, get_estimator
 from services.experience.estimate import estimate_experience
 from services.experience.request import AdvantageOptions, ExperienceConfig, KLOptions, RewardOptions
 from services.experience.runs import KLController, RunningMoments, RunState
-from services.experience.sdk import Sampling, build_request, save_value_model, unpack_experience
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
-from services.experience.types import ForwardOutputs, Rollout
-from services.experience.wire import experience_from_pb
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings
@@ -244,7 +244,7 @@ async def test_scorer_api_directly(stack):
 
 async def test_a_critic_update_is_live_for_the_next_batch_and_leaves_the_policy_alone(stack):
     """Runs last here: it replaces the critic. A value head of zeros plus a bias makes every value that bias."""
-    from services.common.weights import weight_chunks
+    from fastexp.weights import weight_chunks
 
     hidden = 64
     tensors = [("value_head.weight", torch.zeros(1, hidden)), ("value_head.bias", torch.tensor([0.5]))]
@@ -263,7 +263,7 @@ async def test_a_critic_update_is_live_for_the_next_batch_and_leaves_the_policy_
 
 
 async def test_images_for_a_text_only_policy_are_refused_naming_the_prompt(stack):
-    from services.experience.sdk import invalid_prompt_indices
+    from fastexp import invalid_prompt_indices
     from tests.support.vlm import sample_photos
 
     photo = sample_photos()["grace_hopper.jpg"]

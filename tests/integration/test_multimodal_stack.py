@@ -15,14 +15,14 @@ import torch
 from fastapi import FastAPI
 from PIL import Image
 
+from fastexp import Sampling, build_request, invalid_prompt_indices
 from fastexp.v1 import experience_pb2_grpc
+from fastexp.wire import experience_from_pb
 from services.common.media import MediaLimits, decode_media
 from services.common.media_wire import media_from_pb
-from services.experience.sdk import Sampling, build_request, invalid_prompt_indices
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
 from services.experience.vision import VisionProcessor
-from services.experience.wire import experience_from_pb
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings

@@ -9,9 +9,9 @@ import grpc
 import pytest
 import torch
 
+from fastexp.sampling import SamplingOptions
 from services.common.deadlines import Deadline
 from services.common.errors import NotReady, StreamFailed
-from services.common.sampling import SamplingOptions
 from services.common.status import status_of
 from services.experience.advantages import get_estimator
 from services.experience.logprobs import LogProbModel

@@ -14,11 +14,11 @@ import grpc
 import pytest
 import torch
 
+from fastexp import Sampling, build_request
 from fastexp.v1 import experience_pb2_grpc
-from services.experience.sdk import Sampling, build_request
+from fastexp.wire import experience_from_pb
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
-from services.experience.wire import experience_from_pb
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings

@@ -6,10 +6,10 @@ import grpc
 import numpy as np
 import pytest
 
+from fastexp.tensor_codec import from_numpy
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest, NotReady
-from services.common.tensor_codec import from_numpy
 from services.experience.clients import ScorerClient, open_channel
 
 

@@ -13,9 +13,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
+from fastexp import ExperienceClient, Sampling, build_request, update_generator_weights
+from fastexp.security import ClientTLS, SecurityConfigError
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc
-from services.common.security import ClientTLS, SecurityConfigError
-from services.experience.sdk import ExperienceClient, Sampling, build_request, update_generator_weights
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
 from services.generator.hf_engine import HFEngine

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 import torch
 
+from fastexp.sampling import SamplingOptions
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
-from services.common.sampling import SamplingOptions
 from services.common.weights import ReceivedUpdate, WeightStager
 from services.experience.advantages import get_estimator
 from services.experience.events import Done, RoundStarted, ScoredGroup

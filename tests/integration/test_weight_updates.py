@@ -9,9 +9,9 @@ import grpc
 import pytest
 import torch
 
+from fastexp import update_generator_weights, weight_chunks
+from fastexp.tensor_codec import to_numpy
 from fastexp.v1 import generation_pb2, generation_pb2_grpc, tensor_pb2
-from services.common.tensor_codec import to_numpy
-from services.experience.sdk import update_generator_weights, weight_chunks
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings

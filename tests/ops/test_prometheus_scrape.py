@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
+from fastexp import ExperienceClient, Sampling
 from fastexp.datasets import reasoning_gym_problems
 from fastexp.launcher import SERVICES, LocalCluster, free_port
-from services.experience.sdk import ExperienceClient, Sampling
 
 pytestmark = [pytest.mark.smollm2]
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastexp.types import ForwardOutputs
 from services.common.generation import CompletionRecord
 from services.experience import batcher
 from services.experience.advantages import get_estimator
@@ -21,7 +22,6 @@ from services.experience.events import (
     Scores,
 )
 from services.experience.request import ExperienceConfig
-from services.experience.types import ForwardOutputs
 
 N = 2
 

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastexp.types import ForwardOutputs
 from services.common.generation import CompletionRecord
 from services.experience.advantages import get_estimator
 from services.experience.batching import concat_forward, split_experience, split_forward
@@ -14,7 +15,6 @@ from services.experience.estimate import estimate_experience
 from services.experience.request import AdvantageOptions, ExperienceConfig, PromptSpec
 from services.experience.runs import KLController, RunningMoments, RunState
 from services.experience.sequences import build_rollout
-from services.experience.types import ForwardOutputs
 
 settings.register_profile("fastexp", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("fastexp")

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from fastexp.types import ForwardOutputs, Rollout
 from services.experience.advantages import (
     TokenInputs,
     cpgd_advantages,
@@ -37,7 +38,6 @@ from services.experience.rewards import (
     last_action_index,
 )
 from services.experience.runs import KLController, RunningMoments, RunState, RunStore
-from services.experience.types import ForwardOutputs, Rollout
 
 MASK = torch.tensor([[True, True, False]])
 

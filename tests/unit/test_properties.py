@@ -6,6 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastexp.packing import pack_experience, unpack_experience
+from fastexp.types import ForwardOutputs, Rollout
 from services.experience.advantages import (
     ESTIMATORS,
     TokenInputs,
@@ -15,12 +17,10 @@ from services.experience.advantages import (
     leave_one_out,
 )
 from services.experience.estimate import estimate_experience
-from services.experience.packing import pack_experience, unpack_experience
 from services.experience.processing import whiten
 from services.experience.request import AdvantageOptions, ExperienceConfig, KLOptions, RewardOptions
 from services.experience.rewards import discounted_returns, discounted_reverse_cumsum_loop, gae, gae_loop
 from services.experience.runs import KLController, RunningMoments, RunState
-from services.experience.types import ForwardOutputs, Rollout
 
 settings.register_profile("fastexp", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("fastexp")

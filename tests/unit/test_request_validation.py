@@ -3,11 +3,11 @@
 import pytest
 from transformers import AutoTokenizer
 
+from fastexp import Sampling, build_request
 from fastexp.v1 import experience_pb2, generation_pb2
 from services.common.errors import InvalidRequest
 from services.common.sampling import RequestLimits
 from services.experience.request import decode_request
-from services.experience.sdk import Sampling, build_request
 
 LIMITS = RequestLimits(max_prompts_per_request=8, max_samples_per_prompt=16, max_new_tokens_limit=512,
                        default_max_new_tokens=32)

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
+from fastexp.tensor_codec import TensorDecodeError, from_numpy, from_torch, to_numpy, to_torch, write_torch
 from fastexp.v1 import tensor_pb2
-from services.common.tensor_codec import TensorDecodeError, from_numpy, from_torch, to_numpy, to_torch, write_torch
 
 
 @pytest.mark.parametrize(

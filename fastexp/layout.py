@@ -1,7 +1,7 @@
-"""The one table of :class:`~services.experience.types.Experience`'s fields: what each is indexed by, and its dtype.
+"""The one table of :class:`~fastexp.types.Experience`'s fields: what each is indexed by, and its dtype.
 
-Batching (:mod:`~services.experience.batching`), packing (:mod:`~services.experience.packing`), the wire codec
-(:mod:`~services.experience.wire`) and the estimate (:mod:`~services.experience.estimate`) read this table instead
+Batching (:mod:`~services.experience.batching`), packing (:mod:`~fastexp.packing`), the wire codec
+(:mod:`~fastexp.wire`) and the estimate (:mod:`~services.experience.estimate`) read this table instead
 of naming fields, so a new Experience field is one entry here (plus the field itself and its proto field of the
 same name). Importing this module checks that the table and the record list the same fields.
 
@@ -25,7 +25,7 @@ from types import MappingProxyType
 
 import torch
 
-from services.experience.types import Experience
+from fastexp.types import Experience
 
 
 class Kind(StrEnum):

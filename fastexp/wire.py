@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from fastexp.layout import EXPERIENCE_LAYOUT, Kind, fields_of
+from fastexp.tensor_codec import to_torch, write_torch
+from fastexp.types import Experience
 from fastexp.v1 import experience_pb2
-from services.common.tensor_codec import to_torch, write_torch
-from services.experience.layout import EXPERIENCE_LAYOUT, Kind, fields_of
-from services.experience.types import Experience
 from services.experience.vision import VisionInputs
 
-# Each Experience field travels in the ExperienceBatch field of the same name (services.experience.layout).
+# Each Experience field travels in the ExperienceBatch field of the same name (fastexp.layout).
 _TENSORS = tuple(name for name, layout in EXPERIENCE_LAYOUT.items() if layout.tensor and not layout.optional)
 _OPTIONAL_TENSORS = tuple(name for name, layout in EXPERIENCE_LAYOUT.items() if layout.tensor and layout.optional)
 _SCALARS = fields_of(Kind.SCALAR)
@@ -60,7 +60,7 @@ def experience_from_pb(message: experience_pb2.ExperienceBatch) -> Experience:
     """Decode an ExperienceBatch into CPU torch tensors.
 
     Raises:
-        services.common.tensor_codec.TensorDecodeError: a tensor is malformed.
+        fastexp.tensor_codec.TensorDecodeError: a tensor is malformed.
     """
     tensors: dict[str, torch.Tensor | None] = {name: to_torch(getattr(message, name)) for name in _TENSORS}
     for name in _OPTIONAL_TENSORS:

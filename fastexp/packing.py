@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from services.experience.layout import ACTION_FIELDS
-from services.experience.types import Experience
+from fastexp.layout import ACTION_FIELDS
+from fastexp.types import Experience
 
 
 def pack_experience(experience: Experience) -> Experience:

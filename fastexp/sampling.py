@@ -1,0 +1,49 @@
+"""Sampling options: the record a trainer fills in and the services validate (``fastexp.v1.SamplingParams``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastexp.v1 import generation_pb2
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling parameters for every sample of a request.
+
+    ``temperature == 0`` means greedy decoding; ``top_k == 0`` disables top-k. Sample ``j`` of a prompt uses
+    ``seed + j`` when ``seed`` is set (vLLM); the HF backend seeds the whole request once.
+    ``first_token_temperature`` (FIRE, Chen et al. 2024, arXiv 2410.21236): the first response token's softmax
+    temperature; ``None`` uses ``temperature`` for every token.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    first_token_temperature: float | None = None
+
+    def temperature_at(self, position: int) -> float:
+        """The temperature response token ``position`` (0-based) is sampled at."""
+        if position == 0 and self.first_token_temperature is not None:
+            return self.first_token_temperature
+        return self.temperature
+
+    def to_pb(self) -> generation_pb2.SamplingParams:
+        """The same options as a ``SamplingParams`` message (for forwarding to the generator)."""
+        message = generation_pb2.SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        if self.seed is not None:
+            message.seed = self.seed
+        if self.first_token_temperature is not None:
+            message.first_token_temperature = self.first_token_temperature
+        return message
