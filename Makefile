@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check pip==25.3
 	# torch first, alone: on CPU machines pip takes the local +cpu wheel, not the CUDA one from the registry.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[$(ENGINE_EXTRA),test]"
+	$(BIN)/pip install -q -e ".[server,$(ENGINE_EXTRA),test]"
 	# vLLM pulls torchaudio/torchcodec builds that break `import transformers`; fastexp needs neither.
 	$(BIN)/pip uninstall -q -y torchaudio torchcodec || true
 	# Qwen2-VL's processors need torchvision. PyPI has only its CUDA build, whose compiled ops cannot load on a

@@ -6,9 +6,8 @@ import torch
 
 from fastexp.layout import EXPERIENCE_LAYOUT, Kind, fields_of
 from fastexp.tensor_codec import to_torch, write_torch
-from fastexp.types import Experience
+from fastexp.types import Experience, VisionInputs
 from fastexp.v1 import experience_pb2
-from services.experience.vision import VisionInputs
 
 # Each Experience field travels in the ExperienceBatch field of the same name (fastexp.layout).
 _TENSORS = tuple(name for name, layout in EXPERIENCE_LAYOUT.items() if layout.tensor and not layout.optional)

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastexp.types import Rollout
-from services.experience.vision import VisionInputs
+from fastexp.types import Rollout, VisionInputs
 
 
 @dataclass(frozen=True)
