@@ -21,7 +21,7 @@ from fastexp.types import Rollout
 from services.common.generation import CompletionRecord
 from services.experience.forward import chunks
 from services.experience.logprobs import LogProbModel
-from services.experience.request import PromptSpec
+from services.experience.prompts import PromptSpec
 from services.experience.sequences import build_rollout
 
 

@@ -65,7 +65,7 @@ class ExperienceClient:
         ``token``: the bearer token the service's operator issued (an admin token for :meth:`update_weights`).
 
         Raises:
-            services.common.security.SecurityConfigError: a TLS file is missing or empty.
+            fastexp.security.SecurityConfigError: a TLS file is missing or empty.
         """
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),

@@ -13,7 +13,7 @@ Kinds (B rows, A padded response length, S padded sequence length):
 - ``metrics``: name -> (B,) float32 tensor (``reward_metrics``).
 - ``scalar``: one Python number for the whole batch.
 - ``batch``: a tuple for the whole batch (not per row), e.g. the prompt indices dropped since the last batch.
-- ``vision``: the rows' pixel patches and grids (:class:`~services.experience.vision.VisionInputs`).
+- ``vision``: the rows' pixel patches and grids (:class:`~fastexp.types.VisionInputs`).
 """
 
 from __future__ import annotations

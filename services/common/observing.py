@@ -5,30 +5,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from services.common.logs import bind_request_id, request_id_from_metadata
 from services.common.metrics import GRPC_HANDLED, GRPC_HANDLING_SECONDS
-from services.common.rpc import StreamBehavior, UnaryBehavior, method_parts, wrap_handler
+from services.common.rpc import StreamBehavior, UnaryBehavior, WrappingInterceptor, method_parts, wrap_handler
 
 
-class ObservingInterceptor(grpc.aio.ServerInterceptor):
+class ObservingInterceptor(WrappingInterceptor):
     """Counts every call by status code (``fastexp_grpc_server_handled_total``) and times it, and binds the
     caller's ``x-request-id`` to the call's logs. It is the outermost interceptor, so it sees the status the
     error-mapping interceptor chose; a client that cancels is counted as ``CANCELLED``."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        service, method = method_parts(handler_call_details)
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        service, method = method_parts(details)
         return wrap_handler(
             handler,
             unary=lambda behavior: _observed_unary(behavior, service, method),

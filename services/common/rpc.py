@@ -36,6 +36,22 @@ def wrap_handler(
     return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **codecs)
 
 
+class WrappingInterceptor(grpc.aio.ServerInterceptor):
+    """A server interceptor that rebuilds each call's handler with :meth:`wrap` (unknown methods pass through)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        return handler if handler is None else self.wrap(handler, handler_call_details)
+
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        """The handler the call runs instead of ``handler`` (often :func:`wrap_handler` around it)."""
+        raise NotImplementedError
+
+
 def method_parts(handler_call_details: grpc.HandlerCallDetails) -> tuple[str, str]:
     """``("fastexp.v1.ScoringService", "Score")`` of a call."""
     service, _, method = handler_call_details.method.lstrip("/").partition("/")

@@ -14,14 +14,14 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from fastexp.security import AUTHORIZATION_KEY, SecurityConfigError, read_file
-from services.common.rpc import method_parts, wrap_handler
+from services.common.rpc import WrappingInterceptor, method_parts, wrap_handler
 
 #: Methods that need the ``admin`` privilege (full method names' last part).
 ADMIN_METHODS = frozenset({"UpdateWeights"})
@@ -65,7 +65,7 @@ class ServerTLS:
         )
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(WrappingInterceptor):
     """Checks every call's bearer token (module docs). ``call_tokens`` may call anything but the admin methods;
     ``admin_tokens`` may call everything."""
 
@@ -73,16 +73,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._call_tokens = tuple(call_tokens)
         self._admin_tokens = tuple(admin_tokens)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        service, method = method_parts(handler_call_details)
-        if handler is None or service in OPEN_SERVICES:
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        service, method = method_parts(details)
+        if service in OPEN_SERVICES:
             return handler
-        token = _bearer_token(handler_call_details.invocation_metadata)
+        token = _bearer_token(details.invocation_metadata)
         if token is None:
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, f"{method} needs 'authorization: Bearer <token>'")
         admin = _known(token, self._admin_tokens)

@@ -12,7 +12,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -140,8 +140,25 @@ async def start_service(
     )
 
 
+class Closeable(Protocol):
+    async def close(self) -> None: ...
+
+
+R = TypeVar("R", bound=Closeable)
+
 #: Starts a service: its running server, and what to close once that server has stopped.
 Starter = Callable[[], Awaitable[tuple[RunningServer, Callable[[], Awaitable[None]]]]]
+
+
+def serving(build: Callable[[], R], start: Callable[[R], Awaitable[RunningServer]]) -> Starter:
+    """A :data:`Starter` from a resource's builder (an engine, reward sources) and the server start over it; the
+    resource's ``close()`` runs once the server has stopped."""
+
+    async def starter() -> tuple[RunningServer, Callable[[], Awaitable[None]]]:
+        resource = build()
+        return await start(resource), resource.close
+
+    return starter
 
 
 def run_service(start: Starter, grace_s: float) -> None:

@@ -9,6 +9,7 @@ every bad field at once (pydantic). Nothing here is read at import time.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self
 
@@ -131,18 +132,8 @@ class GenerationLimits(ServiceSettings):
 
     def media_limits(self) -> MediaLimits:
         """The multimodal limits as the plain record the media decoder takes."""
-        return MediaLimits(
-            max_images_per_prompt=self.max_images_per_prompt,
-            max_videos_per_prompt=self.max_videos_per_prompt,
-            max_video_frames=self.max_video_frames,
-            max_image_pixels=self.max_image_pixels,
-        )
+        return MediaLimits(**{field.name: getattr(self, field.name) for field in dataclasses.fields(MediaLimits)})
 
     def request_limits(self) -> RequestLimits:
         """These four limits as the plain record the request validators take."""
-        return RequestLimits(
-            max_prompts_per_request=self.max_prompts_per_request,
-            max_samples_per_prompt=self.max_samples_per_prompt,
-            max_new_tokens_limit=self.max_new_tokens_limit,
-            default_max_new_tokens=self.default_max_new_tokens,
-        )
+        return RequestLimits(**{field.name: getattr(self, field.name) for field in dataclasses.fields(RequestLimits)})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -24,7 +24,7 @@ from services.common.errors import (
     StreamFailed,
     UpstreamTimeout,
 )
-from services.common.rpc import StreamBehavior, UnaryBehavior, wrap_handler
+from services.common.rpc import StreamBehavior, UnaryBehavior, WrappingInterceptor, wrap_handler
 
 logger = logging.getLogger(__name__)
 
@@ -56,17 +56,10 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error (id {error_id})"
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+class ErrorMappingInterceptor(WrappingInterceptor):
     """Maps exceptions escaping any handler, of every arity, to statuses (module docs)."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
+    def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         return wrap_handler(handler, unary=_mapped_unary, stream=_mapped_stream)
 
 

@@ -8,7 +8,7 @@ INVALID_ARGUMENT -> InvalidRequest.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 import stamina
@@ -29,10 +29,9 @@ from services.common.errors import (
 )
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.logs import outbound_metadata
-from services.common.media import EncodedMedia
 from services.common.media_wire import media_to_pb
 from services.common.weights import ReceivedUpdate, entry_chunks
-from services.experience.events import Scores
+from services.experience.events import ScoreBatch, Scores
 from services.experience.upstream import GeneratorInfo
 
 SCORER_SERVICE = scoring_pb2.DESCRIPTOR.services_by_name["ScoringService"].full_name
@@ -199,17 +198,8 @@ class ScorerClient:
         self._timeout_s = timeout_s
         self._retry_wait_max_s = retry_wait_max_s
 
-    async def score(
-        self,
-        queries: Sequence[str],
-        prompts: Sequence[str],
-        labels: Sequence[str],
-        references: Sequence[str],
-        deadline: Deadline,
-        media: Sequence[EncodedMedia | None] = (),
-    ) -> Scores:
-        """Rewards and metrics for ``queries`` (``media``: each query's prompt images/videos, or empty);
-        UNAVAILABLE is retried within the budget (see the class).
+    async def score(self, batch: ScoreBatch, deadline: Deadline) -> Scores:
+        """Rewards and metrics for ``batch``'s queries; UNAVAILABLE is retried within the budget (see the class).
 
         Raises:
             NotReady: the scorer stayed unavailable for the whole budget.
@@ -217,8 +207,8 @@ class ScorerClient:
             UpstreamTimeout, InvalidRequest, Overloaded: from the scorer, not retried.
         """
         message = scoring_pb2.ScoreRequest(
-            queries=queries, prompts=prompts, labels=labels, references=references,
-            media=[media_to_pb(m) for m in media],
+            queries=batch.queries, prompts=batch.prompts, labels=batch.labels, references=batch.references,
+            media=[media_to_pb(m) for m in batch.media],
         )
         budget_s = deadline.timeout(self._timeout_s)
         retries = stamina.retry_context(
@@ -231,7 +221,7 @@ class ScorerClient:
         if failures:
             distinct = list(dict.fromkeys(failures))
             raise RewardFailed(
-                f"scorer: {len(failures)} of {len(queries)} responses have no reward: " + " | ".join(distinct[:3])
+                f"scorer: {len(failures)} of {len(batch.queries)} responses have no reward: " + " | ".join(distinct[:3])
             )
         return Scores(
             rewards=to_torch(response.rewards),

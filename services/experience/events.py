@@ -10,7 +10,7 @@ batches. Every event is immutable; only the consumer counts them into :class:`St
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,18 +41,22 @@ class Generator(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ScoreBatch:
+    """What the scorer is asked for one prompt group (OpenRLHF's reward columns): each ``query`` is its
+    ``prompt`` + the response; ``media`` (empty, or one per query) the prompt's images/videos."""
+
+    queries: tuple[str, ...]
+    prompts: tuple[str, ...]
+    labels: tuple[str, ...]
+    references: tuple[str, ...]
+    media: tuple[EncodedMedia | None, ...] = ()
+
+
 class Scorer(Protocol):
     """Where rewards come from (the scorer service, through ``ScorerClient``)."""
 
-    async def score(
-        self,
-        queries: Sequence[str],
-        prompts: Sequence[str],
-        labels: Sequence[str],
-        references: Sequence[str],
-        deadline: Deadline,
-        media: Sequence[EncodedMedia | None] = (),
-    ) -> Scores: ...
+    async def score(self, batch: ScoreBatch, deadline: Deadline) -> Scores: ...
 
 
 @dataclass

@@ -35,6 +35,7 @@ from services.experience.events import (
     Generator,
     GroupsResampled,
     RoundStarted,
+    ScoreBatch,
     ScoredGroup,
     Scorer,
 )
@@ -217,14 +218,13 @@ class Producer:
         spec = request.prompts[prompt_index]
         try:
             with metrics.stage_timer("score"):
-                scores = await self._scorer.score(
-                    queries=[spec.text + c.text for c in completions],
-                    prompts=[spec.text] * len(completions),
-                    labels=[spec.label] * len(completions),
-                    references=[spec.reference] * len(completions),
-                    deadline=run.deadline,
-                    media=[spec.media] * len(completions) if spec.media is not None else (),
+                n = len(completions)
+                batch = ScoreBatch(
+                    queries=tuple(spec.text + c.text for c in completions), prompts=(spec.text,) * n,
+                    labels=(spec.label,) * n, references=(spec.reference,) * n,
+                    media=(spec.media,) * n if spec.media is not None else (),
                 )
+                scores = await self._scorer.score(batch, run.deadline)
         except RewardFailed as error:
             raise RewardFailed(f"prompt {prompt_index}: {error}") from error
         config = request.config

@@ -8,7 +8,7 @@ import torch
 
 from fastexp.types import Rollout
 from services.common.generation import CompletionRecord
-from services.experience.request import PromptSpec
+from services.experience.prompts import PromptSpec
 from services.experience.vision import VisionTokens, repair_placeholders, stack_rows
 
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -17,7 +18,6 @@ from services.experience.clients import GeneratorClient, ScorerClient, open_chan
 from services.experience.forwarder import ForwardModels
 from services.experience.logprobs import LogProbModel
 from services.experience.pipeline import ExperienceMaker
-from services.experience.policy import PolicyState
 from services.experience.runs import RunStore
 from services.experience.servicer import ExperienceServicer
 from services.experience.settings import ExperienceSettings
@@ -54,6 +54,61 @@ class ExperienceService:
             await channel.close()
 
 
+@dataclass(frozen=True)
+class _Policy:
+    """What the experience service runs itself: the models, the policy's tokenizer and vision processor."""
+
+    models: ForwardModels
+    path: str  # the actor replica's folder
+    tokenizer: Any
+    vision: VisionProcessor | None  # None for a text-only policy
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+
+
+def _load_policy(settings: ExperienceSettings) -> _Policy:
+    """Load the actor replica, the reference, the critic (when set) and the policy's tokenizer/processor."""
+    from transformers import AutoTokenizer
+
+    actor_path = resolve_model(settings.actor_model)
+    actor = LogProbModel.load(actor_path, dtype=settings.dtype, device=settings.device)
+    reference = LogProbModel.load(resolve_model(settings.reference_model), dtype=settings.dtype, device=settings.device)
+    critic = None
+    if settings.critic_model:
+        critic = ValueModel.load(resolve_model(settings.critic_model), dtype=settings.dtype, device=settings.device)
+    models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, settings.forward_share_prompt)
+    vision = VisionProcessor.load(actor_path)
+    tokenizer = vision.tokenizer if vision is not None else AutoTokenizer.from_pretrained(actor_path)
+    return _Policy(models, actor_path, tokenizer, vision)
+
+
+def _on_generator_reached(maker: ExperienceMaker, policy: _Policy, address: str):
+    """What the service does each time the generator answers after being unreachable (the monitor's callback)."""
+
+    def reached(info: GeneratorInfo, first: bool) -> None:
+        if first:
+            # no stream or update can have run yet (both need the generator): its version is the live one
+            maker.adopt_policy_version(info.policy_version)
+            if info.policy_version:
+                logger.warning(
+                    "the generator serves policy version %d, but the actor replica was loaded from %s: "
+                    "action_log_probs follow the loaded weights until the next policy update through this service",
+                    info.policy_version, policy.path,
+                )
+            if policy.vision is not None and not info.multimodal:
+                logger.warning("the policy %s is vision-language but the generator does not accept images", policy.path)
+        elif info.policy_version != maker.policy.version:
+            logger.warning(
+                "the generator at %s is back at policy version %d while version %d is live here (it restarted): "
+                "its samples carry their own version; send the current weights again with UpdateWeights",
+                address, info.policy_version, maker.policy.version,
+            )
+
+    return reached
+
+
 async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     """Load the actor, reference (and critic), serve, and watch the generator and scorer.
 
@@ -62,7 +117,6 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     :mod:`services.experience.upstream`. ``await service.wait_ready()`` waits for that.
     """
     import torch
-    from transformers import AutoTokenizer
 
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
@@ -71,54 +125,24 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     scorer_channel = open_channel(settings.scorer_address, settings.max_message_bytes, tls, token)
     generator = GeneratorClient(generator_channel, settings.generate_timeout_s, settings.update_weights_timeout_s)
     scorer = ScorerClient(scorer_channel, settings.score_timeout_s)
-    actor_path = resolve_model(settings.actor_model)
-    reference_path = resolve_model(settings.reference_model)
-    actor = LogProbModel.load(actor_path, dtype=settings.dtype, device=settings.device)
-    reference = LogProbModel.load(reference_path, dtype=settings.dtype, device=settings.device)
-    critic = None
-    if settings.critic_model:
-        critic = ValueModel.load(resolve_model(settings.critic_model), dtype=settings.dtype, device=settings.device)
-    models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, settings.forward_share_prompt)
-    vision = VisionProcessor.load(actor_path)  # None for a text-only policy
-    tokenizer = vision.tokenizer if vision is not None else AutoTokenizer.from_pretrained(actor_path)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    policy = PolicyState()
+    policy = _load_policy(settings)
     maker = ExperienceMaker(
-        generator, scorer, models, pad_token_id=pad, runs=RunStore(settings.max_runs),
-        policy=policy, max_groups_ahead=settings.max_groups_ahead,
+        generator, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=RunStore(settings.max_runs),
+        max_groups_ahead=settings.max_groups_ahead,
     )
-
-    def generator_reached(info: GeneratorInfo, first: bool) -> None:
-        if first:
-            # no stream or update can have run yet (both need the generator): its version is the live one
-            maker.adopt_policy_version(info.policy_version)
-            if info.policy_version:
-                logger.warning(
-                    "the generator serves policy version %d, but the actor replica was loaded from %s: "
-                    "action_log_probs follow the loaded weights until the next policy update through this service",
-                    info.policy_version, actor_path,
-                )
-            if vision is not None and not info.multimodal:
-                logger.warning("the policy %s is vision-language but the generator does not accept images", actor_path)
-        elif info.policy_version != policy.version:
-            logger.warning(
-                "the generator at %s is back at policy version %d while version %d is live here (it restarted): "
-                "its samples carry their own version; send the current weights again with UpdateWeights",
-                settings.generator_address, info.policy_version, policy.version,
-            )
-
     upstream = UpstreamMonitor(
         generator, scorer, generator_address=settings.generator_address, scorer_address=settings.scorer_address,
-        on_generator_info=generator_reached, settings=settings.probe_settings(),
+        on_generator_info=_on_generator_reached(maker, policy, settings.generator_address),
+        settings=settings.probe_settings(),
     )
     servicer = ExperienceServicer(
-        maker, tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,
-        settings.max_concurrent_streams, vision=vision, media_limits=settings.media_limits(),
+        maker, policy.tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,
+        settings.max_concurrent_streams, vision=policy.vision, media_limits=settings.media_limits(),
     )
     running = await start_service(
         settings, SERVICE_NAME, lambda server: experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server)
     )
-    metrics.POLICY_VERSION.labels("experience").set_function(lambda: policy.version)
+    metrics.POLICY_VERSION.labels("experience").set_function(lambda: maker.policy.version)
     for queue in ("scored", "forwarded"):
         metrics.QUEUE_DEPTH.labels(queue).set_function(lambda queue=queue: maker.queue_depth(queue))
     watcher = asyncio.create_task(upstream.run(running.set_serving), name="upstream-monitor")

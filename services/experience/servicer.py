@@ -22,7 +22,8 @@ from services.common.sampling import RequestLimits
 from services.common.weights import staged_update
 from services.experience.events import StreamStats
 from services.experience.pipeline import ExperienceMaker
-from services.experience.request import InvalidPrompts, decode_request
+from services.experience.prompts import InvalidPrompts
+from services.experience.request import decode_request
 from services.experience.upstream import GeneratorInfo
 from services.experience.vision import VisionProcessor
 

@@ -25,12 +25,14 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from services.common import metrics
 from services.common.errors import FastexpError, NotReady
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 WAITING_LOG_INTERVAL_S = 30.0  # while not ready, what it waits for is logged this often
 
@@ -193,30 +195,28 @@ class UpstreamMonitor:
         """One round of probes; True when the generator answers and the scorer has answered once."""
         timeout = self._settings.timeout_s
         was_up = self._generator_up
-        try:
-            info = await self._generator.model_info(timeout)
-        except FastexpError as error:
-            self._generator_up = False
-            self._problems["generator"] = str(error)
-            metrics.DEPENDENCY_UP.labels("generator").set(0)
-        else:
-            metrics.DEPENDENCY_UP.labels("generator").set(1)
-            self._generator_up = True
-            self._problems["generator"] = ""
+        info = await self._call("generator", self._generator.model_info(timeout))
+        self._generator_up = info is not None
+        if info is not None:
             if not was_up and self._on_generator_info is not None:
                 self._on_generator_info(info, self._info is None)
             self._info = info
         if not self._scorer_reached:
-            try:
-                await self._scorer.check_serving(timeout)
-            except FastexpError as error:
-                self._problems["scorer"] = str(error)
-                metrics.DEPENDENCY_UP.labels("scorer").set(0)
-            else:
-                metrics.DEPENDENCY_UP.labels("scorer").set(1)
-                self._scorer_reached = True
-                self._problems["scorer"] = ""
+            self._scorer_reached = await self._call("scorer", self._scorer.check_serving(timeout)) is not None
         return self._generator_up and self._scorer_reached
+
+    async def _call(self, name: str, probe: Awaitable[T]) -> T | None:
+        """Run one probe of dependency ``name``: its answer (``True`` for one without an answer), or ``None``
+        when it failed, its error kept for :meth:`waiting_for` and the ``fastexp_dependency_up`` gauge set."""
+        try:
+            answer = await probe
+        except FastexpError as error:
+            self._problems[name] = str(error)
+            metrics.DEPENDENCY_UP.labels(name).set(0)
+            return None
+        self._problems[name] = ""
+        metrics.DEPENDENCY_UP.labels(name).set(1)
+        return True if answer is None else answer
 
     async def _set_ready(self, ready: bool) -> None:
         if ready == self.ready:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from services.common.generation import CompletionRecord, GenerationRequest
 
@@ -25,6 +25,22 @@ class ModelDescription:
     eos_token_id: int
     pad_token_id: int
     multimodal: bool = False  # accepts images/videos (a vision-language model with its processor)
+
+
+class TokenizerEngine:
+    """What both backends share: the policy version counter and tokenizing with the model's tokenizer (no
+    special tokens). Subclasses set ``_tokenizer`` and ``_policy_version``."""
+
+    _tokenizer: Any
+    _policy_version: int
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights in use: 0 at start, +1 per weight update."""
+        return self._policy_version
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
 class GenerationEngine(Protocol):

@@ -9,17 +9,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from fastexp.sampling import SamplingOptions
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.models import is_vision_language
 from services.common.weights import TensorEntry, copy_into, update_entries
-from services.generator.engine import ModelDescription
+from services.generator.engine import ModelDescription, TokenizerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +79,7 @@ class _AbortCriteria:
         return torch.full((input_ids.shape[0],), self._event.is_set(), dtype=torch.bool)
 
 
-class HFEngine:
+class HFEngine(TokenizerEngine):
     """A :class:`~services.generator.engine.GenerationEngine` on transformers' ``generate``."""
 
     def __init__(
@@ -110,13 +116,6 @@ class HFEngine:
         )
         return cls(network, tokenizer, description, max_batch_size, processor)
 
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
-
     async def generate(self, request: GenerationRequest) -> AsyncIterator[CompletionRecord]:
         jobs = [(p, s) for p in range(len(request.prompts)) for s in range(request.n_samples_per_prompt)]
         abort = threading.Event()
@@ -132,13 +131,7 @@ class HFEngine:
     def _generate_chunk(
         self, request: GenerationRequest, chunk: list[tuple[int, int]], abort: threading.Event, first: bool
     ) -> list[CompletionRecord]:
-        from transformers import LogitsProcessorList, StoppingCriteriaList
-        from transformers.generation.logits_process import (
-            MinNewTokensLengthLogitsProcessor,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
+        """Sample one chunk's rows (``(prompt_index, sample_index)`` pairs) with one ``generate`` call."""
         options = request.sampling
         prompts = [request.prompts[p] for p, _ in chunk]
         vision: dict[str, torch.Tensor] = {}
@@ -146,8 +139,7 @@ class HFEngine:
             with self._lock:  # the processor pads with the shared (Rust) tokenizer: one thread at a time
                 prompts, vision = self._process_media(request, chunk)
         width = max(len(p) for p in prompts)
-        pad = self.description.pad_token_id
-        eos = self.description.eos_token_id
+        pad, eos = self.description.pad_token_id, self.description.eos_token_id
         input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         if vision:
@@ -156,20 +148,7 @@ class HFEngine:
             types[input_ids == config.image_token_id] = 1
             types[input_ids == config.video_token_id] = 2
             vision["mm_token_type_ids"] = types
-        # The recorder must see raw logits, so generate()'s own warpers are switched off (temperature 1,
-        # top_k 0, top_p 1) and ours run after the recorder, in the order generate() would use.
         recorder = _RawLogProbRecorder()
-        processors: list[Any] = [recorder]
-        if options.min_new_tokens:
-            processors.append(
-                MinNewTokensLengthLogitsProcessor(width, options.min_new_tokens, eos, device=str(self._model.device))
-            )
-        if options.temperature > 0:
-            processors.append(_TemperatureSchedule(width, options))
-            if options.top_k:
-                processors.append(TopKLogitsWarper(options.top_k))
-            if options.top_p < 1.0:
-                processors.append(TopPLogitsWarper(options.top_p))
         with self._lock:
             if options.seed is not None and first:
                 torch.manual_seed(options.seed)
@@ -185,32 +164,49 @@ class HFEngine:
                     top_p=1.0,
                     eos_token_id=eos,
                     pad_token_id=pad,
-                    logits_processor=LogitsProcessorList(processors),
+                    logits_processor=self._logits_processors(recorder, width, options),
                     stopping_criteria=StoppingCriteriaList([_AbortCriteria(abort)]),
                     **{k: v.to(self._model.device) for k, v in vision.items()},
                 )
-        new_tokens = output[:, width:].cpu()
         log_probs = recorder.finish(output[:, -1]).cpu().numpy()
-        records = []
-        for row, (prompt_index, sample_index) in enumerate(chunk):
-            tokens = new_tokens[row].tolist()
-            finish = "abort" if abort.is_set() else "length"
-            if eos in tokens:
-                tokens = tokens[: tokens.index(eos) + 1]
-                finish = "stop"
-            records.append(
-                CompletionRecord(
-                    prompt_index=prompt_index,
-                    sample_index=sample_index,
-                    prompt_token_ids=tuple(prompts[row]),
-                    output_token_ids=tuple(tokens),
-                    output_log_probs=np.ascontiguousarray(log_probs[row, : len(tokens)], dtype=np.float32),
-                    finish_reason=finish,
-                    text=self._tokenizer.decode(tokens, skip_special_tokens=options.skip_special_tokens),
-                    policy_version=version,
-                )
-            )
-        return records
+        rows = zip(chunk, prompts, output[:, width:].cpu().tolist(), log_probs, strict=True)
+        return [self._record(p, s, prompt, tokens, lp, abort, version, options) for (p, s), prompt, tokens, lp in rows]
+
+    def _logits_processors(self, recorder: _RawLogProbRecorder, width: int, options: SamplingOptions):
+        """The recorder must see raw logits, so generate()'s own warpers are switched off (temperature 1, top_k 0,
+        top_p 1) and ours run after the recorder, in the order generate() would use."""
+        processors: list[Any] = [recorder]
+        if options.min_new_tokens:
+            eos, device = self.description.eos_token_id, str(self._model.device)
+            processors.append(MinNewTokensLengthLogitsProcessor(width, options.min_new_tokens, eos, device=device))
+        if options.temperature > 0:
+            processors.append(_TemperatureSchedule(width, options))
+            if options.top_k:
+                processors.append(TopKLogitsWarper(options.top_k))
+            if options.top_p < 1.0:
+                processors.append(TopPLogitsWarper(options.top_p))
+        return LogitsProcessorList(processors)
+
+    def _record(
+        self, prompt_index: int, sample_index: int, prompt: Sequence[int], tokens: list[int], log_probs: np.ndarray,
+        abort: threading.Event, version: int, options: SamplingOptions,
+    ) -> CompletionRecord:
+        """One row's completion: its tokens up to and with EOS, and how it ended."""
+        eos = self.description.eos_token_id
+        finish = "abort" if abort.is_set() else "length"
+        if eos in tokens:
+            tokens = tokens[: tokens.index(eos) + 1]
+            finish = "stop"
+        return CompletionRecord(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_token_ids=tuple(prompt),
+            output_token_ids=tuple(tokens),
+            output_log_probs=np.ascontiguousarray(log_probs[: len(tokens)], dtype=np.float32),
+            finish_reason=finish,
+            text=self._tokenizer.decode(tokens, skip_special_tokens=options.skip_special_tokens),
+            policy_version=version,
+        )
 
     def _process_media(
         self, request: GenerationRequest, chunk: list[tuple[int, int]]

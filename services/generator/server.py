@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Awaitable, Callable
 
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common import metrics
 from services.common.models import resolve_model
-from services.common.server import RunningServer, run_service, start_service
+from services.common.server import RunningServer, run_service, serving, start_service
 from services.generator.engine import GenerationEngine
 from services.generator.servicer import GenerationServicer
 from services.generator.settings import GeneratorSettings
@@ -20,7 +20,7 @@ SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].f
 
 def build_engine(settings: GeneratorSettings) -> GenerationEngine:
     """Start the configured backend (``auto``: vLLM when importable, else HF) on the resolved model."""
-    from services.generator.vllm_engine import VLLMEngine, vllm_available
+    from services.generator.vllm_engine import VLLMEngine, engine_options, vllm_available
 
     model = resolve_model(settings.model)
     backend = settings.backend
@@ -28,18 +28,9 @@ def build_engine(settings: GeneratorSettings) -> GenerationEngine:
         backend = "vllm" if vllm_available() else "hf"
     logger.info("starting the %s engine on %s", backend, model)
     if backend == "vllm":
-        return VLLMEngine.start(
-            model,
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            seed=settings.seed,
-            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            enforce_eager=settings.enforce_eager,
-            max_num_seqs=settings.max_num_seqs,
-            max_images_per_prompt=settings.max_images_per_prompt,
-            max_videos_per_prompt=settings.max_videos_per_prompt,
-        )
+        # every keyword of engine_options but the model is a generator setting of the same name
+        names = [name for name in inspect.signature(engine_options).parameters if name != "model"]
+        return VLLMEngine.start(model, **settings.model_dump(include=set(names)))
     from services.generator.hf_engine import HFEngine
 
     return HFEngine.start(
@@ -62,9 +53,5 @@ async def start_generator(settings: GeneratorSettings, engine: GenerationEngine)
 
 def serve(settings: GeneratorSettings) -> None:
     """Run the generator until SIGTERM/SIGINT (blocking)."""
-
-    async def start() -> tuple[RunningServer, Callable[[], Awaitable[None]]]:
-        engine = build_engine(settings)
-        return await start_generator(settings, engine), engine.close
-
+    start = serving(lambda: build_engine(settings), lambda resource: start_generator(settings, resource))
     run_service(start, settings.grace_period_s)

@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from fastexp.sampling import SamplingOptions
 from services.common.errors import NotReady
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.media import DecodedMedia
 from services.common.models import is_vision_language
-from services.generator.engine import ModelDescription
+from services.generator.engine import ModelDescription, TokenizerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def engine_options(
     return options
 
 
-class VLLMEngine:
+class VLLMEngine(TokenizerEngine):
     """A :class:`~services.generator.engine.GenerationEngine` on vLLM's ``AsyncLLM``."""
 
     def __init__(self, engine: Any, description: ModelDescription, tokenizer: Any) -> None:
@@ -117,68 +118,20 @@ class VLLMEngine:
         )
         return cls(engine, description, tokenizer)
 
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
-
     async def generate(self, request: GenerationRequest) -> AsyncIterator[CompletionRecord]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        from services.generator.vllm_logits import FIRST_TOKEN_TEMPERATURE
-
         if self._engine.errored:
             raise NotReady("the vLLM engine has died")
         await self._live.wait()  # a request never straddles a weight update: its version is the one it runs on
-        options = request.sampling
         version = self._policy_version
         queue: asyncio.Queue[CompletionRecord | BaseException] = asyncio.Queue()
-
-        async def run_one(prompt_index: int, sample_index: int, engine_request_id: str) -> None:
-            params = SamplingParams(
-                n=1,
-                temperature=options.temperature,
-                top_p=options.top_p,
-                top_k=options.top_k,
-                max_tokens=options.max_new_tokens,
-                min_tokens=options.min_new_tokens,
-                skip_special_tokens=options.skip_special_tokens,
-                seed=None if options.seed is None else options.seed + sample_index,
-                logprobs=0,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-                extra_args=(
-                    None if options.first_token_temperature is None
-                    else {FIRST_TOKEN_TEMPERATURE: options.first_token_temperature}
-                ),
-            )
-            prompt_ids = request.prompts[prompt_index]
-            prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
-            media = request.decoded_media_of(prompt_index)
-            if media is not None:  # vLLM's processor expands each placeholder to its item's patch count
-                prompt["multi_modal_data"] = _multi_modal_data(media)
-            try:
-                final = None
-                async for output in self._engine.generate(prompt, params, request_id=engine_request_id):
-                    final = output
-                assert final is not None, "vLLM returned no output"
-                if media is not None:
-                    prompt_ids = tuple(int(t) for t in final.prompt_token_ids)
-                await queue.put(_to_record(final, prompt_index, sample_index, prompt_ids, version))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as error:  # surfaced to the consumer below
-                await queue.put(error)
-
         ids = {
             f"{request.request_id}-{p}-{s}": (p, s)
             for p in range(len(request.prompts))
             for s in range(request.n_samples_per_prompt)
         }
-        tasks = {rid: asyncio.create_task(run_one(p, s, rid)) for rid, (p, s) in ids.items()}
+        tasks = {
+            rid: asyncio.create_task(self._sample(request, p, s, rid, version, queue)) for rid, (p, s) in ids.items()
+        }
         try:
             for _ in range(len(tasks)):
                 item = await queue.get()
@@ -192,6 +145,32 @@ class VLLMEngine:
             if unfinished:
                 await self._engine.abort(unfinished)
                 logger.info("aborted %d unfinished samples of %s", len(unfinished), request.request_id)
+
+    async def _sample(
+        self, request: GenerationRequest, prompt_index: int, sample_index: int, engine_request_id: str, version: int,
+        queue: asyncio.Queue[CompletionRecord | BaseException],
+    ) -> None:
+        """One sample as its own engine request (``n=1``, its own seed); its record or error goes to ``queue``."""
+        from vllm.inputs import TokensPrompt
+
+        prompt_ids = request.prompts[prompt_index]
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        media = request.decoded_media_of(prompt_index)
+        if media is not None:  # vLLM's processor expands each placeholder to its item's patch count
+            prompt["multi_modal_data"] = _multi_modal_data(media)
+        params = _sampling_params(request.sampling, sample_index)
+        try:
+            final = None
+            async for output in self._engine.generate(prompt, params, request_id=engine_request_id):
+                final = output
+            assert final is not None, "vLLM returned no output"
+            if media is not None:
+                prompt_ids = tuple(int(t) for t in final.prompt_token_ids)
+            await queue.put(_to_record(final, prompt_index, sample_index, prompt_ids, version))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # surfaced to the consumer
+            await queue.put(error)
 
     async def update_weights(self, kind: str, folder: str) -> int:
         """Pause the scheduler once in-flight requests finish (under the old weights and version), load the update
@@ -221,6 +200,32 @@ class VLLMEngine:
     async def close(self) -> None:
         self._engine.shutdown()
         self._engine = None  # so AsyncLLM.__del__ does not shut it down again at interpreter exit
+
+
+def _sampling_params(options: SamplingOptions, sample_index: int) -> Any:
+    """vLLM ``SamplingParams`` of one sample: ``n=1``, seed ``seed + sample_index``, raw log-probs of the sampled
+    token, FIRE's first-token temperature through the logits processor's extra argument."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from services.generator.vllm_logits import FIRST_TOKEN_TEMPERATURE
+
+    return SamplingParams(
+        n=1,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        max_tokens=options.max_new_tokens,
+        min_tokens=options.min_new_tokens,
+        skip_special_tokens=options.skip_special_tokens,
+        seed=None if options.seed is None else options.seed + sample_index,
+        logprobs=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        extra_args=(
+            None if options.first_token_temperature is None
+            else {FIRST_TOKEN_TEMPERATURE: options.first_token_temperature}
+        ),
+    )
 
 
 def _multi_modal_data(media: DecodedMedia) -> dict[str, Any]:

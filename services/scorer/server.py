@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
-from services.common.server import RunningServer, run_service, start_service
+from services.common.server import RunningServer, run_service, serving, start_service
 from services.scorer.composition import RewardComposer, build_composer
 from services.scorer.servicer import ScoringServicer
 from services.scorer.settings import ScorerSettings
@@ -47,9 +46,5 @@ async def start_scorer(settings: ScorerSettings, scorer: RewardComposer) -> Runn
 
 def serve(settings: ScorerSettings) -> None:
     """Run the scorer until SIGTERM/SIGINT (blocking)."""
-
-    async def start() -> tuple[RunningServer, Callable[[], Awaitable[None]]]:
-        scorer = build_scorer(settings)
-        return await start_scorer(settings, scorer), scorer.close
-
+    start = serving(lambda: build_scorer(settings), lambda resource: start_scorer(settings, resource))
     run_service(start, settings.grace_period_s)

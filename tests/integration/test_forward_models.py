@@ -13,7 +13,7 @@ from fastexp.types import Experience
 from services.common.generation import CompletionRecord
 from services.experience.forward import chunks
 from services.experience.logprobs import LogProbModel
-from services.experience.request import PromptSpec
+from services.experience.prompts import PromptSpec
 from services.experience.sequences import build_rollout
 from services.experience.value_model import ValueModel, init_critic
 

@@ -16,12 +16,12 @@ from services.common.status import status_of
 from services.experience.advantages import get_estimator
 from services.experience.logprobs import LogProbModel
 from services.experience.pipeline import ExperienceMaker, ForwardModels, Scores, StreamStats
+from services.experience.prompts import PromptSpec
 from services.experience.request import (
     AdvantageOptions,
     DynamicSamplingOptions,
     ExperienceConfig,
     ExperienceRequest,
-    PromptSpec,
 )
 from services.generator.hf_engine import HFEngine
 from tests.support.inprocess import InProcessGenerator, InProcessRuleScorer
@@ -50,10 +50,10 @@ class ScriptedVerifier:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def score(self, queries, prompts, labels, references, deadline, media=()):
-        self.calls.append(prompts[0])
-        solvable = "solvable" in prompts[0]
-        return Scores(torch.tensor([float(solvable and i % 2) for i in range(len(queries))]), {})
+    async def score(self, batch, deadline):
+        self.calls.append(batch.prompts[0])
+        solvable = "solvable" in batch.prompts[0]
+        return Scores(torch.tensor([float(solvable and i % 2) for i in range(len(batch.queries))]), {})
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +135,10 @@ class ScorerDownAfter:
         self._inner = ScriptedVerifier()
         self._limit = limit
 
-    async def score(self, queries, prompts, labels, references, deadline, media=()):
+    async def score(self, batch, deadline):
         if len(self._inner.calls) >= self._limit:
             raise NotReady("scorer: UNAVAILABLE: connection refused")
-        return await self._inner.score(queries, prompts, labels, references, deadline)
+        return await self._inner.score(batch, deadline)
 
 
 async def test_a_scorer_failure_stops_generation_and_is_raised_after_scored_groups(engine, models):

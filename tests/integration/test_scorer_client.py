@@ -11,6 +11,7 @@ from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest, NotReady
 from services.experience.clients import ScorerClient, open_channel
+from services.experience.events import ScoreBatch
 
 
 class FlakyScoring(scoring_pb2_grpc.ScoringServiceServicer):
@@ -38,7 +39,7 @@ async def _client_for(servicer, timeout_s=5.0):
 
 
 async def _score(client):
-    return await client.score(["q1", "q2"], ["p", "p"], ["", ""], ["", ""], Deadline())
+    return await client.score(ScoreBatch(("q1", "q2"), ("p", "p"), ("", ""), ("", "")), Deadline())
 
 
 async def test_unavailable_is_retried_until_the_scorer_answers():

@@ -19,7 +19,8 @@ from services.experience.forwarder import Forwarder, ForwardModels
 from services.experience.logprobs import LogProbModel
 from services.experience.policy import PolicyState
 from services.experience.producer import Producer
-from services.experience.request import ExperienceConfig, ExperienceRequest, PromptSpec
+from services.experience.prompts import PromptSpec
+from services.experience.request import ExperienceConfig, ExperienceRequest
 from services.experience.sequences import build_rollout
 from services.experience.weight_sync import WeightSync
 from services.generator.hf_engine import HFEngine

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from services.common.weights import ReceivedUpdate
-from services.experience.events import Scores
+from services.experience.events import ScoreBatch, Scores
 from services.generator.hf_engine import HFEngine
 from services.scorer.rules import math_verify_reward
 
@@ -27,6 +27,7 @@ class InProcessGenerator:
 class InProcessRuleScorer:
     """math-verify called directly (no worker pool), for in-process pipeline tests."""
 
-    async def score(self, queries, prompts, labels, references, deadline, media=()):
-        results = [math_verify_reward(q[len(p):], r) for q, p, r in zip(queries, prompts, references, strict=True)]
+    async def score(self, batch: ScoreBatch, deadline) -> Scores:
+        columns = zip(batch.queries, batch.prompts, batch.references, strict=True)
+        results = [math_verify_reward(query[len(prompt):], reference) for query, prompt, reference in columns]
         return Scores(torch.tensor([r for r, _ in results]), {})

@@ -12,7 +12,8 @@ from services.common.generation import CompletionRecord
 from services.experience.advantages import get_estimator
 from services.experience.batching import concat_forward, split_experience, split_forward
 from services.experience.estimate import estimate_experience
-from services.experience.request import AdvantageOptions, ExperienceConfig, PromptSpec
+from services.experience.prompts import PromptSpec
+from services.experience.request import AdvantageOptions, ExperienceConfig
 from services.experience.runs import KLController, RunningMoments, RunState
 from services.experience.sequences import build_rollout
 

@@ -25,12 +25,7 @@ from services.experience.processing import (
     whiten,
     zero_variance_groups,
 )
-from services.experience.request import (
-    AdvantageOptions,
-    ExperienceConfig,
-    KLOptions,
-    RewardOptions,
-)
+from services.experience.request import AdvantageOptions, ExperienceConfig, KLOptions, RewardOptions
 from services.experience.rewards import (
     compute_reward,
     discounted_returns,

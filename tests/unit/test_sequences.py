@@ -2,7 +2,7 @@ import numpy as np
 import torch
 
 from services.common.generation import CompletionRecord
-from services.experience.request import PromptSpec
+from services.experience.prompts import PromptSpec
 from services.experience.sequences import build_rollout
 
 PAD = 2  # SmolLM2: pad == eos == 2

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from services.common.errors import InvalidRequest
 from services.common.generation import CompletionRecord
 from services.common.media import EncodedMedia, MediaLimits, decode_media
-from services.experience.request import PromptSpec
+from services.experience.prompts import PromptSpec
 from services.experience.sequences import build_rollout
 from services.experience.vision import PromptVision, VisionProcessor, VisionTokens, repair_placeholders, stack_rows
 
