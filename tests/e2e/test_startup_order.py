@@ -97,7 +97,7 @@ def test_the_launcher_gives_up_once_naming_the_service_not_ready_with_its_log_ta
     overrides = {"experience": {"actor_model": tiny_model_path, "reference_model": tiny_model_path,
                                 "dtype": "float32", "torch_threads": 1}}
     cluster = LocalCluster(services=("scorer", "experience"), overrides=overrides, log_dir=tmp_path / "logs",
-                           start_timeout_s=45)
+                           start_timeout_s=20)
     with pytest.raises(ServicesNotReady) as raised:
         cluster.start()
     message = str(raised.value)
