@@ -235,6 +235,12 @@ class ExperienceMaker:
         self.critic_version = 0
         self._max_groups_ahead = max_groups_ahead
 
+    def adopt_policy_version(self, version: int) -> None:
+        """At start-up, before any stream or update: the generator serves ``version``; the actor replica is
+        counted at it too (the service warns when that is not 0: the replica holds the weights it loaded)."""
+        self.policy.version = version
+        self._actor_version = version
+
     @property
     def has_critic(self) -> bool:
         """Whether a value model runs here (requests for ``gae`` are validated against it)."""

@@ -88,7 +88,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     def generator_reached(info: GeneratorInfo, first: bool) -> None:
         if first:
             # no stream or update can have run yet (both need the generator): its version is the live one
-            policy.version = info.policy_version
+            maker.adopt_policy_version(info.policy_version)
             if info.policy_version:
                 logger.warning(
                     "the generator serves policy version %d, but the actor replica was loaded from %s: "
