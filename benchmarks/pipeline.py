@@ -93,15 +93,15 @@ def run(model: str, workload: Workload, log_dir: Path) -> dict:
     }
     with LocalCluster(overrides=overrides, log_dir=log_dir / "vllm") as cluster:
         generator = cluster.address("generator")
-        _generate(generator, prompt_ids[:2], 1, fixed)  # warm-up
-        service = _generate(generator, prompt_ids, workload.n_samples_per_prompt, fixed)
-        generation = _generate(generator, prompt_ids, workload.n_samples_per_prompt, natural)
+        generate_once(generator, prompt_ids[:2], 1, fixed)  # warm-up
+        service = generate_once(generator, prompt_ids, workload.n_samples_per_prompt, fixed)
+        generation = generate_once(generator, prompt_ids, workload.n_samples_per_prompt, natural)
         experience, batches = _make_experiences(cluster.address("experience"), problems, workload, natural)
     hf_overrides = {"generator": {"model": model, "backend": "hf", "max_model_len": workload.max_model_len,
                                   "hf_max_batch_size": workload.max_num_seqs}}
     with LocalCluster(overrides=hf_overrides, services=("generator",), log_dir=log_dir / "hf") as cluster:
-        _generate(cluster.address("generator"), prompt_ids[:2], 1, fixed)  # warm-up
-        hf = _generate(cluster.address("generator"), prompt_ids, workload.n_samples_per_prompt, fixed)
+        generate_once(cluster.address("generator"), prompt_ids[:2], 1, fixed)  # warm-up
+        hf = generate_once(cluster.address("generator"), prompt_ids, workload.n_samples_per_prompt, fixed)
     stream = stream_vs_raw(batches, workload.stream_replays)
     return {
         "generator_service_vs_inprocess_vllm": service["tokens_per_s"] / offline["tokens_per_s"],
@@ -137,7 +137,7 @@ def _offline_vllm(
         return json.loads(out.read_text())
 
 
-def _generate(address: str, prompt_ids: Sequence[Sequence[int]], n: int, sampling: Sampling) -> dict:
+def generate_once(address: str, prompt_ids: Sequence[Sequence[int]], n: int, sampling: Sampling) -> dict:
     """One ``Generate`` stream read to the end: tokens sampled, wall seconds from the call to the last message."""
     request = generation_pb2.GenerateRequest(
         prompts=[generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=ids)) for ids in prompt_ids],

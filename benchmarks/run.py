@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import gae, packing, pipeline
+from benchmarks import gae, packing, pipeline, stream_overhead
 from services.common.models import SMOLLM2_ALIAS, resolve_model
 
 #: The issue's targets; a figure without one is informative (a seed's claim, or a precision).
@@ -31,11 +31,13 @@ TARGETS = {
     "packed_vs_padded": "< 1",
     "gae_vectorized_speedup": ">= 10",
     "gae_max_abs_error": "<= 1e-5",
+    "stream_vs_generation": "<= 1.3",
 }
 SMALL_WORKLOAD = pipeline.Workload(
     num_prompts=4, n_samples_per_prompt=2, max_new_tokens=16, max_num_seqs=4, kv_cache_memory_bytes=256 * 1024**2,
     max_model_len=512, stream_replays=2,
 )
+SMALL_DEMO_WORKLOAD = stream_overhead.DemoWorkload(num_prompts=2, n_samples_per_prompt=2, max_new_tokens=8)
 
 
 def main(
@@ -53,6 +55,8 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
     results: dict[str, object] = {"machine": machine(model), "small": small}
     if services:
         results.update(pipeline.run(model, SMALL_WORKLOAD if small else pipeline.Workload(), out / "logs"))
+        demo = SMALL_DEMO_WORKLOAD if small else stream_overhead.DemoWorkload()
+        results.update(stream_overhead.run(model, demo, out / "logs"))
     results.update(
         packing.run(model, rows=4, max_response=16, micro_batch_size=2, repeats=1) if small else packing.run(model)
     )

@@ -165,7 +165,7 @@ def _stream(client: ExperienceClient, problems, options: DemoOptions) -> tuple[d
         for experience in stream:
             arrivals.append(Arrival(time.monotonic() - started, len(experience.prompt_index)))
             _save_batch(experience, options.out)
-            kl_sum += float(experience.kl.sum())
+            kl_sum += 0.0 if experience.kl is None else float(experience.kl.sum())
             kl_tokens += float(experience.action_mask.sum())
             mismatch_sum += float((experience.rollout_log_probs - experience.action_log_probs).abs().sum())
             for row in _rows(experience):
@@ -212,7 +212,8 @@ def _model_info(address: str) -> generation_pb2.ModelInfo:
 def _rows(experience: Experience) -> list[dict]:
     correct = experience.reward_metrics.get("math_verify/correct", (experience.reward > 0.5).float())
     mask = experience.action_mask
-    kl_mean = (experience.kl.sum(1) / mask.sum(1).clamp(min=1)).tolist()
+    kl = experience.kl if experience.kl is not None else torch.zeros(mask.shape)
+    kl_mean = (kl.sum(1) / mask.sum(1).clamp(min=1)).tolist()
     return [
         {
             "batch_index": experience.batch_index,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,6 +77,38 @@ def log_tail(path: Path | None, lines: int = 20) -> str:
     return "\n".join(shown[-lines:])
 
 
+@dataclass(frozen=True)
+class CoreSplit:
+    """How a host without a GPU shares its cores between the generator's CPU engine and the experience service's
+    forward passes when both run on it: the engine's OpenMP threads are bound to ``engine_cores`` (vLLM's
+    ``VLLM_CPU_OMP_THREADS_BIND``) and the forwards get ``forward_threads`` torch threads, so neither
+    oversubscribes the other's cores (forwards overlap generation instead of stealing its time slices)."""
+
+    engine_cores: tuple[int, ...]
+    forward_threads: int
+
+    @classmethod
+    def for_host(cls, cores: int) -> CoreSplit:
+        """Half the cores (at least one) to the engine, the rest (at least one thread) to the forwards."""
+        engine = max(1, cores // 2)
+        return cls(tuple(range(engine)), max(1, cores - engine))
+
+    def environment(self, service: str) -> dict[str, str]:
+        """Variables for ``service``'s process (a variable already set, or a settings override, wins)."""
+        if service == "generator":
+            return {"VLLM_CPU_OMP_THREADS_BIND": f"{self.engine_cores[0]}-{self.engine_cores[-1]}"}
+        if service == "experience":
+            return {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(self.forward_threads)}
+        return {}
+
+
+def default_core_split() -> CoreSplit | None:
+    """The split for this host: none where an NVIDIA GPU runs the engine and the forwards."""
+    if shutil.which("nvidia-smi") is not None:
+        return None
+    return CoreSplit.for_host(os.cpu_count() or 1)
+
+
 @dataclass
 class LocalCluster:
     """Generator, scorer and experience processes on loopback ports; a context manager.
@@ -84,7 +117,8 @@ class LocalCluster:
     test may start one later with :meth:`start_service`). ``start_timeout_s`` is one overall limit for all of
     them to report SERVING, however they are ordered: the experience service waits for the generator and the
     scorer by itself, for as long as it runs. Each service's output goes to ``<log_dir>/<name>.log`` (or this
-    process's stdout without ``log_dir``).
+    process's stdout without ``log_dir``). ``core_split`` shares a CPU host's cores between the engine and the
+    forwards (:class:`CoreSplit`; ``None`` leaves each process its defaults).
     ``overrides`` maps a service name to settings fields (``{"generator": {"backend": "hf"}}``), passed to each
     process as ``FASTEXP_<SERVICE>_<FIELD>`` environment variables; ``config_file`` is passed as ``--config``.
     """
@@ -97,6 +131,7 @@ class LocalCluster:
     start_timeout_s: float = 900.0
     log_dir: Path | None = None
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    core_split: CoreSplit | None = field(default_factory=default_core_split)
 
     def __post_init__(self) -> None:
         self.ports = dict(self.ports or {name: free_port(self.host) for name in SERVICES})
@@ -187,6 +222,8 @@ class LocalCluster:
         extra = {"experience": {"generator_address": self.address("generator"),
                                 "scorer_address": self.address("scorer")}}
         env = dict(os.environ)
+        for key, value in (self.core_split.environment(name) if self.core_split else {}).items():
+            env.setdefault(key, value)
         for key, value in {**self.overrides.get(name, {}), **extra.get(name, {})}.items():
             env[f"FASTEXP_{name.upper()}_{key.upper()}"] = str(value)
         command = [sys.executable, "-m", "fastexp.cli", "serve", name,

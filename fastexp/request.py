@@ -70,6 +70,7 @@ class RequestOptions:
     max_staleness: int | None = None  # off-policy bound in policy versions (None: unbounded)
     partial_rollout: Literal["finish", "abort"] = "finish"  # generations in flight across a policy update
     normalization_scope: Literal["batch", "rollout"] = "batch"  # what advantages_norm / running norm cover
+    skip_actor_forward: bool = False  # action_log_probs = the generator's (rollout_log_probs): no actor forward
     request_id: str = ""  # names the stream in the services' logs (else the x-request-id metadata, else new)
 
     def __post_init__(self) -> None:
@@ -189,7 +190,7 @@ def _message_fields(o: RequestOptions) -> dict[str, Any]:
             max_extra_rounds=o.dynamic_sampling_max_extra_rounds,
         ),
         run_id=o.run_id, return_action_entropy=o.return_action_entropy, packing_samples=o.packing_samples,
-        return_packed=o.return_packed, max_staleness=o.max_staleness,
+        return_packed=o.return_packed, max_staleness=o.max_staleness, skip_actor_forward=o.skip_actor_forward,
         partial_rollout=experience_pb2.PartialRollout.Value(f"PARTIAL_ROLLOUT_{o.partial_rollout.upper()}"),
         normalization_scope=experience_pb2.NormalizationScope.Value(
             f"NORMALIZATION_SCOPE_{o.normalization_scope.upper()}"

@@ -83,11 +83,11 @@ class Experience(NamedTuple):
     attention_mask: torch.Tensor  # (B, S) int64
     action_mask: torch.Tensor  # (B, A) bool
     action_log_probs: torch.Tensor  # (B, A) float32, actor log-probs (nats)
-    base_action_log_probs: torch.Tensor  # (B, A) float32, reference log-probs (nats)
+    base_action_log_probs: torch.Tensor | None  # (B, A) float32, reference log-probs (nats); None: no reference
     values: torch.Tensor | None  # (B, A) float32 critic values, None without a critic
     returns: torch.Tensor  # (B, A) float32
     advantages: torch.Tensor  # (B, A) float32
-    kl: torch.Tensor  # (B, A) float32, per-token KL estimate (nats), 0 on padding
+    kl: torch.Tensor | None  # (B, A) float32, per-token KL estimate (nats), 0 on padding; None: no reference
     reward: torch.Tensor  # (B,) float32, scorer reward before shaping
     response_length: torch.Tensor  # (B,) int64
     total_length: torch.Tensor  # (B,) int64
@@ -118,6 +118,6 @@ class ForwardOutputs(NamedTuple):
     """What the actor, reference and critic forward passes produce for a Rollout, each (B, A) float32."""
 
     action_log_probs: torch.Tensor  # actor log-probs (nats)
-    base_action_log_probs: torch.Tensor  # reference log-probs (nats)
+    base_action_log_probs: torch.Tensor | None  # reference log-probs (nats); None when no reference ran
     values: torch.Tensor | None = None  # critic values, when a critic runs
     action_entropy: torch.Tensor | None = None  # actor entropy (nats), on request

@@ -42,7 +42,8 @@ def estimate_experience(
 
     Stages (the seed's ``_process_experiences`` + ``_compute_advantages_and_returns``):
 
-    1. ``kl = k(action_log_probs - base_action_log_probs)`` on ``action_mask`` (k1/k2/k3).
+    1. ``kl = k(action_log_probs - base_action_log_probs)`` on ``action_mask`` (k1/k2/k3); ``None`` when no
+       reference ran (``kl_coef == 0``, no ``kl_target``, no ``use_kl_loss``): then no KL term anywhere.
     2. ``R = reward + overlong_penalty(response_length)`` when ``overlong_buffer_len > 0``.
     3. ``R = estimator.shape_rewards(R as (G, n))`` (group baselines).
     4. ``reward_running_norm``: update the run's moments with R, then ``R = (R - mean) / std`` (or ``R / std``).
@@ -70,10 +71,14 @@ def estimate_experience(
     if batch % n:
         raise ValueError(f"{batch} rows are not whole groups of {n}")
     mask = rollout.action_mask
-    kl = compute_approx_kl(forward.action_log_probs, forward.base_action_log_probs, mask, config.kl.kl_estimator)
+    kl = None  # no reference: the request has no KL anywhere (ExperienceConfig.needs_reference)
+    if forward.base_action_log_probs is not None:
+        kl = compute_approx_kl(forward.action_log_probs, forward.base_action_log_probs, mask, config.kl.kl_estimator)
     shaped = _shape_rewards(reward.float(), rollout.response_length, config, state)
     kl_coef = state.kl.value
-    per_token_rewards = compute_reward(shaped.reward, 0.0 if config.kl.use_kl_loss else kl_coef, kl, mask)
+    in_reward = 0.0 if config.kl.use_kl_loss or kl is None else kl_coef
+    no_kl = torch.zeros(mask.shape, dtype=torch.float32)
+    per_token_rewards = compute_reward(shaped.reward, in_reward, no_kl if kl is None else kl, mask)
     advantages, returns = config.estimator.advantages(
         TokenInputs(per_token_rewards, mask, forward.values, n, config.gamma, config.lambd)
     )
@@ -81,7 +86,8 @@ def estimate_experience(
         advantages = whiten(advantages, mask)
     advantages, advantage_clip_frac = clip_with_fraction(advantages, config.advantage.advantage_clip, mask)
 
-    next_state = RunState(reward_moments=shaped.moments, kl=state.kl.update(sequence_mean_kl(kl, mask), batch))
+    kl_state = state.kl if kl is None else state.kl.update(sequence_mean_kl(kl, mask), batch)
+    next_state = RunState(reward_moments=shaped.moments, kl=kl_state)
     rows = {name: getattr(rollout, name) for name in _FROM_ROLLOUT}
     experience = Experience(
         **rows,

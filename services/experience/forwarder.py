@@ -81,6 +81,8 @@ class Forwarder:
         async with self._lock:
             forwards = await asyncio.to_thread(self._forward_groups, groups, request)
             actor_version = self.actor_version
+        if request.config.skip_actor_forward:  # the generator computed them, at each group's sampling version
+            return tuple(ForwardedGroup(g, f, g.policy_version) for g, f in zip(groups, forwards, strict=True))
         return tuple(ForwardedGroup(g, f, actor_version) for g, f in zip(groups, forwards, strict=True))
 
     async def load_actor(self, entries: Sequence[TensorEntry], version: int, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -138,15 +140,20 @@ class Forwarder:
         return split_forward(forward, [len(g.completions) for g in groups], widths)
 
     def _run_models(self, rollout: Rollout, config: ExperienceConfig) -> ForwardOutputs:
-        """Actor, reference (and critic) passes over the rollout's rows (runs in a worker thread)."""
+        """Actor, reference (and critic) passes over the rollout's rows (runs in a worker thread); the actor's
+        is skipped with ``skip_actor_forward``, the reference's when the request needs no reference."""
         models = self._models
         # a vision-language model's rows stay padded: its M-RoPE positions are not the packed layouts' 1D ones
         packed = config.packing_samples and models.actor.vision_tokens is None
         parts = chunks(rollout, models.micro_batch_size, packed=packed, share_prompt=models.share_prompt)
-        with metrics.stage_timer("actor"):
-            actor, entropy = models.actor.action_log_probs(parts, with_entropy=config.return_action_entropy)
-        with metrics.stage_timer("reference"):
-            reference, _ = models.reference.action_log_probs(parts)
+        actor, entropy = rollout.rollout_log_probs, None  # skip_actor_forward: the generator's own log-probs
+        if not config.skip_actor_forward:
+            with metrics.stage_timer("actor"):
+                actor, entropy = models.actor.action_log_probs(parts, with_entropy=config.return_action_entropy)
+        reference = None
+        if config.needs_reference:
+            with metrics.stage_timer("reference"):
+                reference, _ = models.reference.action_log_probs(parts)
         values = None
         if config.estimator.needs_critic:
             if models.critic is None:

@@ -262,11 +262,13 @@ class _Consumer:
 
 def _observe_distributions(experience: Experience) -> None:
     """Each row's reward and mean per-token KL (nats, over ``action_mask``) into their histograms."""
-    mask = experience.action_mask.float()
-    kl = (experience.kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    for reward, row_kl in zip(experience.reward.tolist(), kl.tolist(), strict=True):
+    for reward in experience.reward.tolist():
         if math.isfinite(reward):  # a NaN would poison the histogram's sum for good
             metrics.REWARD.observe(reward)
+    if experience.kl is None:  # no reference ran
+        return
+    mask = experience.action_mask.float()
+    for row_kl in ((experience.kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).tolist():
         if math.isfinite(row_kl):
             metrics.KL_NATS.observe(row_kl)
 

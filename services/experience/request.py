@@ -90,6 +90,15 @@ class ExperienceConfig:
     max_staleness: int | None = None  # off-policy bound in policy versions (None: unbounded)
     abort_partial_rollouts: bool = False  # PARTIAL_ROLLOUT_ABORT: resample generations an update interrupts
     normalization_scope: str = "batch"  # "batch" | "rollout": rows advantages_norm / reward_running_norm cover
+    skip_actor_forward: bool = False  # action_log_probs are the generator's own (rollout_log_probs)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether anything reads the reference's log-probs: a KL penalty in the reward (``kl_coef`` > 0 or an
+        adaptive beta) or in the trainer's loss (``use_kl_loss``). Without, no reference forward runs (the seed's
+        optional ``initial_model``)."""
+        kl = self.kl
+        return kl.kl_coef != 0 or kl.kl_target is not None or kl.use_kl_loss
 
     @property
     def rollout_scope(self) -> bool:
@@ -189,6 +198,8 @@ def _decode_config(
             "n_samples_per_prompt",
             f"{estimator.name} needs n_samples_per_prompt >= {estimator.min_samples_per_prompt}: {estimator.why_min}",
         )
+    if message.skip_actor_forward and message.return_action_entropy:
+        raise InvalidRequest("return_action_entropy", "the actor's entropy needs its forward: not with skip_actor_forward")
     if len(message.run_id) > MAX_RUN_ID_CHARS:
         raise InvalidRequest("run_id", f"at most {MAX_RUN_ID_CHARS} characters, got {len(message.run_id)}")
     return ExperienceConfig(
@@ -213,6 +224,7 @@ def _decode_config(
         max_staleness=_decode_max_staleness(message),
         abort_partial_rollouts=_decode_partial_rollout(message.partial_rollout),
         normalization_scope=_decode_normalization_scope(message),
+        skip_actor_forward=message.skip_actor_forward,
     )
 
 

@@ -14,6 +14,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.smollm2]
 FIGURES = {
     "generator_service_vs_inprocess_vllm", "first_batch_vs_last", "experience_overhead_vs_generation",
     "stream_vs_raw_bytes", "vllm_vs_hf", "packed_vs_padded", "gae_vectorized_speedup", "gae_max_abs_error",
+    "stream_vs_generation", "stream_skip_actor_vs_generation", "stream_lean_vs_generation",
+    "reference_free_vs_with_reference",
 }
 
 

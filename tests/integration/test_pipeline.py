@@ -213,3 +213,50 @@ async def test_rollout_scope_whitens_over_the_whole_request_and_streams_after_it
     solvable = [e for e in batches if e.prompt_index[0] == 0][0]
     alone = [e for e in per_batch if e.prompt_index[0] == 0][0]
     assert not torch.allclose(solvable.advantages, alone.advantages)
+
+
+class CountingModel:
+    """The real log-prob model, counting the forward passes it runs."""
+
+    def __init__(self, model: LogProbModel) -> None:
+        self._model = model
+        self.calls = 0
+        self.vision_tokens = model.vision_tokens
+
+    def action_log_probs(self, parts, with_entropy=False):
+        self.calls += 1
+        return self._model.action_log_probs(parts, with_entropy=with_entropy)
+
+    def tensors(self):
+        return self._model.tensors()
+
+
+async def test_forwards_a_request_does_not_need_are_not_run(engine, tiny_model_path):
+    """skip_actor_forward: action_log_probs are the generator's own; kl_coef 0 (no kl_target, no use_kl_loss):
+    no reference forward, and base_action_log_probs and kl are absent. Both: generation and scoring only."""
+    from services.experience.request import KLOptions
+
+    model = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
+    actor, reference = CountingModel(model), CountingModel(model)
+    maker = ExperienceMaker(InProcessGenerator(engine), InProcessRuleScorer(),
+                            ForwardModels(actor, reference, None, micro_batch_size=4), pad_token_id=2)
+    prompts = tuple(PromptSpec(f"p{i}", (100 + i, 101, 102), "1", "") for i in range(2))
+
+    async def run(**options):
+        config = ExperienceConfig(2, get_estimator("rloo"), micro_rollout_batch_size=4, **options)
+        request = ExperienceRequest("skip", prompts, SamplingOptions(max_new_tokens=5, min_new_tokens=2), config)
+        return [e async for e in maker.make_experiences(request, Deadline())]
+
+    (lean,) = await run(skip_actor_forward=True, kl=KLOptions(kl_coef=0.0))
+    assert actor.calls == reference.calls == 0
+    assert torch.equal(lean.action_log_probs, lean.rollout_log_probs)
+    assert lean.base_action_log_probs is None and lean.kl is None
+    assert lean.actor_policy_version == min(lean.policy_version)
+    # rewards without a KL term: each row's return is its shaped reward on every action token (gamma 1)
+    assert torch.allclose(lean.returns[:, 0], lean.shaped_reward)
+
+    (with_kl,) = await run(skip_actor_forward=True)  # kl_coef 0.01: the reference runs, the actor does not
+    assert actor.calls == 0 and reference.calls >= 1 and with_kl.kl is not None  # (a pass per ready group set)
+    (full,) = await run()
+    assert actor.calls >= 1
+    assert full.base_action_log_probs is not None and not torch.equal(full.action_log_probs, full.rollout_log_probs)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from fastexp.packing import pack_experience, unpack_experience
 from fastexp.types import ForwardOutputs, Rollout
+from fastexp.wire import experience_from_pb, experience_to_pb
 from services.experience.advantages import (
     ESTIMATORS,
     TokenInputs,
@@ -171,3 +172,23 @@ def test_pack_then_unpack_is_the_identity(seed, groups, n, width):
     back = unpack_experience(pack_experience(experience), pad_token_id=0)
     for name in ("sequences", "attention_mask", "action_mask", "advantages", "returns", "values", "kl"):
         assert torch.equal(getattr(back, name), getattr(experience, name)), name
+
+
+@given(seed=st.integers(0, 2**16), groups=st.integers(1, 3), n=st.integers(2, 3), width=st.integers(1, 7),
+       packed=st.booleans())
+def test_without_a_reference_kl_is_absent_and_survives_the_wire_and_packing(seed, groups, n, width, packed):
+    """No reference ran (kl_coef 0): no KL anywhere; the absent fields stay absent through packing and the wire,
+    and the rewards are the estimator's alone (r_t = [t = last] R)."""
+    mask, rewards, logp, _, _ = _batch(seed, groups, n, width)
+    config = ExperienceConfig(n, get_estimator("rloo"), kl=KLOptions(kl_coef=0.0))
+    experience, state = estimate_experience(
+        _rollout(mask), rewards, {}, ForwardOutputs(logp, None), config, RunState(RunningMoments(), KLController(0.0)),
+    )
+    assert experience.kl is None and experience.base_action_log_probs is None
+    assert state.kl.value == 0.0
+    has_actions = mask.any(dim=1)
+    assert torch.allclose(experience.returns[has_actions, 0], experience.shaped_reward[has_actions])
+    sent = pack_experience(experience) if packed else experience
+    back = experience_from_pb(experience_to_pb(sent))
+    assert back.kl is None and back.base_action_log_probs is None
+    assert torch.equal(back.advantages, sent.advantages)

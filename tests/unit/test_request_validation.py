@@ -75,6 +75,8 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
         (_request(reward_running_norm_minus_mean=True), "reward_processing.reward_running_norm_minus_mean",
          "needs reward_processing.reward_running_norm"),
         (_request(kl_target=0.0), "kl.kl_target", "> 0"),
+        (_request(skip_actor_forward=True, return_action_entropy=True), "return_action_entropy",
+         "not with skip_actor_forward"),
         (_request(kl_target=0.1, kl_horizon=0), "kl.kl_horizon", ">= 1"),
         (_request(dynamic_sampling_num_groups=2), "dynamic_sampling.num_groups", "len(prompts)=1"),
         (_request(dynamic_sampling_num_groups=1, n_samples_per_prompt=1, advantage_estimator="reinforce"),

@@ -1,0 +1,16 @@
+"""The launcher's share-out of a CPU host's cores between the generator's engine and the forwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastexp.launcher import CoreSplit
+
+
+@pytest.mark.parametrize(("cores", "engine", "threads"), [(1, (0,), 1), (2, (0,), 1), (3, (0,), 2), (16, tuple(range(8)), 8)])
+def test_half_the_cores_go_to_the_engine_and_the_rest_to_the_forwards(cores, engine, threads):
+    split = CoreSplit.for_host(cores)
+    assert split.engine_cores == engine and split.forward_threads == threads
+    assert split.environment("generator") == {"VLLM_CPU_OMP_THREADS_BIND": f"0-{engine[-1]}"}
+    assert split.environment("experience") == {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(threads)}
+    assert split.environment("scorer") == {}
