@@ -18,6 +18,7 @@ Figures (each a ratio of two times taken here, in this run): ``stream_vs_generat
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,9 +54,8 @@ def run(model: str, workload: DemoWorkload, log_dir: Path) -> dict:
         generate_once(cluster.address("generator"), prompt_ids[:2], 1, Sampling(max_new_tokens=8))  # warm-up
         generation = generate_once(cluster.address("generator"), prompt_ids, workload.n_samples_per_prompt, sampling)
         stream = _stream(address, problems, base)
-        skip_actor = _stream(address, problems, RequestOptions(**{**asdict(base), "skip_actor_forward": True}))
-        lean = _stream(address, problems, RequestOptions(**{**asdict(base), "skip_actor_forward": True,
-                                                            "kl_coef": 0.0}))
+        skip_actor = _stream(address, problems, dataclasses.replace(base, skip_actor_forward=True))
+        lean = _stream(address, problems, dataclasses.replace(base, skip_actor_forward=True, kl_coef=0.0))
     return {
         "stream_vs_generation": stream["seconds"] / generation["seconds"],
         "stream_skip_actor_vs_generation": skip_actor["seconds"] / generation["seconds"],
