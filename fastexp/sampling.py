@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fastexp.v1 import generation_pb2
@@ -33,17 +34,6 @@ class SamplingOptions:
         return self.temperature
 
     def to_pb(self) -> generation_pb2.SamplingParams:
-        """The same options as a ``SamplingParams`` message (for forwarding to the generator)."""
-        message = generation_pb2.SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_new_tokens=self.max_new_tokens,
-            min_new_tokens=self.min_new_tokens,
-            skip_special_tokens=self.skip_special_tokens,
-        )
-        if self.seed is not None:
-            message.seed = self.seed
-        if self.first_token_temperature is not None:
-            message.first_token_temperature = self.first_token_temperature
-        return message
+        """The same options as a ``SamplingParams`` message (its fields have these names; unset ones stay unset)."""
+        fields = dataclasses.asdict(self)
+        return generation_pb2.SamplingParams(**{name: value for name, value in fields.items() if value is not None})
