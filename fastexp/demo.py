@@ -234,11 +234,9 @@ def _rows(experience: Experience) -> list[dict]:
 
 
 def _save_batch(experience: Experience, out: Path) -> None:
-    tensors = {
-        name: getattr(experience, name).contiguous()
-        for name in ("sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs",
-                     "returns", "advantages", "kl", "reward", "response_length", "total_length", "rollout_log_probs")
-    }
+    names = ("sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs", "returns",
+             "advantages", "kl", "reward", "response_length", "total_length", "rollout_log_probs")
+    tensors = {name: getattr(experience, name).contiguous() for name in names if getattr(experience, name) is not None}
     tensors["prompt_index"] = torch.tensor(experience.prompt_index)
     tensors["sample_index"] = torch.tensor(experience.sample_index)
     save_file(tensors, out / f"batch_{experience.batch_index:04d}.safetensors")
