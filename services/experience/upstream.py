@@ -168,11 +168,16 @@ class UpstreamMonitor:
         self._on_readiness = on_readiness
         settings = self._settings
         while True:
-            await self._until_reachable()
-            while await self._probe():
-                await asyncio.sleep(settings.interval_s)
-            await self._set_ready(False)
-            logger.warning("experience service NOT_SERVING: %s", self.waiting_for())
+            try:
+                await self._until_reachable()
+                while await self._probe():
+                    await asyncio.sleep(settings.interval_s)
+                await self._set_ready(False)
+                logger.warning("experience service NOT_SERVING: %s", self.waiting_for())
+            except Exception:  # noqa: BLE001 - a bug must not freeze readiness: report it, NOT_SERVING, go on
+                logger.exception("readiness probe failed; NOT_SERVING until the next probe succeeds")
+                await self._set_ready(False)
+                await asyncio.sleep(settings.backoff_max_s)
 
     async def _until_reachable(self) -> None:
         """Probe with capped exponential backoff and jitter until both dependencies answer, then turn ready."""
