@@ -107,3 +107,23 @@ async def test_wait_ready_times_out_saying_what_it_waits_for(watched):
     monitor, *_ = watched
     with pytest.raises(TimeoutError, match="waiting .* for the generator at gen:1"):
         await monitor.wait_ready(0.1)
+
+
+async def test_an_unexpected_probe_error_does_not_end_the_watch():
+    class Broken(_Generator):
+        async def model_info(self, timeout_s: float) -> GeneratorInfo:
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("a bug in a probe")
+            return await super().model_info(timeout_s)
+
+    generator, scorer = Broken(), _Scorer()
+    generator.reachable = scorer.reachable = True
+    monitor = UpstreamMonitor(generator, scorer, generator_address="g", scorer_address="s",
+                              settings=ProbeSettings(**{**FAST.__dict__, "backoff_max_s": 0.01}))
+    task = asyncio.create_task(monitor.run())
+    try:
+        assert (await monitor.wait_ready(5)).model_name == "tiny" and generator.calls >= 2
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
