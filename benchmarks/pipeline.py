@@ -41,12 +41,12 @@ from pathlib import Path
 import grpc
 
 from fastexp import ExperienceClient, Sampling
+from fastexp.channels import message_options
 from fastexp.datasets import reasoning_gym_problems
 from fastexp.launcher import LocalCluster
 from fastexp.types import Experience
 from fastexp.v1 import experience_pb2, generation_pb2, generation_pb2_grpc
 from fastexp.wire import experience_from_pb, experience_to_pb
-from services.common.server import grpc_options
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -143,7 +143,7 @@ def generate_once(address: str, prompt_ids: Sequence[Sequence[int]], n: int, sam
         prompts=[generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=ids)) for ids in prompt_ids],
         sampling=sampling.to_pb(), n_samples_per_prompt=n,
     )
-    with grpc.insecure_channel(address, options=grpc_options(MAX_MESSAGE_BYTES)) as channel:
+    with grpc.insecure_channel(address, options=message_options(MAX_MESSAGE_BYTES)) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         started = time.perf_counter()
         tokens = sum(len(c.output_token_ids) for r in stub.Generate(request, timeout=3600) for c in r.completions)
@@ -195,7 +195,7 @@ def stream_vs_raw(batches: Sequence[Experience], replays: int) -> dict:
     server.start()
     try:
         port = ports.get(timeout=120)
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=grpc_options(MAX_MESSAGE_BYTES)) as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=message_options(MAX_MESSAGE_BYTES)) as channel:
             decode = channel.unary_stream(f"/{_SERVICE}/Experiences", request_serializer=_identity,
                                           response_deserializer=experience_pb2.ExperienceBatch.FromString)
             plain = channel.unary_stream(f"/{_SERVICE}/Raw", request_serializer=_identity,
@@ -240,7 +240,7 @@ def _serve_stream(blobs: list[bytes], replays: int, ports) -> None:
         "Raw": grpc.unary_stream_rpc_method_handler(raw, request_deserializer=_identity,
                                                     response_serializer=_identity),
     })
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=grpc_options(MAX_MESSAGE_BYTES))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=message_options(MAX_MESSAGE_BYTES))
     server.add_generic_rpc_handlers((handler,))
     ports.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()

@@ -12,10 +12,14 @@ RECONNECT_BACKOFF_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Message limits both ways, and the reconnect backoff above."""
+def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The largest message both ways (servers and clients)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        *RECONNECT_BACKOFF_OPTIONS,
     ]
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """A client channel's options: :func:`message_options` and the reconnect backoff above."""
+    return [*message_options(max_message_bytes), *RECONNECT_BACKOFF_OPTIONS]

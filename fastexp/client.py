@@ -31,7 +31,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastexp.channels import RECONNECT_BACKOFF_OPTIONS
+from fastexp.channels import RECONNECT_BACKOFF_OPTIONS, message_options
 from fastexp.critic import save_value_model
 from fastexp.packing import unpack_experience
 from fastexp.request import DEFAULT_SAMPLING, PromptLike, RequestOptions, Sampling, build_request, encode_image
@@ -67,11 +67,7 @@ class ExperienceClient:
         Raises:
             fastexp.security.SecurityConfigError: a TLS file is missing or empty.
         """
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
-        self._channel = _channel(address, options, tls)
+        self._channel = _channel(address, message_options(max_message_bytes), tls)
         self._metadata = bearer_metadata(token)
         self._stub = experience_pb2_grpc.ExperienceServiceStub(self._channel)
         self._timeout_s = timeout_s

@@ -45,25 +45,6 @@ def health_status(address: str, timeout_s: float = 2.0, service: str = "") -> st
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def wait_serving(address: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
-    """Block until ``address`` reports SERVING over the gRPC health protocol.
-
-    Raises:
-        ServicesNotReady: not SERVING within ``timeout_s`` (a :class:`TimeoutError`).
-        RuntimeError: ``process`` exited first.
-    """
-    deadline = time.monotonic() + timeout_s
-    status = "not checked"
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the service at {address} exited with code {process.returncode}")
-        status = health_status(address)
-        if status == "SERVING":
-            return
-        time.sleep(0.5)
-    raise ServicesNotReady(f"{address} was not SERVING after {timeout_s:.0f} s (last: {status})")
-
-
 def log_tail(path: Path | None, lines: int = 20) -> str:
     """The last ``lines`` lines of the log at ``path`` ("" when there is none)."""
     if path is None or not path.exists():

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from fastexp.channels import message_options
 from services.common.observing import ObservingInterceptor
 from services.common.security import AuthInterceptor, ServerTLS
 from services.common.status import ErrorMappingInterceptor
@@ -55,14 +56,6 @@ class RunningServer:
         await self.server.stop(grace_s)
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Channel/server options shared by servers and clients."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
-
-
 
 
 async def create_server(
@@ -89,7 +82,7 @@ async def create_server(
         services.common.security.SecurityConfigError: a TLS file is missing or empty.
     """
     interceptors = [ObservingInterceptor(), *([auth] if auth else []), ErrorMappingInterceptor()]
-    server = grpc.aio.server(interceptors=interceptors, options=grpc_options(max_message_bytes))
+    server = grpc.aio.server(interceptors=interceptors, options=message_options(max_message_bytes))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
