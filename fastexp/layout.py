@@ -54,6 +54,7 @@ class FieldLayout:
 
     @property
     def tensor(self) -> bool:
+        """Whether the field is a tensor (sent as ``fastexp.v1.Tensor``), not Python values."""
         return self.dtype is not None
 
 

@@ -79,6 +79,7 @@ def take_pending(inbox: Inbox, max_rows: int, n: int) -> tuple[tuple[ScoredGroup
 
 
 def add_forwarded(inbox: Inbox, groups: tuple[ForwardedGroup, ...]) -> Inbox:
+    """The inbox with ``groups`` (just forwarded) waiting for a batch, after the ones already waiting."""
     return dataclasses.replace(inbox, forwarded=(*inbox.forwarded, *groups))
 
 

@@ -64,12 +64,15 @@ class Forwarder:
 
     @property
     def has_critic(self) -> bool:
+        """Whether a value model runs here."""
         return self._models.critic is not None
 
     def actor_tensors(self) -> dict[str, torch.Tensor]:
+        """The actor replica's parameters by checkpoint name (what a policy update is checked against)."""
         return self._models.actor.tensors()
 
     def critic_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The critic's parameters by checkpoint name, or ``None`` without a critic."""
         return None if self._models.critic is None else self._models.critic.tensors()
 
     def rows_per_pass(self, config: ExperienceConfig) -> int:

@@ -99,6 +99,7 @@ class ExperienceMaker:
 
     @property
     def critic_version(self) -> int:
+        """Critic updates applied since start (0, 1, ...)."""
         return self._weights.critic_version
 
     def queue_depth(self, queue: str) -> int:

@@ -40,6 +40,7 @@ class TokenizerEngine:
         return self._policy_version
 
     def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
