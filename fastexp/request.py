@@ -7,6 +7,7 @@ command-line defaults), the field's comment says so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 import types
@@ -74,7 +75,7 @@ class RequestOptions:
     request_id: str = ""  # names the stream in the services' logs (else the x-request-id metadata, else new)
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(RequestOptions)
+        hints = _hints()
         wrong = [
             f"{field.name}: {type(getattr(self, field.name)).__name__}, expected {hints[field.name]}"
             for field in dataclasses.fields(self)
@@ -86,6 +87,12 @@ class RequestOptions:
             allowed = typing.get_args(hints[name])
             if getattr(self, name) not in allowed:
                 raise ValueError(f"RequestOptions.{name}: {getattr(self, name)!r} is not one of {allowed}")
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    """RequestOptions' field types, resolved once."""
+    return typing.get_type_hints(RequestOptions)
 
 
 def _is_instance(value: object, hint: object) -> bool:

@@ -77,8 +77,8 @@ def estimate_experience(
     shaped = _shape_rewards(reward.float(), rollout.response_length, config, state)
     kl_coef = state.kl.value
     in_reward = 0.0 if config.kl.use_kl_loss or kl is None else kl_coef
-    no_kl = torch.zeros(mask.shape, dtype=torch.float32)
-    per_token_rewards = compute_reward(shaped.reward, in_reward, no_kl if kl is None else kl, mask)
+    kl_terms = kl if kl is not None else torch.zeros(mask.shape, dtype=torch.float32)
+    per_token_rewards = compute_reward(shaped.reward, in_reward, kl_terms, mask)
     advantages, returns = config.estimator.advantages(
         TokenInputs(per_token_rewards, mask, forward.values, n, config.gamma, config.lambd)
     )
