@@ -43,8 +43,10 @@ def sampling_from_pb(
     if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
         raise InvalidRequest(f"{field}.top_p", f"must be in (0, 1], got {top_p}")
     top_k = message.top_k if message.HasField("top_k") else 0
+    if top_k == -1:  # the seed's and vLLM's spelling of "off"
+        top_k = 0
     if top_k < 0:
-        raise InvalidRequest(f"{field}.top_k", f"must be >= 0 (0 disables), got {top_k}")
+        raise InvalidRequest(f"{field}.top_k", f"must be >= 0, or -1 (0 and -1 disable), got {top_k}")
     max_new_tokens = message.max_new_tokens or default_max_new_tokens
     if max_new_tokens > max_new_tokens_limit:
         raise InvalidRequest(

@@ -177,3 +177,10 @@ async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(toke
     maker.release.set()
     await asyncio.gather(*held)
     assert await anext(servicer.MakeExperiences(_request(), _Context()), None) is None  # a slot is free again
+
+
+def test_top_k_minus_one_is_off_as_in_the_seed_and_vllm(tokenizer):
+    decoded = decode_request(_request(sampling=Sampling(top_k=-1)), tokenizer, LIMITS, MAX_MODEL_LEN)
+    assert decoded.sampling.top_k == 0
+    with pytest.raises(InvalidRequest, match="sampling.top_k"):
+        decode_request(_request(sampling=Sampling(top_k=-2)), tokenizer, LIMITS, MAX_MODEL_LEN)
