@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Iterator
 from typing import Literal
 
@@ -25,12 +26,16 @@ TARGETS: dict[int, Target] = {
 def weight_chunks(
     tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = 4 * 1024 * 1024,
     checkpoint_dir: str | None = None, target: Target = "policy", num_tensors: int | None = None,
+    policy_version: int | None = None,
 ) -> Iterator[generation_pb2.WeightsChunk]:
     """The ``UpdateWeights`` messages for named tensors (checkpoint/HF names), ``chunk_bytes`` of data each.
 
     Tensors are sent in their own floating dtype (the receiver casts to the model's), one at a time, so the
-    sender holds one CPU copy of one tensor. With ``checkpoint_dir`` only the header is sent. ``num_tensors``
-    (when ``tensors`` is a lazy iterator) is announced in the header; otherwise ``tensors`` is listed first.
+    sender holds one CPU copy of one tensor; each tensor's first chunk carries the CRC-32 (``zlib.crc32``) of its
+    bytes, which the receiver checks before applying anything. With ``checkpoint_dir`` only the header is sent.
+    ``num_tensors`` (when ``tensors`` is a lazy iterator) is announced in the header; otherwise ``tensors`` is
+    listed first. ``policy_version``: the version the update makes live (``None``: the receiver's previous + 1;
+    an experience service sets it to keep a fleet of generators in step).
 
     Raises:
         ValueError: a tensor is not floating point; ``chunk_bytes`` < 1.
@@ -45,7 +50,8 @@ def weight_chunks(
     wire_target = {name: number for number, name in TARGETS.items()}[target]
     yield generation_pb2.WeightsChunk(
         header=generation_pb2.WeightsHeader(
-            checkpoint_dir=checkpoint_dir or "", num_tensors=num_tensors, target=wire_target
+            checkpoint_dir=checkpoint_dir or "", num_tensors=num_tensors, target=wire_target,
+            policy_version=policy_version,
         )
     )
     for name, tensor in tensors:
@@ -53,10 +59,11 @@ def weight_chunks(
             raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point weight dtype")
         data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
         shape = list(tensor.shape)
+        crc32 = zlib.crc32(data)
         for start in range(0, max(len(data), 1), chunk_bytes):
             yield generation_pb2.WeightsChunk(
                 tensor=generation_pb2.TensorChunk(
                     name=name, dtype=_WIRE_DTYPES[tensor.dtype], shape=shape,
-                    data=data[start : start + chunk_bytes].tobytes(),
+                    data=data[start : start + chunk_bytes].tobytes(), crc32=crc32 if start == 0 else None,
                 )
             )

@@ -18,6 +18,7 @@ import json
 import math
 import shutil
 import tempfile
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,7 +132,8 @@ class WeightStager:
     """Receives a streamed update chunk by chunk into a staging folder (one raw file per tensor).
 
     Call :meth:`add` per chunk, then :meth:`finish`; :meth:`discard` removes the folder (always call it, e.g. in
-    ``finally``). Memory held: one chunk.
+    ``finally``). Memory held: one chunk. A tensor whose first chunk carries a CRC-32 is checked against it once
+    its last byte arrived.
     """
 
     def __init__(self, root: str | Path | None = None) -> None:
@@ -139,13 +141,17 @@ class WeightStager:
         self._tensors: list[dict] = []
         self._file = None
         self._written = 0
+        self._crc32 = 0  # running CRC-32 of the current tensor's bytes
+        self._expected_crc32: int | None = None  # the sender's, from the tensor's first chunk
 
-    def add(self, name: str, dtype: str, shape: tuple[int, ...], data: bytes) -> None:
-        """Append ``data`` to tensor ``name`` (a new name starts the next tensor).
+    def add(self, name: str, dtype: str, shape: tuple[int, ...], data: bytes, crc32: int | None = None) -> None:
+        """Append ``data`` to tensor ``name`` (a new name starts the next tensor); ``crc32``: the sender's
+        CRC-32 of the whole tensor (on its first chunk), checked when the tensor is complete.
 
         Raises:
             InvalidRequest: unknown dtype, a chunk disagreeing with its tensor's dtype/shape, a tensor sent again
-                after another started, or more bytes than its shape holds.
+                after another started, more bytes than its shape holds, or (when the tensor ends) a CRC-32
+                mismatch.
         """
         field = f"tensors[{name}]"
         if dtype not in FLOAT_DTYPES:
@@ -160,6 +166,8 @@ class WeightStager:
             self._tensors.append(current)
             self._file = open(self.folder / file, "wb")  # noqa: SIM115 - closed in _close_current
             self._written = 0
+            self._crc32 = 0
+            self._expected_crc32 = crc32
         elif current["dtype"] != dtype or current["shape"] != list(shape):
             raise InvalidRequest(field, "dtype and shape must be the same on every chunk")
         expected = math.prod(shape) * FLOAT_DTYPES[dtype].itemsize
@@ -167,6 +175,7 @@ class WeightStager:
             raise InvalidRequest(field, f"more than the {expected} bytes its shape {list(shape)} holds")
         self._file.write(data)
         self._written += len(data)
+        self._crc32 = zlib.crc32(data, self._crc32)
 
     def _close_current(self) -> None:
         if self._file is None:
@@ -175,8 +184,14 @@ class WeightStager:
         self._file = None
         current = self._tensors[-1]
         expected = math.prod(current["shape"]) * FLOAT_DTYPES[current["dtype"]].itemsize
+        field = f"tensors[{current['name']}]"
         if self._written != expected:
-            raise InvalidRequest(f"tensors[{current['name']}]", f"{self._written} of {expected} bytes arrived")
+            raise InvalidRequest(field, f"{self._written} of {expected} bytes arrived")
+        if self._expected_crc32 is not None and self._crc32 != self._expected_crc32:
+            raise InvalidRequest(
+                field, f"CRC-32 {self._crc32:#010x} of the received bytes != the sender's {self._expected_crc32:#010x} "
+                "(corrupted in transit); nothing was applied",
+            )
 
     def finish(self, num_tensors: int | None = None) -> list[TensorEntry]:
         """Close the last tensor, write the manifest, and return the staged tensors.
@@ -242,6 +257,7 @@ class ReceivedUpdate:
     kind: UpdateKind
     folder: str  # the staging folder (``staged``) or the named checkpoint folder (``checkpoint``)
     entries: list[TensorEntry]
+    policy_version: int | None = None  # the version the sender asked for (None: previous + 1)
 
     @property
     def num_bytes(self) -> int:
@@ -291,27 +307,30 @@ async def receive_update(
             if chunk.dtype not in tensor_pb2.DType.values():
                 raise InvalidRequest(f"tensor {chunk.name!r}: dtype", f"unknown DType value {chunk.dtype}")
             dtype = tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower()  # e.g. "bfloat16"
-            await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data)
+            crc32 = chunk.crc32 if chunk.HasField("crc32") else None
+            await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data, crc32)
     if header is None:
         raise InvalidRequest("header", "the stream was empty")
     if header.target not in TARGETS:
         raise InvalidRequest("header.target", f"unknown target {header.target}")
     target = TARGETS[header.target]
+    version = header.policy_version if header.HasField("policy_version") else None
     if header.checkpoint_dir:
         entries = await asyncio.to_thread(checkpoint_entries, header.checkpoint_dir)
-        return ReceivedUpdate(target, "checkpoint", header.checkpoint_dir, entries)
+        return ReceivedUpdate(target, "checkpoint", header.checkpoint_dir, entries, version)
     entries = await asyncio.to_thread(stager.finish, header.num_tensors or None)
-    return ReceivedUpdate(target, "staged", str(stager.folder), entries)
+    return ReceivedUpdate(target, "staged", str(stager.folder), entries, version)
 
 
 def entry_chunks(
-    update: ReceivedUpdate, *, chunk_bytes: int = 4 * 1024 * 1024
+    update: ReceivedUpdate, *, chunk_bytes: int = 4 * 1024 * 1024, policy_version: int | None = None
 ) -> Iterator[generation_pb2.WeightsChunk]:
-    """Re-send a received update (e.g. to the generator): the folder's name for a checkpoint, else its staged
-    tensors read one at a time from disk."""
+    """Re-send a received update (e.g. to a generator): the folder's name for a checkpoint, else its staged
+    tensors read one at a time from disk (each with its CRC-32); ``policy_version``: the version it makes live
+    there (``None``: the receiver's previous + 1)."""
     if update.kind == "checkpoint":
-        return weight_chunks((), checkpoint_dir=update.folder, target=update.target)
+        return weight_chunks((), checkpoint_dir=update.folder, target=update.target, policy_version=policy_version)
     return weight_chunks(
         ((e.name, e.load()) for e in update.entries), chunk_bytes=chunk_bytes, target=update.target,
-        num_tensors=len(update.entries),
+        num_tensors=len(update.entries), policy_version=policy_version,
     )

@@ -36,7 +36,7 @@ class TokenizerEngine:
 
     @property
     def policy_version(self) -> int:
-        """Version of the weights in use: 0 at start, +1 per weight update."""
+        """Version of the weights in use: 0 at start, then the last update's (by default previous + 1)."""
         return self._policy_version
 
     def tokenize(self, text: str) -> list[int]:
@@ -65,11 +65,12 @@ class GenerationEngine(Protocol):
         """Token ids of ``text`` (no special tokens added)."""
         ...
 
-    async def update_weights(self, kind: str, folder: str) -> int:
+    async def update_weights(self, kind: str, folder: str, version: int | None = None) -> int:
         """Apply the update in ``folder`` (``kind``: "staged" or "checkpoint"; already checked) between steps.
 
         Samples in flight finish under the old weights and carry the old version; samples started after it
-        returns use the new weights. Returns the new policy version (previous + 1).
+        returns use the new weights. Returns the new policy version: ``version`` (a fleet's experience service
+        sets it), or the previous + 1.
         """
         ...
 

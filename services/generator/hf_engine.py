@@ -232,15 +232,16 @@ class HFEngine(TokenizerEngine):
                 vision[name] = vision[name].to(self._model.dtype)
         return prompts, vision
 
-    async def update_weights(self, kind: str, folder: str) -> int:
-        """Copy the update into the model's tensors under the generation lock (between ``generate`` chunks)."""
+    async def update_weights(self, kind: str, folder: str, version: int | None = None) -> int:
+        """Copy the update into the model's tensors under the generation lock (between ``generate`` chunks);
+        the new version is ``version``, or the previous + 1."""
         entries = update_entries(kind, folder)
-        return await asyncio.to_thread(self._apply, entries)
+        return await asyncio.to_thread(self._apply, entries, version)
 
-    def _apply(self, entries: list[TensorEntry]) -> int:
+    def _apply(self, entries: list[TensorEntry], version: int | None) -> int:
         with self._lock:
             copy_into(self._model.state_dict(keep_vars=True), entries)
-            self._policy_version += 1
+            self._policy_version = self._policy_version + 1 if version is None else version
             return self._policy_version
 
     async def check_health(self) -> None:

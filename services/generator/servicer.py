@@ -142,7 +142,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if not self._spec:
                     raise InvalidRequest("tensors", "the served model has no safetensors files to check updates against")
                 check_update(update.entries, self._spec)
-                version = await self._engine.update_weights(update.kind, update.folder)
+                version = await self._engine.update_weights(update.kind, update.folder, update.policy_version)
         return generation_pb2.UpdateWeightsResponse(
             policy_version=version, num_tensors=len(update.entries), num_bytes=update.num_bytes
         )

@@ -172,10 +172,11 @@ class VLLMEngine(TokenizerEngine):
         except BaseException as error:  # surfaced to the consumer
             await queue.put(error)
 
-    async def update_weights(self, kind: str, folder: str) -> int:
+    async def update_weights(self, kind: str, folder: str, version: int | None = None) -> int:
         """Pause the scheduler once in-flight requests finish (under the old weights and version), load the update
         in every worker (``collective_rpc`` → :class:`~services.generator.vllm_worker.WeightLoaderExtension`),
-        clear the prefix cache (its KV came from the old weights), bump the version and resume.
+        clear the prefix cache (its KV came from the old weights), set the version (``version``, or the previous
+        + 1) and resume.
 
         On GPUs, vLLM's weight-transfer engine (``init_weight_transfer_engine``: NCCL broadcast from the trainer's
         ranks, or CUDA IPC handles on the same node) replaces the folder read; the pause/resume and versioning
@@ -186,7 +187,7 @@ class VLLMEngine(TokenizerEngine):
             await self._engine.pause_generation(mode="wait", clear_cache=True)
             try:
                 await self._engine.collective_rpc("fastexp_load_weights", args=(kind, folder))
-                self._policy_version += 1
+                self._policy_version = self._policy_version + 1 if version is None else version
             finally:
                 await self._engine.resume_generation()
         finally:
