@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -74,10 +75,15 @@ class CoreSplit:
         engine = max(1, cores // 2)
         return cls(tuple(range(engine)), max(1, cores - engine))
 
-    def environment(self, service: str) -> dict[str, str]:
-        """Variables for ``service``'s process (a variable already set, or a settings override, wins)."""
+    def environment(self, service: str, replica: int = 0, replicas: int = 1) -> dict[str, str]:
+        """Variables for ``service``'s process (a variable already set, or a settings override, wins). With
+        several generator replicas the engine cores are split into equal blocks, one per replica (replicas share
+        blocks round-robin when there are fewer cores than replicas)."""
         if service == "generator":
-            return {"VLLM_CPU_OMP_THREADS_BIND": f"{self.engine_cores[0]}-{self.engine_cores[-1]}"}
+            size = max(1, len(self.engine_cores) // replicas)
+            start = replica * size % len(self.engine_cores)
+            mine = self.engine_cores[start : start + size]
+            return {"VLLM_CPU_OMP_THREADS_BIND": f"{mine[0]}-{mine[-1]}"}
         if service == "experience":
             return {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(self.forward_threads)}
         return {}
@@ -102,6 +108,8 @@ class LocalCluster:
     forwards (:class:`CoreSplit`; ``None`` leaves each process its defaults).
     ``overrides`` maps a service name to settings fields (``{"generator": {"backend": "hf"}}``), passed to each
     process as ``FASTEXP_<SERVICE>_<FIELD>`` environment variables; ``config_file`` is passed as ``--config``.
+    ``generator_replicas`` > 1 runs a fleet: processes ``generator``, ``generator-1``, ... (each its own port and
+    share of the engine cores), all given to the experience service as ``generator_addresses``.
     """
 
     host: str = "127.0.0.1"
@@ -113,9 +121,18 @@ class LocalCluster:
     log_dir: Path | None = None
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     core_split: CoreSplit | None = field(default_factory=default_core_split)
+    generator_replicas: int = 1
 
     def __post_init__(self) -> None:
-        self.ports = dict(self.ports or {name: free_port(self.host) for name in SERVICES})
+        names = (*SERVICES, *self.generator_names[1:])
+        self.ports = {name: free_port(self.host) for name in names} | dict(self.ports or {})
+        if "generator" in self.services and not set(self.generator_names[1:]) & set(self.services):
+            self.services = (*self.generator_names, *(s for s in self.services if s != "generator"))
+
+    @property
+    def generator_names(self) -> tuple[str, ...]:
+        """The generator replicas' process names: ``generator``, ``generator-1``, ..."""
+        return ("generator", *(f"generator-{i}" for i in range(1, self.generator_replicas)))
 
     def address(self, service: str) -> str:
         return f"{self.host}:{self.ports[service]}"
@@ -200,14 +217,19 @@ class LocalCluster:
         return f"\n--- last lines of {self.log_path(service)} ---\n{tail}"
 
     def _spawn(self, name: str) -> None:
-        extra = {"experience": {"generator_address": self.address("generator"),
-                                "scorer_address": self.address("scorer")}}
+        kind = "generator" if name in self.generator_names else name
+        generators = [self.address(g) for g in self.generator_names]
+        extra = {"experience": {"generator_address": generators[0], "scorer_address": self.address("scorer")}}
+        if len(generators) > 1:
+            extra["experience"]["generator_addresses"] = json.dumps(generators)
         env = dict(os.environ)
-        for key, value in (self.core_split.environment(name) if self.core_split else {}).items():
+        replica = self.generator_names.index(name) if kind == "generator" else 0
+        split = self.core_split.environment(kind, replica, self.generator_replicas) if self.core_split else {}
+        for key, value in split.items():
             env.setdefault(key, value)
-        for key, value in {**self.overrides.get(name, {}), **extra.get(name, {})}.items():
-            env[f"FASTEXP_{name.upper()}_{key.upper()}"] = str(value)
-        command = [sys.executable, "-m", "fastexp.cli", "serve", name,
+        for key, value in {**self.overrides.get(kind, {}), **self.overrides.get(name, {}), **extra.get(kind, {})}.items():
+            env[f"FASTEXP_{kind.upper()}_{key.upper()}"] = str(value)
+        command = [sys.executable, "-m", "fastexp.cli", "serve", kind,
                    "--host", self.host, "--port", str(self.ports[name])]
         if self.config_file is not None:
             command += ["--config", str(self.config_file)]
@@ -223,7 +245,7 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every process (experience first), then SIGKILL what is left after ``grace_s``."""
-        for name in reversed(SERVICES):
+        for name in ("experience", "scorer", *self.generator_names):
             process = self.processes.get(name)
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)

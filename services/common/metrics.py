@@ -48,6 +48,27 @@ DEPENDENCY_UP = Gauge(
     "1 while a dependency answers the experience service's readiness probes (generator, scorer), else 0",
     ["dependency"],
 )
+GENERATOR_REPLICA_UP = Gauge(
+    "fastexp_generator_replica_up",
+    "1 while a generator replica gets work from the experience service (serving at the fleet's policy version)",
+    ["replica"],
+)
+GENERATOR_REPLICA_IN_FLIGHT = Gauge(
+    "fastexp_generator_replica_in_flight_samples", "Samples the experience service sent a generator replica and "
+    "has not received yet", ["replica"],
+)
+GENERATOR_REPLICA_VERSION = Gauge(
+    "fastexp_generator_replica_policy_version", "Policy version a generator replica reported last (-1: unknown)",
+    ["replica"],
+)
+GENERATOR_REPLICA_TOKENS = Counter(
+    "fastexp_generator_replica_tokens", "Response tokens received from a generator replica (rate: its tokens/s)",
+    ["replica"],
+)
+REROUTED_GROUPS = Counter(
+    "fastexp_rerouted_groups", "Prompt groups taken from a failed generator replica and generated again elsewhere",
+    ["replica"],
+)
 ACTIVE_STREAMS = Gauge("fastexp_active_streams", "MakeExperiences streams being served")
 EXPERIENCE_SAMPLES = Counter("fastexp_experience_samples", "Samples (rows) streamed to trainers")
 VISION_TOKEN_REPAIRS = Counter(

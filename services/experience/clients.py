@@ -8,16 +8,18 @@ INVALID_ARGUMENT -> InvalidRequest.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 import grpc
 import stamina
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastexp.channels import channel_options
 from fastexp.security import ClientTLS, bearer_metadata
 from fastexp.tensor_codec import to_numpy, to_torch
 from fastexp.v1 import generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
+from fastexp.weights import weight_chunks
 from services.common.deadlines import Deadline
 from services.common.errors import (
     FastexpError,
@@ -109,21 +111,42 @@ class _BearerStreamUnary(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
 
 
 class GeneratorClient:
-    """Calls ``GenerationService`` (implements :class:`services.experience.pipeline.Generator`)."""
+    """Calls one ``GenerationService`` (a replica of :class:`~services.experience.fleet.GeneratorFleet`; alone, it
+    implements :class:`services.experience.events.Generator` too)."""
 
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float, update_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, timeout_s: float, update_timeout_s: float = 600.0, address: str | None = None
+    ) -> None:
+        self._service = f"generator {address}" if address else "generator"  # what its errors are prefixed with
+        self._channel = channel
         self._stub = generation_pb2_grpc.GenerationServiceStub(channel)
         self._timeout_s = timeout_s
         self._update_timeout_s = update_timeout_s
 
-    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline) -> int:
-        """Forward a received policy update (its staged tensors read from disk one at a time, or the checkpoint
-        folder's name); returns the generator's new policy version once the update is live there.
+    async def close(self) -> None:
+        """Close the channel (calls in flight are cancelled)."""
+        await self._channel.close()
+
+    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline, version: int | None = None) -> int:
+        """Forward a received policy update (its staged tensors read from disk one at a time, each with its CRC-32,
+        or the checkpoint folder's name), live there as ``version`` (``None``: the generator's previous + 1);
+        returns the generator's policy version once the update is live there.
 
         Raises:
             InvalidRequest: the generator rejected it (nothing was applied); NotReady, UpstreamTimeout, Overloaded.
         """
-        chunks = entry_chunks(update)
+        return await self._send(entry_chunks(update, policy_version=version), deadline)
+
+    async def load_tensors(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], num_tensors: int, version: int, deadline: Deadline
+    ) -> int:
+        """Send named policy tensors (e.g. the actor replica's, to a replica that restarted), live as ``version``;
+        returns the generator's policy version once live. Raises as :meth:`update_weights`."""
+        chunks = weight_chunks(tensors, num_tensors=num_tensors, policy_version=version)
+        return await self._send(chunks, deadline)
+
+    async def _send(self, chunks: Iterator[generation_pb2.WeightsChunk], deadline: Deadline) -> int:
+        """Stream ``chunks`` (produced off the event loop: they read tensors) as one ``UpdateWeights`` call."""
 
         async def messages() -> AsyncIterator[generation_pb2.WeightsChunk]:
             while (message := await asyncio.to_thread(next, chunks, None)) is not None:
@@ -134,7 +157,7 @@ class GeneratorClient:
                 messages(), timeout=deadline.timeout(self._update_timeout_s), metadata=outbound_metadata()
             )
         except grpc.aio.AioRpcError as error:
-            raise translate_rpc_error("generator", error) from error
+            raise translate_rpc_error(self._service, error) from error
         return response.policy_version
 
     async def model_info(self, timeout_s: float) -> GeneratorInfo:
@@ -147,7 +170,7 @@ class GeneratorClient:
         try:
             info = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
-            raise translate_rpc_error("generator", error) from error
+            raise translate_rpc_error(self._service, error) from error
         return GeneratorInfo(
             model_name=info.model_name, backend=info.backend, max_model_len=info.max_model_len,
             policy_version=info.policy_version, multimodal=info.multimodal,
@@ -178,7 +201,7 @@ class GeneratorClient:
                         policy_version=c.policy_version,
                     )
         except grpc.aio.AioRpcError as error:
-            raise translate_rpc_error("generator", error) from error
+            raise translate_rpc_error(self._service, error) from error
         finally:
             call.cancel()
 

@@ -2,7 +2,7 @@
 
 The producer (:mod:`~services.experience.producer`) turns prompts into scored prompt groups and puts *events* on a
 stream's queue: :class:`ScoredGroup`, :class:`Dropped` (dynamic sampling), :class:`RoundStarted`,
-:class:`GroupsResampled`, and finally :class:`Done` or :class:`Failed`. The consumer (:mod:`~services.experience.
+:class:`GroupsResampled`, :class:`GroupsRerouted`, and finally :class:`Done` or :class:`Failed`. The consumer (:mod:`~services.experience.
 pipeline`) folds them into its :class:`~services.experience.batcher.Inbox`, has the forwarder
 (:mod:`~services.experience.forwarder`) turn scored groups into :class:`ForwardedGroup` records, and streams
 batches. Every event is immutable; only the consumer counts them into :class:`StreamStats`.
@@ -31,13 +31,26 @@ class Scores:
     metrics: dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Rerouted:
+    """In a generation stream: ``groups`` unfinished prompt groups of a failed replica were sent to others (their
+    samples so far were dropped; each group still arrives once, whole)."""
+
+    groups: int
+    replica: str
+    reason: str
+
+
 class Generator(Protocol):
-    """Where completions come from (the generator service, through ``GeneratorClient``)."""
+    """Where completions come from: the generator fleet (:class:`~services.experience.fleet.GeneratorFleet`), or
+    one generator service through ``GeneratorClient``."""
 
-    def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]: ...
+    def generate(
+        self, request: GenerationRequest, deadline: Deadline
+    ) -> AsyncIterator[CompletionRecord | Rerouted]: ...
 
-    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline) -> int:
-        """Apply a policy update; return the new policy version once it is live."""
+    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline, version: int | None = None) -> int:
+        """Apply a policy update, live as ``version`` (``None``: the previous + 1); return the version now live."""
         ...
 
 
@@ -67,6 +80,7 @@ class StreamStats:
     generation_rounds: int = 0
     dropped_groups: int = 0
     resampled_groups: int = 0
+    rerouted_groups: int = 0  # generated again on another generator replica after theirs failed
     undelivered_prompt_indices: list[int] | None = None  # set when the stream failed: what a retry should send
 
 
@@ -109,6 +123,13 @@ class GroupsResampled:
 
 
 @dataclass(frozen=True)
+class GroupsRerouted:
+    """``count`` groups of a failed generator replica are being generated on another."""
+
+    count: int
+
+
+@dataclass(frozen=True)
 class Done:
     """Every group was generated once; only resamples the consumer asked for may still come."""
 
@@ -120,7 +141,7 @@ class Failed:
     error: BaseException
 
 
-Event = ScoredGroup | Dropped | RoundStarted | GroupsResampled | Done | Failed
+Event = ScoredGroup | Dropped | RoundStarted | GroupsResampled | GroupsRerouted | Done | Failed
 
 
 @dataclass(frozen=True)

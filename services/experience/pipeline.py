@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastexp.packing import pack_experience
@@ -41,6 +41,7 @@ from services.experience.events import (
     Event,
     ForwardedGroup,
     Generator,
+    GroupsRerouted,
     GroupsResampled,
     RoundStarted,
     Scorer,
@@ -50,6 +51,7 @@ from services.experience.events import (
 from services.experience.forwarder import Forwarder, ForwardModels
 from services.experience.policy import PolicyState
 from services.experience.producer import Producer, ProducerRun
+from services.experience.replicas import ReplicaClient
 from services.experience.request import ExperienceConfig, ExperienceRequest
 from services.experience.runs import KLController, RunningMoments, RunState, RunStore
 from services.experience.weight_sync import WeightSync
@@ -76,10 +78,11 @@ class ExperienceMaker:
         runs: RunStore | None = None,
         policy: PolicyState | None = None,
         max_groups_ahead: int = 64,
+        sync_timeout_s: float = 600.0,
     ) -> None:
         self.policy = policy if policy is not None else PolicyState()
         self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version)
-        self._weights = WeightSync(generator, self._forwarder, self.policy)
+        self._weights = WeightSync(generator, self._forwarder, self.policy, sync_timeout_s)
         self._stages = _Stages(
             Producer(generator, scorer, self.policy, max_groups_ahead), self._forwarder, self.policy,
             runs if runs is not None else RunStore(),
@@ -111,6 +114,11 @@ class ExperienceMaker:
     async def update_weights(self, update: ReceivedUpdate, deadline: Deadline) -> None:
         """Apply a checked weight update (see :meth:`services.experience.weight_sync.WeightSync.update`)."""
         await self._weights.update(update, deadline)
+
+    async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
+        """Send a generator replica the live policy's weights (the fleet's weight source; see
+        :meth:`services.experience.weight_sync.WeightSync.sync_replica`)."""
+        return await self._weights.sync_replica(replica, version)
 
     async def make_experiences(
         self, request: ExperienceRequest, deadline: Deadline, stats: StreamStats | None = None
@@ -203,6 +211,8 @@ class _Consumer:
             self._stats.generation_rounds += 1
         elif isinstance(event, GroupsResampled):
             self._stats.resampled_groups += event.count
+        elif isinstance(event, GroupsRerouted):
+            self._stats.rerouted_groups += event.count
 
     async def _forward(self) -> None:
         forwarder, n = self._stages.forwarder, self._config.n_samples_per_prompt

@@ -33,7 +33,9 @@ from services.experience.events import (
     Event,
     Failed,
     Generator,
+    GroupsRerouted,
     GroupsResampled,
+    Rerouted,
     RoundStarted,
     ScoreBatch,
     ScoredGroup,
@@ -265,6 +267,9 @@ class _Round:
         started = time.perf_counter()
         async with contextlib.aclosing(self._generator.generate(generation, self._run.deadline)) as records:
             async for record in records:
+                if isinstance(record, Rerouted):  # a replica failed: its groups come whole from another
+                    self._run.events.put_nowait(GroupsRerouted(record.groups))
+                    continue
                 record = dataclasses.replace(record, prompt_index=self._indices[record.prompt_index])
                 group = pending.setdefault(record.prompt_index, [])
                 group.append(record)

@@ -10,11 +10,13 @@ from typing import Any
 
 import grpc
 
+from fastexp.security import ClientTLS
 from fastexp.v1 import experience_pb2, experience_pb2_grpc
 from services.common import metrics
 from services.common.models import resolve_model
 from services.common.server import RunningServer, run_service, start_service
 from services.experience.clients import GeneratorClient, ScorerClient, open_channel
+from services.experience.fleet import GeneratorFleet
 from services.experience.forwarder import ForwardModels
 from services.experience.logprobs import LogProbModel
 from services.experience.pipeline import ExperienceMaker
@@ -32,11 +34,12 @@ SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].f
 
 @dataclass
 class ExperienceService:
-    """A running experience server, the task watching its dependencies, and what it must close."""
+    """A running experience server, the tasks watching its dependencies, and what it must close."""
 
     running: RunningServer
     upstream: UpstreamMonitor
-    watcher: asyncio.Task[None]
+    fleet: GeneratorFleet
+    watchers: tuple[asyncio.Task[None], ...]
     channels: tuple[grpc.aio.Channel, ...]
 
     async def wait_ready(self, timeout_s: float | None = None) -> GeneratorInfo:
@@ -48,8 +51,10 @@ class ExperienceService:
         return await self.upstream.wait_ready(timeout_s)
 
     async def close(self) -> None:
-        self.watcher.cancel()
-        await asyncio.gather(self.watcher, return_exceptions=True)
+        for watcher in self.watchers:
+            watcher.cancel()
+        await asyncio.gather(*self.watchers, return_exceptions=True)
+        await self.fleet.close()
         for channel in self.channels:
             await channel.close()
 
@@ -84,29 +89,35 @@ def _load_policy(settings: ExperienceSettings) -> _Policy:
     return _Policy(models, actor_path, tokenizer, vision)
 
 
-def _on_generator_reached(maker: ExperienceMaker, policy: _Policy, address: str):
-    """What the service does each time the generator answers after being unreachable (the monitor's callback)."""
+def _on_generator_reached(maker: ExperienceMaker, policy: _Policy):
+    """What the service does when the generator fleet first serves (the monitor's callback). Replicas that restart
+    or join later are brought to the live version by the fleet itself."""
 
     def reached(info: GeneratorInfo, first: bool) -> None:
-        if first:
-            # no stream or update can have run yet (both need the generator): its version is the live one
-            maker.adopt_policy_version(info.policy_version)
-            if info.policy_version:
-                logger.warning(
-                    "the generator serves policy version %d, but the actor replica was loaded from %s: "
-                    "action_log_probs follow the loaded weights until the next policy update through this service",
-                    info.policy_version, policy.path,
-                )
-            if policy.vision is not None and not info.multimodal:
-                logger.warning("the policy %s is vision-language but the generator does not accept images", policy.path)
-        elif info.policy_version != maker.policy.version:
+        if not first:
+            return
+        # no stream or update can have run yet (both need the generator): its version is the live one
+        maker.adopt_policy_version(info.policy_version)
+        if info.policy_version:
             logger.warning(
-                "the generator at %s is back at policy version %d while version %d is live here (it restarted): "
-                "its samples carry their own version; send the current weights again with UpdateWeights",
-                address, info.policy_version, maker.policy.version,
+                "the generator serves policy version %d, but the actor replica was loaded from %s: "
+                "action_log_probs follow the loaded weights until the next policy update through this service "
+                "(and replicas that join are sent those weights)", info.policy_version, policy.path,
             )
+        if policy.vision is not None and not info.multimodal:
+            logger.warning("the policy %s is vision-language but the generator does not accept images", policy.path)
 
     return reached
+
+
+def _connect_replica(settings: ExperienceSettings, tls: ClientTLS | None, token: str | None):
+    """Opens one generator replica's client (its own channel: the fleet routes, not gRPC's load balancer)."""
+
+    def connect(address: str) -> GeneratorClient:
+        channel = open_channel(address, settings.max_message_bytes, tls, token)
+        return GeneratorClient(channel, settings.generate_timeout_s, settings.update_weights_timeout_s, address)
+
+    return connect
 
 
 async def start_experience(settings: ExperienceSettings) -> ExperienceService:
@@ -121,19 +132,19 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     if settings.torch_threads is not None:
         torch.set_num_threads(settings.torch_threads)
     tls, token = settings.upstream_tls(), settings.upstream_token()
-    generator_channel = open_channel(settings.generator_address, settings.max_message_bytes, tls, token)
     scorer_channel = open_channel(settings.scorer_address, settings.max_message_bytes, tls, token)
-    generator = GeneratorClient(generator_channel, settings.generate_timeout_s, settings.update_weights_timeout_s)
+    fleet = GeneratorFleet(settings.generator_targets, _connect_replica(settings, tls, token), settings.fleet_settings())
     scorer = ScorerClient(scorer_channel, settings.score_timeout_s)
     policy = _load_policy(settings)
     maker = ExperienceMaker(
-        generator, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=RunStore(settings.max_runs),
-        max_groups_ahead=settings.max_groups_ahead,
+        fleet, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=RunStore(settings.max_runs),
+        max_groups_ahead=settings.max_groups_ahead, sync_timeout_s=settings.update_weights_timeout_s,
     )
+    fleet.weight_source = maker.sync_replica
+    generators = ", ".join(settings.generator_targets)
     upstream = UpstreamMonitor(
-        generator, scorer, generator_address=settings.generator_address, scorer_address=settings.scorer_address,
-        on_generator_info=_on_generator_reached(maker, policy, settings.generator_address),
-        settings=settings.probe_settings(),
+        fleet, scorer, generator_address=generators, scorer_address=settings.scorer_address,
+        on_generator_info=_on_generator_reached(maker, policy), settings=settings.probe_settings(),
     )
     servicer = ExperienceServicer(
         maker, policy.tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,
@@ -145,12 +156,15 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     metrics.POLICY_VERSION.labels("experience").set_function(lambda: maker.policy.version)
     for queue in ("scored", "forwarded"):
         metrics.QUEUE_DEPTH.labels(queue).set_function(lambda queue=queue: maker.queue_depth(queue))
-    watcher = asyncio.create_task(upstream.run(running.set_serving), name="upstream-monitor")
+    watchers = (
+        asyncio.create_task(fleet.run(), name="generator-fleet"),
+        asyncio.create_task(upstream.run(running.set_serving), name="upstream-monitor"),
+    )
     logger.info(
         "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",
-        settings.host, running.port, settings.generator_address, settings.scorer_address,
+        settings.host, running.port, generators, settings.scorer_address,
     )
-    return ExperienceService(running, upstream, watcher, (generator_channel, scorer_channel))
+    return ExperienceService(running, upstream, fleet, watchers, (scorer_channel,))
 
 
 def serve(settings: ExperienceSettings) -> None:

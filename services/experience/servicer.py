@@ -97,6 +97,7 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
                 ("fastexp-dropped-groups", str(stats.dropped_groups)),
                 ("fastexp-generation-rounds", str(stats.generation_rounds)),
                 ("fastexp-resampled-groups", str(stats.resampled_groups)),
+                ("fastexp-rerouted-groups", str(stats.rerouted_groups)),
             ]
             if stats.undelivered_prompt_indices is not None:
                 undelivered = ",".join(map(str, stats.undelivered_prompt_indices))

@@ -12,6 +12,7 @@ from fastexp.security import ClientTLS
 from services.common.models import SMOLLM2_ALIAS
 from services.common.security import read_tokens
 from services.common.settings import GenerationLimits
+from services.experience.replicas import FleetSettings
 from services.experience.upstream import ProbeSettings
 
 
@@ -22,7 +23,19 @@ class ExperienceSettings(GenerationLimits):
     model_config = SettingsConfigDict(env_prefix="FASTEXP_EXPERIENCE_", extra="forbid")
 
     port: int = Field(50053, ge=0, le=65535)
-    generator_address: str = Field("127.0.0.1:50051", description="host:port of the generator service")
+    generator_address: str = Field(
+        "127.0.0.1:50051", description="host:port of the generator service (a fleet of one; see generator_addresses)"
+    )
+    generator_addresses: list[str] = Field(
+        default_factory=list,
+        description="the generator fleet: host:port of each replica, or dns:///name:port for every address a name "
+        "resolves to (a Kubernetes headless Service), resolved again every generator_discovery_interval_s; JSON in "
+        "the environment. Empty: generator_address alone",
+    )
+    generator_discovery_interval_s: float = Field(10.0, gt=0, description="how often dns:/// generator targets are resolved again")
+    generator_down_after_failures: int = Field(
+        2, ge=1, description="failed probes in a row that take a serving generator replica out (its work is rerouted)"
+    )
     scorer_address: str = Field("127.0.0.1:50052", description="host:port of the scorer service")
     actor_model: str = Field(SMOLLM2_ALIAS, description="actor replica for action_log_probs (same as policy)")
     reference_model: str = Field(SMOLLM2_ALIAS, description="frozen reference for base_action_log_probs")
@@ -71,6 +84,18 @@ class ExperienceSettings(GenerationLimits):
     upstream_token_file: Path | None = Field(
         None, description="bearer token sent to the generator and scorer (an admin token: it forwards updates)"
     )
+
+    @property
+    def generator_targets(self) -> list[str]:
+        """The generator fleet's targets: ``generator_addresses``, else ``[generator_address]``."""
+        return list(self.generator_addresses) or [self.generator_address]
+
+    def fleet_settings(self) -> FleetSettings:
+        """How the generator fleet is watched and kept in step, as the plain record the fleet takes."""
+        return FleetSettings(
+            probe=self.probe_settings(), down_after_failures=self.generator_down_after_failures,
+            discovery_interval_s=self.generator_discovery_interval_s, sync_timeout_s=self.update_weights_timeout_s,
+        )
 
     def probe_settings(self) -> ProbeSettings:
         """How the generator and scorer are watched, as the plain record the monitor takes."""

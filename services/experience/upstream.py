@@ -4,9 +4,11 @@ The service starts serving at once and reports NOT_SERVING over gRPC health unti
 (its model info: the model length and policy version requests are validated against) and the scorer. It never
 gives up: a dependency that is late (a vLLM engine on a cold page cache, a GPU node still pulling its image,
 containers started in any order) is probed again with capped exponential backoff and jitter for as long as
-the service runs (the watch loop is a loop, not a retried call: it never ends). Once both have answered it turns SERVING; while the generator stops answering it turns
-NOT_SERVING again and new streams get UNAVAILABLE naming what they wait for, and it turns SERVING as soon as the
-generator (the same process restarted, or a replacement at the same address) answers again.
+the service runs (the watch loop is a loop, not a retried call: it never ends). Once both have answered it turns
+SERVING; while no generator replica serves (the generator is the fleet of
+:mod:`~services.experience.fleet`, which watches each replica) it turns NOT_SERVING again and new streams get
+UNAVAILABLE naming what they wait for, and it turns SERVING as soon as one replica (the same process restarted,
+or a replacement) serves again.
 
 The scorer gates readiness only until it was first reached: reward teams swap scorer containers while training
 runs, and a Score call that finds the scorer gone is retried by :class:`~services.experience.clients.ScorerClient`,

@@ -20,8 +20,8 @@ class InProcessGenerator:
     def generate(self, request, deadline):
         return self._engine.generate(request)
 
-    async def update_weights(self, update: ReceivedUpdate, deadline) -> int:
-        return await self._engine.update_weights(update.kind, update.folder)
+    async def update_weights(self, update: ReceivedUpdate, deadline, version: int | None = None) -> int:
+        return await self._engine.update_weights(update.kind, update.folder, version)
 
 
 class InProcessRuleScorer:

@@ -14,3 +14,13 @@ def test_half_the_cores_go_to_the_engine_and_the_rest_to_the_forwards(cores, eng
     assert split.environment("generator") == {"VLLM_CPU_OMP_THREADS_BIND": f"0-{engine[-1]}"}
     assert split.environment("experience") == {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(threads)}
     assert split.environment("scorer") == {}
+
+
+@pytest.mark.parametrize(
+    ("engine", "replicas", "binds"),
+    [((0, 1), 2, ["0-0", "1-1"]), ((0,), 2, ["0-0", "0-0"]), (tuple(range(8)), 2, ["0-3", "4-7"]),
+     ((0, 1, 2), 2, ["0-0", "1-1"])],
+)
+def test_generator_replicas_get_equal_blocks_of_the_engine_cores(engine, replicas, binds):
+    split = CoreSplit(engine, 1)
+    assert [split.environment("generator", i, replicas)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(replicas)] == binds
