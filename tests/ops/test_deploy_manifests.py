@@ -60,9 +60,12 @@ def test_docker_compose_config_is_valid_and_builds_existing_targets():
             assert any("/cache" in str(v) for v in service["volumes"]), f"{name}: model cache volume"
             assert "healthcheck" in service, name
     experience = config["services"]["experience"]["environment"]
-    assert experience["FASTEXP_EXPERIENCE_GENERATOR_ADDRESS"] == "generator:50051"
+    assert json.loads(experience["FASTEXP_EXPERIENCE_GENERATOR_ADDRESSES"]) == ["dns:///generator:50051"]
+    assert "ports" not in config["services"]["generator"], "a host port would stop `--scale generator=N`"
     scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    targets = {t for job in scrape["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    targets = {t for job in scrape["scrape_configs"] for group in job.get("static_configs", ()) for t in group["targets"]}
+    targets |= {f"{name}:{sd['port']}" for job in scrape["scrape_configs"] for sd in job.get("dns_sd_configs", ())
+                for name in sd["names"]}
     for name in ("generator", "scorer", "experience"):
         port = config["services"][name]["environment"][f"FASTEXP_{name.upper()}_METRICS_PORT"]
         assert f"{name}:{port}" in targets
