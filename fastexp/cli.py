@@ -60,6 +60,7 @@ def serve(
     from pydantic import ValidationError
 
     from fastexp.security import SecurityConfigError
+    from services.generator.server import ParallelismError
     from services.scorer.composition import ConfigError
 
     common = {"host": host, "port": port}
@@ -79,7 +80,7 @@ def serve(
         logging.getLogger("fastexp").info("metrics on http://%s:%d/metrics", settings.host, bound)
     try:
         run(settings)
-    except (ConfigError, SecurityConfigError) as error:
+    except (ConfigError, SecurityConfigError, ParallelismError) as error:
         typer.echo(f"{service.value} refuses to start: {error}", err=True)
         raise typer.Exit(2) from error
 

@@ -27,9 +27,11 @@ class LogProbModel:
         self._accepts = frozenset(inspect.signature(model.forward).parameters)
 
     @classmethod
-    def load(cls, path: str, *, dtype: str, device: str) -> LogProbModel:
+    def load(cls, path: str, *, dtype: str, device: str, device_map: str | None = None) -> LogProbModel:
         """Load ``path`` in eval mode on ``device`` (``dtype``: a key of ``DTYPES``): ``AutoModelForCausalLM``, or
         ``AutoModelForImageTextToText`` for a vision-language model (a config with ``vision_config``).
+        ``device_map`` (``"auto"``, ``"balanced"``, ...: accelerate's) spreads its layers over every visible GPU
+        instead (a model larger than one GPU); inputs then go to the device of its first layers.
 
         Raises:
             OSError: ``path`` is not a loadable model folder (from transformers).
@@ -39,12 +41,16 @@ class LogProbModel:
 
         vision = is_vision_language(path)
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-        model = auto.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+        if device_map:
+            model = auto.from_pretrained(path, dtype=DTYPES[dtype], device_map=device_map).eval()
+        else:
+            model = auto.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
         tokens = None
         if vision:
             config = model.config
             tokens = VisionTokens(config.image_token_id, config.video_token_id, config.vision_config.spatial_merge_size)
-        logger.info("loaded %s (%s, %s%s)", path, dtype, device, ", vision-language" if vision else "")
+        placed = f"device_map {device_map}" if device_map else device
+        logger.info("loaded %s (%s, %s%s)", path, dtype, placed, ", vision-language" if vision else "")
         return cls(model, tokens)
 
     def _inputs(self, chunk: ForwardChunk, device: torch.device) -> dict[str, Any]:
@@ -101,7 +107,7 @@ class LogProbModel:
         for chunk in chunks:
             logits = self._model(**self._inputs(chunk, device)).logits.float()  # (b, K, V)
             normalizer = torch.logsumexp(logits, dim=-1)
-            chosen = logits.gather(-1, chunk.targets.to(device).unsqueeze(-1)).squeeze(-1)
+            chosen = logits.gather(-1, chunk.targets.to(logits.device).unsqueeze(-1)).squeeze(-1)  # device_map: last GPU
             log_probs.append(chunk.to_rows((chosen - normalizer).cpu()))
             if with_entropy:
                 expected_logit = (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)

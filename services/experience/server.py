@@ -78,11 +78,12 @@ def _load_policy(settings: ExperienceSettings) -> _Policy:
     from transformers import AutoTokenizer
 
     actor_path = resolve_model(settings.actor_model)
-    actor = LogProbModel.load(actor_path, dtype=settings.dtype, device=settings.device)
-    reference = LogProbModel.load(resolve_model(settings.reference_model), dtype=settings.dtype, device=settings.device)
+    placement = {"dtype": settings.dtype, "device": settings.device, "device_map": settings.device_map}
+    actor = LogProbModel.load(actor_path, **placement)
+    reference = LogProbModel.load(resolve_model(settings.reference_model), **placement)
     critic = None
     if settings.critic_model:
-        critic = ValueModel.load(resolve_model(settings.critic_model), dtype=settings.dtype, device=settings.device)
+        critic = ValueModel.load(resolve_model(settings.critic_model), **placement)
     models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, settings.forward_share_prompt)
     vision = VisionProcessor.load(actor_path)
     tokenizer = vision.tokenizer if vision is not None else AutoTokenizer.from_pretrained(actor_path)

@@ -45,6 +45,10 @@ class ExperienceSettings(GenerationLimits):
     max_runs: int = Field(1024, ge=1, description="runs whose reward statistics and kl_coef are kept (LRU)")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = Field("cpu", description="torch device for actor/reference forward passes")
+    device_map: str | None = Field(
+        None, description="accelerate device_map (auto, balanced, sequential) spreading the actor, reference and "
+        "critic backbone over every visible GPU, for models larger than one GPU (None: each on `device`)",
+    )
     forward_micro_batch_size: int = Field(8, ge=1, description="rows per actor/reference/critic forward pass (packed or padded)")
     torch_threads: int | None = Field(
         None, ge=1, description="CPU threads of the forward passes (None: torch's default, one per core); on a host "

@@ -69,8 +69,9 @@ class ValueModel:
         self._value_head = value_head
 
     @classmethod
-    def load(cls, path: str, *, dtype: str, device: str) -> ValueModel:
-        """Load a critic checkpoint folder (format in the module docstring).
+    def load(cls, path: str, *, dtype: str, device: str, device_map: str | None = None) -> ValueModel:
+        """Load a critic checkpoint folder (format in the module docstring) on ``device``, or with its backbone's
+        layers spread by ``device_map`` (accelerate's; the value head then sits on ``device``).
 
         Raises:
             FileNotFoundError: no safetensors in ``path``.
@@ -82,7 +83,10 @@ class ValueModel:
         folder = Path(path)
         head_state = _read_value_head(folder)
         # from_pretrained strips the causal LM's prefix, reads shards, and leaves lm_head/value-head keys unused
-        backbone, info = AutoModel.from_pretrained(folder, dtype=DTYPES[dtype], output_loading_info=True)
+        placement = {"device_map": device_map} if device_map else {}
+        backbone, info = AutoModel.from_pretrained(
+            folder, dtype=DTYPES[dtype], output_loading_info=True, **placement
+        )
         if info["missing_keys"]:
             raise ValueError(
                 f"{path}: backbone weights missing for {backbone.config.model_type}: {sorted(info['missing_keys'])[:5]}"
@@ -91,7 +95,9 @@ class ValueModel:
         head = torch.nn.Linear(weight.shape[1], 1, bias="bias" in head_state, dtype=torch.float32)
         head.load_state_dict({k: v.float().reshape(getattr(head, k).shape) for k, v in head_state.items()})
         logger.info("loaded critic %s (%s, %s)", path, dtype, device)
-        return cls(backbone.to(device).eval(), head.to(device).eval())
+        if not device_map:
+            backbone = backbone.to(device)
+        return cls(backbone.eval(), head.to(device).eval())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The live tensors under their checkpoint names (``model.layers.0...``, ``value_head.weight``), the names
@@ -107,15 +113,17 @@ class ValueModel:
 
         Positions past a row's response are computed on padding (padded layout) or are 0 (packed); mask them.
         """
-        device = next(self._value_head.parameters()).device
+        device = self._backbone.device  # its first layers' (with a device_map, the last may sit elsewhere)
+        head_device = next(self._value_head.parameters()).device
         out = []
         for chunk in chunks:
-            hidden = self._backbone(
+            last = self._backbone(
                 input_ids=chunk.input_ids.to(device),
                 attention_mask=chunk.model_mask(self._backbone.dtype, device),
                 position_ids=chunk.position_ids.to(device),
                 use_cache=False,
-            ).last_hidden_state[:, chunk.hidden_index.to(device)]
+            ).last_hidden_state
+            hidden = last[:, chunk.hidden_index.to(last.device)].to(head_device)
             out.append(chunk.to_rows(self._value_head(hidden.float()).squeeze(-1).cpu()))
         return torch.cat(out)
 

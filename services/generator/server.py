@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common import metrics
@@ -18,14 +19,48 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
+class ParallelismError(ValueError):
+    """The generator's parallelism settings do not fit the backend or the machine (a start-up error)."""
+
+
+def check_parallelism(tensor_parallel_size: int, data_parallel_size: int, backend: str, gpus: int) -> None:
+    """Reject, before any model is loaded, parallelism the backend or machine cannot run.
+
+    Raises:
+        ParallelismError: more than one GPU asked of the HF backend, or more GPUs than ``gpus`` visible ones;
+            the message names the settings and what the machine has.
+    """
+    needed = tensor_parallel_size * data_parallel_size
+    if needed == 1:
+        return
+    asked = f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} = {needed} GPUs"
+    if backend != "vllm":
+        raise ParallelismError(f"{asked}, but the {backend} backend runs one device; use backend vllm")
+    if needed > gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise ParallelismError(f"{asked}, but this machine has {gpus} visible{where}")
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def build_engine(settings: GeneratorSettings) -> GenerationEngine:
-    """Start the configured backend (``auto``: vLLM when importable, else HF) on the resolved model."""
+    """Start the configured backend (``auto``: vLLM when importable, else HF) on the resolved model.
+
+    Raises:
+        ParallelismError: see :func:`check_parallelism` (checked before anything is loaded).
+    """
     from services.generator.vllm_engine import VLLMEngine, engine_options, vllm_available
 
-    model = resolve_model(settings.model)
     backend = settings.backend
     if backend == "auto":
         backend = "vllm" if vllm_available() else "hf"
+    check_parallelism(settings.tensor_parallel_size, settings.data_parallel_size, backend, _visible_gpus())
+    model = resolve_model(settings.model)
     logger.info("starting the %s engine on %s", backend, model)
     if backend == "vllm":
         # every keyword of engine_options but the model is a generator setting of the same name

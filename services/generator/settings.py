@@ -30,6 +30,13 @@ class GeneratorSettings(GenerationLimits):
     enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (faster start, slower steps)")
     max_num_seqs: int | None = Field(None, ge=1, description="vLLM: most sequences per scheduler step (None: vLLM's default)")
     hf_max_batch_size: int = Field(32, ge=1, description="HF backend: sequences per generate() call")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="vLLM: GPUs one engine's weights are split over (Megatron-style tensor parallelism)"
+    )
+    data_parallel_size: int = Field(
+        1, ge=1, description="vLLM: engine copies inside this one replica, each on tensor_parallel_size GPUs "
+        "(a replica then needs tensor_parallel_size x data_parallel_size GPUs); more replicas scale the same way",
+    )
     weights_staging_dir: str | None = Field(
         None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
     )

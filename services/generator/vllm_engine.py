@@ -43,6 +43,8 @@ def engine_options(
     max_num_seqs: int | None = None,
     max_images_per_prompt: int = 8,
     max_videos_per_prompt: int = 2,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """vLLM engine arguments of the generator (``AsyncEngineArgs``/``LLM`` keywords); benchmarks build their
     in-process baseline from the same dict.
@@ -54,6 +56,8 @@ def engine_options(
         max_num_seqs: most sequences in one scheduler step (``None``: vLLM's default).
         max_images_per_prompt, max_videos_per_prompt: vLLM's ``limit_mm_per_prompt`` for a vision-language
             model (ignored for text-only ones).
+        tensor_parallel_size, data_parallel_size: GPUs per engine copy, engine copies (checked against the
+            machine first: :func:`services.generator.server.check_parallelism`).
     """
     options: dict[str, Any] = dict(
         model=model,
@@ -70,6 +74,10 @@ def engine_options(
     )
     if max_num_seqs is not None:
         options["max_num_seqs"] = max_num_seqs
+    if tensor_parallel_size > 1:
+        options["tensor_parallel_size"] = tensor_parallel_size
+    if data_parallel_size > 1:
+        options["data_parallel_size"] = data_parallel_size
     if is_vision_language(model):
         options["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": max_videos_per_prompt}
     from vllm.platforms import current_platform

@@ -163,3 +163,16 @@ def test_packing_benchmark_smoke(tiny_model_path):
     figures = packing.run(tiny_model_path, rows=4, max_response=12, micro_batch_size=2, repeats=1, dtype="float32")
     assert {"packed_vs_padded", "packing_padding_fraction", "packing_max_abs_logprob_diff"} <= set(figures)
     assert 0 < figures["packing_padding_fraction"] < 1 and figures["packing_max_abs_logprob_diff"] < 1e-4
+
+
+def test_a_device_map_places_the_models_through_accelerate_with_the_same_outputs(tiny_model_path, actor, tmp_path):
+    """``device_map`` (the experience service's setting for models larger than one GPU) loads through accelerate's
+    placement, here onto the only device there is; log-probs and critic values equal the whole-model ones."""
+    mapped = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu", device_map="auto")
+    rollout = _rollout()
+    expected = actor.action_log_probs(chunks(rollout, 2, packed=True))[0]
+    torch.testing.assert_close(mapped.action_log_probs(chunks(rollout, 2, packed=True))[0], expected)
+    folder = init_critic(tiny_model_path, tmp_path / "critic", dtype="float32")
+    whole = ValueModel.load(str(folder), dtype="float32", device="cpu").values(chunks(rollout, 2, packed=True))
+    spread = ValueModel.load(str(folder), dtype="float32", device="cpu", device_map="auto")
+    torch.testing.assert_close(spread.values(chunks(rollout, 2, packed=True)), whole)
