@@ -84,11 +84,13 @@ def _stream(address: str, problems, options: RequestOptions) -> dict:
     with ExperienceClient(address) as client:
         client.wait_until_ready(600)
         started = time.perf_counter()
-        first, tokens = None, 0
+        first, tokens, samples = None, 0, 0
         for experience in client.make_experiences(
             [list(p.messages) for p in problems], options, references=[p.reference for p in problems],
         ):
             first = first if first is not None else time.perf_counter() - started
             tokens += int(experience.response_length.sum())
+            samples += len(experience.response_length)
         seconds = time.perf_counter() - started
-    return {"seconds": seconds, "first_batch_s": first, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    return {"seconds": seconds, "first_batch_s": first, "tokens": tokens, "samples": samples,
+            "tokens_per_s": tokens / seconds}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,10 +25,29 @@ SERVICES = ("generator", "scorer", "experience")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port that was free a moment ago on ``host``, taken below the kernel's ephemeral range: the ports it
+    hands out to port-0 binds and outgoing connections (vLLM's engine opens several while it starts) come from that
+    range, so none of them can take this port before the service that was given it binds it, minutes later."""
+    low = _ephemeral_range_start()
+    for _ in range(200):
+        port = random.randint(max(1024, low - 16384), low - 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded low range: any free port
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range_start() -> int:
+    """The first port of Linux's ephemeral range (``net.ipv4.ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class ServicesNotReady(TimeoutError):
@@ -63,8 +83,9 @@ def log_tail(path: Path | None, lines: int = 20) -> str:
 class CoreSplit:
     """How a host without a GPU shares its cores between the generator's CPU engine and the experience service's
     forward passes when both run on it: the engine's OpenMP threads are bound to ``engine_cores`` (vLLM's
-    ``VLLM_CPU_OMP_THREADS_BIND``) and the forwards get ``forward_threads`` torch threads, so neither
-    oversubscribes the other's cores (forwards overlap generation instead of stealing its time slices)."""
+    ``VLLM_CPU_OMP_THREADS_BIND``; as many OpenMP threads for the HF backend) and the forwards get
+    ``forward_threads`` torch threads, so neither oversubscribes the other's cores (forwards overlap generation
+    instead of stealing its time slices)."""
 
     engine_cores: tuple[int, ...]
     forward_threads: int
@@ -83,7 +104,8 @@ class CoreSplit:
             size = max(1, len(self.engine_cores) // replicas)
             start = replica * size % len(self.engine_cores)
             mine = self.engine_cores[start : start + size]
-            return {"VLLM_CPU_OMP_THREADS_BIND": f"{mine[0]}-{mine[-1]}"}
+            # OMP_NUM_THREADS: the HF backend's torch threads (vLLM sets its own from the bind list)
+            return {"VLLM_CPU_OMP_THREADS_BIND": f"{mine[0]}-{mine[-1]}", "OMP_NUM_THREADS": str(len(mine))}
         if service == "experience":
             return {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(self.forward_threads)}
         return {}

@@ -256,8 +256,8 @@ class GeneratorFleet:
             if stream.taken_out is None:
                 raise  # the caller closed the generate call
             error = NotReady(f"generator {stream.replica.address} taken out: {stream.taken_out}")
-        except FastexpError as exc:
-            error = exc
+        except Exception as exc:  # noqa: BLE001 - every stream must end with _Ended, or generate() waits forever
+            error = exc  # a FastexpError is the replica's failure; anything else is raised by generate()
         events.put_nowait(_Ended(stream, error))
 
     def _account(self, stream: _SubStream, record: CompletionRecord) -> None:

@@ -223,10 +223,16 @@ class ReplicaSet:
             logger.warning("generator discovery failed (keeping %d known replicas): %s", len(self._replicas), error)
             return
         self._discovery_problem = "" if addresses else f"{', '.join(self.targets)} resolved to no address"
-        for address in sorted(addresses - self._replicas.keys()):
-            self._add(address)
+        for address in sorted(addresses):
+            replica = self._replicas.get(address)
+            if replica is None:
+                self._add(address)
+            elif replica.state is ReplicaState.DRAINING:  # back before it was closed: watch it again
+                replica.state = ReplicaState.CONNECTING
+                replica.watcher = asyncio.create_task(self._watch(replica), name=f"generator-replica-{address}")
         for address in sorted(self._replicas.keys() - addresses):
-            self._drain(self._replicas[address])
+            if self._replicas[address].state is not ReplicaState.DRAINING:
+                self._drain(self._replicas[address])
 
     def _add(self, address: str) -> None:
         replica = Replica(address, self._connect(address))
@@ -247,10 +253,11 @@ class ReplicaSet:
         asyncio.create_task(self._close_when_idle(replica), name=f"drain-{replica.address}")
 
     async def _close_when_idle(self, replica: Replica) -> None:
-        while replica.streams:
+        while replica.streams and replica.state is ReplicaState.DRAINING:
             await asyncio.sleep(0.5)
-        if self._replicas.get(replica.address) is replica:
-            del self._replicas[replica.address]
+        if replica.state is not ReplicaState.DRAINING:
+            return  # discovered again meanwhile: it stays
+        del self._replicas[replica.address]
         for gauge in (metrics.GENERATOR_REPLICA_UP, metrics.GENERATOR_REPLICA_IN_FLIGHT,
                       metrics.GENERATOR_REPLICA_VERSION):
             with contextlib.suppress(KeyError):

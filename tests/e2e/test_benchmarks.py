@@ -15,7 +15,7 @@ FIGURES = {
     "generator_service_vs_inprocess_vllm", "first_batch_vs_last", "experience_overhead_vs_generation",
     "stream_vs_raw_bytes", "vllm_vs_hf", "packed_vs_padded", "gae_vectorized_speedup", "gae_max_abs_error",
     "stream_vs_generation", "stream_skip_actor_vs_generation", "stream_lean_vs_generation",
-    "reference_free_vs_with_reference",
+    "reference_free_vs_with_reference", "fleet_two_vs_one_replica",
 }
 
 
@@ -33,3 +33,6 @@ def test_benchmarks_run_and_write_every_figure(tmp_path):
         run.SMALL_WORKLOAD.num_prompts * run.SMALL_WORKLOAD.n_samples_per_prompt * run.SMALL_WORKLOAD.max_new_tokens
     )
     assert "| first_batch_vs_last |" in (tmp_path / "results.md").read_text()
+    fleet = results["fleet_inputs"]  # both fleet runs streamed every sample
+    expected = run.SMALL_FLEET_WORKLOAD.num_prompts * run.SMALL_FLEET_WORKLOAD.n_samples_per_prompt
+    assert all(r["samples"] == expected for r in fleet.values()), fleet

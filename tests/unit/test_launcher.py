@@ -11,7 +11,8 @@ from fastexp.launcher import CoreSplit
 def test_half_the_cores_go_to_the_engine_and_the_rest_to_the_forwards(cores, engine, threads):
     split = CoreSplit.for_host(cores)
     assert split.engine_cores == engine and split.forward_threads == threads
-    assert split.environment("generator") == {"VLLM_CPU_OMP_THREADS_BIND": f"0-{engine[-1]}"}
+    assert split.environment("generator") == {"VLLM_CPU_OMP_THREADS_BIND": f"0-{engine[-1]}",
+                                              "OMP_NUM_THREADS": str(len(engine))}
     assert split.environment("experience") == {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(threads)}
     assert split.environment("scorer") == {}
 
@@ -24,3 +25,13 @@ def test_half_the_cores_go_to_the_engine_and_the_rest_to_the_forwards(cores, eng
 def test_generator_replicas_get_equal_blocks_of_the_engine_cores(engine, replicas, binds):
     split = CoreSplit(engine, 1)
     assert [split.environment("generator", i, replicas)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(replicas)] == binds
+
+
+def test_ports_for_services_come_from_below_the_ephemeral_range():
+    """Ports the kernel hands out to other processes meanwhile (vLLM's engine opens several while it starts) come
+    from the ephemeral range; a service's port from below it cannot be taken by them before the service binds."""
+    from fastexp.launcher import _ephemeral_range_start, free_port
+
+    low = _ephemeral_range_start()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports)
