@@ -152,16 +152,19 @@ def health(
 def up(
     config: ConfigOption = None,
     backend: Annotated[Backend, typer.Option(help="generator engine backend")] = Backend.auto,
-    base_port: Annotated[int, typer.Option(help="generator port; scorer +1, experience +2")] = 50051,
+    base_port: Annotated[int, typer.Option(help="generator port; scorer +1, experience +2, more replicas +3, ...")] = 50051,
+    generator_replicas: Annotated[int, typer.Option(min=1, help="generator replicas (a fleet; each its own port)")] = 1,
 ) -> None:
-    """Run generator, scorer and experience as local processes until Ctrl-C."""
+    """Run generator(s), scorer and experience as local processes until Ctrl-C."""
     import signal
 
     from fastexp.launcher import SERVICES, LocalCluster
 
     _logging("INFO")
     ports = {name: base_port + i for i, name in enumerate(SERVICES)}
-    with LocalCluster(ports=ports, config_file=config, overrides={"generator": {"backend": backend.value}}) as c:
+    ports |= {f"generator-{i}": base_port + 2 + i for i in range(1, generator_replicas)}
+    overrides = {"generator": {"backend": backend.value}}
+    with LocalCluster(ports=ports, config_file=config, overrides=overrides, generator_replicas=generator_replicas) as c:
         typer.echo(f"experience service ready at {c.address('experience')} (Ctrl-C stops)")
         # Blocked only now, after the children were started, so they keep their default signal handling.
         stop_signals = {signal.SIGINT, signal.SIGTERM}

@@ -85,10 +85,14 @@ class CoreSplit:
     forward passes when both run on it: the engine's OpenMP threads are bound to ``engine_cores`` (vLLM's
     ``VLLM_CPU_OMP_THREADS_BIND``; as many OpenMP threads for the HF backend) and the forwards get
     ``forward_threads`` torch threads, so neither oversubscribes the other's cores (forwards overlap generation
-    instead of stealing its time slices)."""
+    instead of stealing its time slices). ``pin_generators``: also confine each generator's whole process tree
+    (server, vLLM's scheduler and workers) to its cores with CPU affinity; otherwise only the model's threads are
+    bound and vLLM's scheduler process runs on any core (what a one-replica host wants: it keeps the model's core
+    for the model)."""
 
     engine_cores: tuple[int, ...]
     forward_threads: int
+    pin_generators: bool = False
 
     @classmethod
     def for_host(cls, cores: int) -> CoreSplit:
@@ -96,14 +100,18 @@ class CoreSplit:
         engine = max(1, cores // 2)
         return cls(tuple(range(engine)), max(1, cores - engine))
 
-    def environment(self, service: str, replica: int = 0, replicas: int = 1) -> dict[str, str]:
-        """Variables for ``service``'s process (a variable already set, or a settings override, wins). With
-        several generator replicas the engine cores are split into equal blocks, one per replica (replicas share
+    def generator_cores(self, replica: int = 0, replicas: int = 1) -> tuple[int, ...]:
+        """Generator ``replica``'s cores: the engine cores split into equal blocks, one per replica (replicas share
         blocks round-robin when there are fewer cores than replicas)."""
+        size = max(1, len(self.engine_cores) // replicas)
+        start = replica * size % len(self.engine_cores)
+        return self.engine_cores[start : start + size]
+
+    def environment(self, service: str, replica: int = 0, replicas: int = 1) -> dict[str, str]:
+        """Variables for ``service``'s process (a variable already set, or a settings override, wins); generator
+        replica ``replica`` of ``replicas`` gets :meth:`generator_cores`."""
         if service == "generator":
-            size = max(1, len(self.engine_cores) // replicas)
-            start = replica * size % len(self.engine_cores)
-            mine = self.engine_cores[start : start + size]
+            mine = self.generator_cores(replica, replicas)
             # OMP_NUM_THREADS: the HF backend's torch threads (vLLM sets its own from the bind list)
             return {"VLLM_CPU_OMP_THREADS_BIND": f"{mine[0]}-{mine[-1]}", "OMP_NUM_THREADS": str(len(mine))}
         if service == "experience":
@@ -259,9 +267,12 @@ class LocalCluster:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             stdout = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        pinned = None
+        if kind == "generator" and self.core_split is not None and self.core_split.pin_generators:
+            pinned = set(self.core_split.generator_cores(replica, self.generator_replicas))
         self.processes[name] = subprocess.Popen(
             command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=None if pinned is None else lambda: os.sched_setaffinity(0, pinned),
         )
         logger.info("started %s on %s (pid %d)", name, self.address(name), self.processes[name].pid)
 

@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common import metrics
 from services.common.deadlines import Deadline
@@ -43,7 +43,7 @@ from services.experience.replicas import (
     WeightSource,
     resolve_targets,
 )
-from services.experience.routing import GroupWork, assign_groups, group_work
+from services.experience.routing import GroupWork, group_work, place_groups
 from services.experience.upstream import GeneratorInfo
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,46 @@ class _Record:
 class _Ended:
     stream: _SubStream
     error: BaseException | None
+
+
+#: How often groups waiting for room (``max_samples_in_flight``) held by other streams look again (seconds).
+PLACE_RETRY_S = 0.1
+
+
+@dataclass(eq=False)
+class _Call:
+    """One ``generate`` call's groups: pending (not placed), on a replica, whole (yielded)."""
+
+    request: GenerationRequest
+    deadline: Deadline
+    works: list[GroupWork]
+    events: asyncio.Queue[_Record | _Ended] = field(default_factory=asyncio.Queue)
+    streams: set[_SubStream] = field(default_factory=set)
+    groups: dict[int, list[CompletionRecord]] = field(default_factory=dict)  # samples so far, by prompt index
+    excluded: set[str] = field(default_factory=set)  # replicas that failed this call
+    pending: list[int] = field(default_factory=list)
+    unfinished: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.pending = list(range(len(self.request.prompts)))
+        self.unfinished = set(self.pending)
+
+    def receive(self, record: CompletionRecord) -> list[CompletionRecord]:
+        """Hold ``record``; the group's n completions in sample order once it is whole, else []."""
+        group = self.groups.setdefault(record.prompt_index, [])
+        group.append(record)
+        if len(group) < self.request.n_samples_per_prompt:
+            return []
+        del self.groups[record.prompt_index]
+        self.unfinished.discard(record.prompt_index)
+        return sorted(group, key=lambda c: c.sample_index)
+
+    def reroute(self, lost: Sequence[int], failed: str) -> None:
+        """``lost`` groups' replica failed: drop their samples so far, place them again elsewhere first."""
+        for index in lost:
+            self.groups.pop(index, None)
+        self.pending = [*lost, *self.pending]
+        self.excluded.add(failed)
 
 
 
@@ -150,84 +190,78 @@ class GeneratorFleet:
             InvalidRequest: a replica rejected the request (every replica would).
             UpstreamTimeout: the request's deadline passed.
         """
-        n, max_tokens = request.n_samples_per_prompt, request.sampling.max_new_tokens
-        works = [group_work(prompt, n, max_tokens) for prompt in request.prompts]
-        events: asyncio.Queue[_Record | _Ended] = asyncio.Queue()
-        streams: set[_SubStream] = set()
-        groups: dict[int, list[CompletionRecord]] = {}
-        unfinished = set(range(len(request.prompts)))
+        call = _Call(request, deadline, [group_work(p, request.n_samples_per_prompt, request.sampling.max_new_tokens)
+                                         for p in request.prompts])
         try:
-            self._dispatch(request, sorted(unfinished), works, streams, events, deadline, exclude=set())
-            while unfinished:
-                event = await events.get()
+            self._dispatch(call)
+            while call.unfinished:
+                try:
+                    event = await asyncio.wait_for(call.events.get(), None if not call.pending else PLACE_RETRY_S)
+                except TimeoutError:  # groups wait for room that other streams hold: look again
+                    self._dispatch(call)
+                    continue
                 if isinstance(event, _Record):
                     self._account(event.stream, event.record)
-                    record = event.record
-                    group = groups.setdefault(record.prompt_index, [])
-                    group.append(record)
-                    if len(group) == n:
-                        del groups[record.prompt_index]
-                        unfinished.discard(record.prompt_index)
-                        for completion in sorted(group, key=lambda c: c.sample_index):
-                            yield completion
+                    for completion in call.receive(event.record):
+                        yield completion
+                    if call.pending and event.record.prompt_index not in call.groups:  # a group done: room
+                        self._dispatch(call)
                     continue
                 stream = event.stream
-                self._end(stream, streams)
-                lost = [i for i in stream.indices if i in unfinished]
+                self._end(stream, call.streams)
+                lost = [i for i in stream.indices if i in call.unfinished]
                 if event.error is None and not lost:
+                    self._dispatch(call)
                     continue
                 error = event.error or NotReady(f"generator {stream.replica.address}: its stream ended early")
                 if not self._reroutable(error, deadline):
                     raise error
                 if stream.taken_out is None and not isinstance(error, Overloaded):
                     self.members.take_out(stream.replica, ReplicaState.DOWN, f"Generate failed: {error}")
-                for index in lost:
-                    groups.pop(index, None)
+                call.reroute(lost, stream.replica.address)
                 metrics.REROUTED_GROUPS.labels(stream.replica.address).inc(len(lost))
                 logger.warning("%s: %d groups rerouted from generator %s (%s)", request.request_id, len(lost),
                                stream.replica.address, stream.taken_out or error)
                 yield Rerouted(len(lost), stream.replica.address, str(stream.taken_out or error))
-                self._dispatch(request, lost, works, streams, events, deadline, exclude={stream.replica.address})
+                self._dispatch(call)
         finally:
-            for stream in streams:
+            for stream in call.streams:
                 if stream.task is not None:
                     stream.task.cancel()
-            await asyncio.gather(*(s.task for s in streams if s.task is not None), return_exceptions=True)
-            for stream in list(streams):
-                self._end(stream, streams)
+            await asyncio.gather(*(s.task for s in call.streams if s.task is not None), return_exceptions=True)
+            for stream in list(call.streams):
+                self._end(stream, call.streams)
 
-    def _dispatch(
-        self,
-        request: GenerationRequest,
-        indices: Sequence[int],
-        works: Sequence[GroupWork],
-        streams: set[_SubStream],
-        events: asyncio.Queue[_Record | _Ended],
-        deadline: Deadline,
-        exclude: set[str],
-    ) -> None:
-        """Route ``indices``' groups and start one stream per chosen replica.
+    def _dispatch(self, call: _Call) -> None:
+        """Place the call's pending groups on replicas with room and start one stream per replica used.
 
         Raises:
-            NotReady: no routable replica (besides ``exclude``).
+            NotReady: no routable replica (besides those that failed this call) while groups are pending.
         """
-        candidates = {r.address: r for r in self.replicas if self.members.routable(r) and r.address not in exclude}
+        if not call.pending:
+            return
+        candidates = {r.address: r for r in self.replicas
+                      if self.members.routable(r) and r.address not in call.excluded}
         if not candidates:
-            raise NotReady(f"no generator replica left for {len(indices)} prompt groups: {self.members.describe()}")
-        chosen = assign_groups(
-            {address: r.outstanding_tokens for address, r in candidates.items()},
-            [works[i] for i in indices],
+            raise NotReady(
+                f"no generator replica left for {len(call.pending)} prompt groups: {self.members.describe()}"
+            )
+        request, n = call.request, call.request.n_samples_per_prompt
+        chosen = place_groups(
+            {a: r.outstanding_tokens for a, r in candidates.items()},
+            {a: r.in_flight_samples for a, r in candidates.items()},
+            [call.works[i] for i in call.pending], n, self.members.settings.max_samples_in_flight,
             lambda group: [a for a, r in candidates.items() if r.warm(group.prefix_key)],
         )
         per_replica: dict[str, list[int]] = {}
-        for index, address in zip(indices, chosen, strict=True):
-            per_replica.setdefault(address, []).append(index)
+        for index, address in zip(call.pending, chosen, strict=True):
+            if address is not None:
+                per_replica.setdefault(address, []).append(index)
+        call.pending = [i for i, address in zip(call.pending, chosen, strict=True) if address is None]
         for address, part in per_replica.items():
             replica = candidates[address]
-            samples = len(part) * request.n_samples_per_prompt
-            stream = _SubStream(
-                replica, tuple(part), sum(works[i].tokens for i in part), request.sampling.max_new_tokens, samples
-            )
+            stream = _SubStream(replica, tuple(part), sum(call.works[i].tokens for i in part),
+                                request.sampling.max_new_tokens, len(part) * n)
             sub = dataclasses.replace(
                 request,
                 request_id=f"{request.request_id}-s{next(self._stream_ids)}",
@@ -235,12 +269,13 @@ class GeneratorFleet:
                 media=tuple(request.media[i] for i in part) if request.media else (),
             )
             for i in part:
-                replica.remember(works[i].prefix_key, self.members.settings.affinity_entries)
+                replica.remember(call.works[i].prefix_key, self.members.settings.affinity_entries)
             replica.outstanding_tokens += stream.reserved_tokens
-            replica.in_flight_samples += samples
+            replica.in_flight_samples += stream.samples_left
             replica.streams.add(stream)
-            streams.add(stream)
-            stream.task = asyncio.create_task(self._stream(stream, sub, events, deadline), name=sub.request_id)
+            call.streams.add(stream)
+            stream.task = asyncio.create_task(self._stream(stream, sub, call.events, call.deadline),
+                                              name=sub.request_id)
 
     async def _stream(
         self, stream: _SubStream, sub: GenerationRequest, events: asyncio.Queue[_Record | _Ended], deadline: Deadline

@@ -87,7 +87,9 @@ class FleetSettings:
     ``probe``: probe deadline, interval while up, backoff while down; ``down_after_failures``: failed probes in a
     row that take a serving replica out; ``discovery_interval_s``: how often ``dns:///`` targets are resolved
     again; ``affinity_entries``: prompts remembered per replica for prefix affinity; ``sync_timeout_s``: deadline
-    of sending the current weights to a replica.
+    of sending the current weights to a replica; ``max_samples_in_flight``: most samples one replica runs for this
+    service at once (its engine's batch capacity, e.g. vLLM's ``max_num_seqs``), so groups wait in the fleet and
+    go to whichever replica frees up first (``None``: every group is placed at once).
     """
 
     probe: ProbeSettings = ProbeSettings()
@@ -95,6 +97,7 @@ class FleetSettings:
     discovery_interval_s: float = 10.0
     affinity_entries: int = 4096
     sync_timeout_s: float = 600.0
+    max_samples_in_flight: int | None = None
 
 
 @dataclass(eq=False)

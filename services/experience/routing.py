@@ -14,6 +14,11 @@ prefix-cache hit (resampled groups, a prompt sent again by the next step). The r
 to the smaller outstanding work, then to the name (deterministic). So affinity breaks near-ties, worth at most
 the prefill it saves, and never sends work to a replica that is busier by more than that (sglang-router's
 cache-aware policy, with its balance threshold set to one prompt's prefill).
+
+With a cap on the samples a replica runs at once (``max_samples_in_flight``, the engine's batch capacity), a group
+goes only to a replica with room for its n samples (or to an idle one, whatever n), and waits otherwise: groups
+are then placed as replicas free up, which keeps every replica busy to the end of a round instead of fixing the
+split up front (a replica that drew the long answers would finish last while the other idles).
 """
 
 from __future__ import annotations
@@ -69,18 +74,47 @@ def assign_groups(
     warm: Callable[[GroupWork], Collection[str]] = lambda group: (),
 ) -> list[str]:
     """A replica for each of ``groups``, in order, each choice counting the work of the ones before it (and
-    making its replica warm for that prompt).
+    making its replica warm for that prompt): :func:`place_groups` without a cap.
 
     Raises:
         ValueError: ``outstanding`` is empty.
     """
-    load = dict(outstanding)
+    if not outstanding:
+        raise ValueError("no replica to route to")
+    chosen = place_groups(outstanding, dict.fromkeys(outstanding, 0), groups, 1, None, warm)
+    return [name for name in chosen if name is not None]
+
+
+def place_groups(
+    outstanding: Mapping[str, int],
+    in_flight: Mapping[str, int],
+    groups: Sequence[GroupWork],
+    samples_per_group: int,
+    max_samples_in_flight: int | None,
+    warm: Callable[[GroupWork], Collection[str]] = lambda group: (),
+) -> list[str | None]:
+    """A replica for each of ``groups`` in order, or ``None`` for a group no replica has room for now.
+
+    ``outstanding``: each replica's outstanding tokens; ``in_flight``: the samples it runs now. A replica has room
+    for a group while ``in_flight + samples_per_group <= max_samples_in_flight`` (``None``: always), or when idle.
+    Each placement counts toward the next ones (work, samples, and warmth for its prompt).
+    """
+    load, running = dict(outstanding), dict(in_flight)
     placed: dict[str, set[str]] = {}  # prefix key -> replicas given that prompt here
-    chosen = []
+    chosen: list[str | None] = []
     for group in groups:
+        roomy = {
+            name: load[name] for name in load
+            if max_samples_in_flight is None or running[name] == 0
+            or running[name] + samples_per_group <= max_samples_in_flight
+        }
+        if not roomy:
+            chosen.append(None)
+            continue
         holders = set(warm(group)) | placed.get(group.prefix_key, set())
-        name = choose_replica(load, group, holders)
+        name = choose_replica(roomy, group, holders)
         load[name] += group.decode_tokens + (0 if name in holders else group.prompt_tokens)
+        running[name] += samples_per_group
         placed.setdefault(group.prefix_key, set()).add(name)
         chosen.append(name)
     return chosen

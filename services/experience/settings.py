@@ -33,6 +33,11 @@ class ExperienceSettings(GenerationLimits):
         "the environment. Empty: generator_address alone",
     )
     generator_discovery_interval_s: float = Field(10.0, gt=0, description="how often dns:/// generator targets are resolved again")
+    generator_max_samples_in_flight: int | None = Field(
+        None, ge=1, description="most samples one generator replica runs for this service at once (its engine's "
+        "batch capacity, e.g. vLLM's max_num_seqs): further groups wait and go to the replica that frees up first, "
+        "which keeps replicas busy to the end of a round (None: all of a round's groups are placed at once)",
+    )
     generator_down_after_failures: int = Field(
         2, ge=1, description="failed probes in a row that take a serving generator replica out (its work is rerouted)"
     )
@@ -99,6 +104,7 @@ class ExperienceSettings(GenerationLimits):
         return FleetSettings(
             probe=self.probe_settings(), down_after_failures=self.generator_down_after_failures,
             discovery_interval_s=self.generator_discovery_interval_s, sync_timeout_s=self.update_weights_timeout_s,
+            max_samples_in_flight=self.generator_max_samples_in_flight,
         )
 
     def probe_settings(self) -> ProbeSettings:

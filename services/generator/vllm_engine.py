@@ -8,6 +8,7 @@ and prefix caching shares the prompt's KV cache across the samples of a group.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -174,7 +175,9 @@ class VLLMEngine(TokenizerEngine):
             assert final is not None, "vLLM returned no output"
             if media is not None:
                 prompt_ids = tuple(int(t) for t in final.prompt_token_ids)
-            await queue.put(_to_record(final, prompt_index, sample_index, prompt_ids, version))
+            record = _to_record(final, prompt_index, sample_index, prompt_ids, version)
+            text = self._tokenizer.decode(record.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+            await queue.put(dataclasses.replace(record, text=text))
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # surfaced to the consumer
@@ -229,6 +232,7 @@ def _sampling_params(options: SamplingOptions, sample_index: int) -> Any:
         skip_special_tokens=options.skip_special_tokens,
         seed=None if options.seed is None else options.seed + sample_index,
         logprobs=0,
+        detokenize=False,  # decoded once at the end (_to_record): per-step detokenizing costs the engine's CPU
         output_kind=RequestOutputKind.FINAL_ONLY,
         extra_args=(
             None if options.first_token_temperature is None

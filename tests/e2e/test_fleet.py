@@ -35,7 +35,7 @@ def fleet(tiny_model_path, tmp_path_factory):
         "experience": {
             "actor_model": tiny_model_path, "reference_model": tiny_model_path, "dtype": "float32",
             "torch_threads": 1, "metrics_port": metrics_port, "upstream_probe_interval_s": 0.5,
-            "upstream_backoff_max_s": 1.0, "generator_down_after_failures": 1,
+            "upstream_backoff_max_s": 1.0, "generator_down_after_failures": 1, "generator_max_samples_in_flight": 4,
         },
     }
     cluster = LocalCluster(

@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.experience.routing import GroupWork, assign_groups, choose_replica, group_work, prefix_key
+from services.experience.routing import (
+    GroupWork,
+    assign_groups,
+    choose_replica,
+    group_work,
+    place_groups,
+    prefix_key,
+)
 
 
 def _group(key: str = "k", prompt: int = 100, decode: int = 400) -> GroupWork:
@@ -76,3 +83,14 @@ def test_without_affinity_the_spread_never_exceeds_one_group(loads, decodes):
     largest = max(g.tokens for g in groups)
     for name in set(chosen):
         assert final[name] - min(final.values()) <= largest
+
+
+def test_with_a_cap_groups_wait_for_room_and_an_idle_replica_takes_any_group():
+    groups = [_group(f"p{i}", prompt=0, decode=100) for i in range(5)]
+    # cap 8 samples, 4 per group: each replica takes two groups now, the fifth waits
+    assert place_groups({"a": 0, "b": 0}, {"a": 0, "b": 0}, groups, 4, 8) == ["a", "b", "a", "b", None]
+    # a replica already running 6 samples has no room for 4 more; the idle one takes groups bigger than the cap
+    assert place_groups({"a": 0, "b": 0}, {"a": 6, "b": 0}, groups[:2], 4, 3) == ["b", None]
+    assert place_groups({"a": 0}, {"a": 0}, groups[:1], 16, 8) == ["a"]
+    # without a cap it is assign_groups
+    assert place_groups({"a": 0, "b": 0}, {"a": 0, "b": 0}, groups, 4, None) == assign_groups({"a": 0, "b": 0}, groups)
