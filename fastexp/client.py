@@ -74,6 +74,8 @@ class ExperienceClient:
         #: ``fastexp-*`` trailing metadata of the last finished stream as ints, e.g. ``dropped-groups``,
         #: ``generation-rounds`` (dynamic sampling drops after the last batch are only counted here).
         self.last_stream_stats: dict[str, int] = {}
+        #: Multi-turn groups the last stream could not deliver (an episode failed in its environment): send again.
+        self.last_failed_prompt_indices: list[int] = []
 
     def make_experiences(
         self, prompts: Sequence[PromptLike], options: RequestOptions | None = None, **columns_and_overrides: Any
@@ -90,15 +92,17 @@ class ExperienceClient:
         stream = self._stub.MakeExperiences(
             build_request(prompts, options, **columns_and_overrides), timeout=self._timeout_s, metadata=self._metadata
         )
-        self.last_stream_stats = {}
+        self.last_stream_stats, self.last_failed_prompt_indices = {}, []
         try:
             for message in stream:
                 yield experience_from_pb(message)
+            trailers = dict(stream.trailing_metadata() or ())
             self.last_stream_stats = {
                 key.removeprefix("fastexp-"): int(value)
-                for key, value in stream.trailing_metadata() or ()
-                if key.startswith("fastexp-")
+                for key, value in trailers.items() if key.startswith("fastexp-") and value.isdigit()
             }
+            failed = trailers.get("fastexp-failed-prompt-indices", "")
+            self.last_failed_prompt_indices = [int(i) for i in failed.split(",")] if failed else []
         finally:
             stream.cancel()
 

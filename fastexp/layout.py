@@ -94,6 +94,7 @@ EXPERIENCE_LAYOUT: Mapping[str, FieldLayout] = MappingProxyType({
     "resampled_groups": FieldLayout(Kind.SCALAR, first_batch_only=True),
     "vision": FieldLayout(Kind.VISION, optional=True),
     "repaired_vision_tokens": FieldLayout(Kind.SCALAR, first_batch_only=True),
+    "num_turns": FieldLayout(Kind.ROW),
 })
 
 if tuple(EXPERIENCE_LAYOUT) != Experience._fields:  # one edit forgotten: fail at import, not in a stream

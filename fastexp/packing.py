@@ -3,7 +3,8 @@
 Packed (OpenRLHF's ``packing_samples`` convention): ``sequences``/``attention_mask`` (1, T), T = sum of
 ``total_length``, rows concatenated without padding and ``attention_mask`` = row index + 1 on each row's tokens;
 ``packed_seq_lens`` (B,) = ``total_length``; every per-action tensor (1, N), N = sum of ``response_length``, the
-rows' response tokens in row order; ``action_mask`` (1, N) all true. Per-row tensors (reward, lengths) keep (B,).
+rows' response tokens in row order; ``action_mask`` (1, N) true on the model's sampled tokens (all true but for
+the observation tokens of multi-turn episodes). Per-row tensors (reward, lengths) keep (B,).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def pack_experience(experience: Experience) -> Experience:
         return experience
     keep = experience.attention_mask.bool()
     row_ids = torch.arange(1, keep.shape[0] + 1, dtype=torch.int64).unsqueeze(1).expand_as(keep)
-    mask = experience.action_mask
+    num_actions = experience.action_mask.shape[1]
+    mask = torch.arange(num_actions).unsqueeze(0) < experience.response_length.unsqueeze(1)  # response positions
     packed = {
         name: None if getattr(experience, name) is None else getattr(experience, name)[mask].unsqueeze(0)
         for name in ACTION_FIELDS
@@ -52,7 +54,7 @@ def unpack_experience(experience: Experience, pad_token_id: int) -> Experience:
     prompt_width = int(prompts.max()) if batch else 0
     sequences = torch.full((batch, prompt_width + num_actions), pad_token_id, dtype=torch.int64)
     attention_mask = torch.zeros_like(sequences)
-    action_mask = torch.arange(num_actions).unsqueeze(0) < responses.unsqueeze(1)
+    positions = torch.arange(num_actions).unsqueeze(0) < responses.unsqueeze(1)
     tokens = experience.sequences[0].split(total.tolist())
     for row, piece in enumerate(tokens):
         p, t = int(prompts[row]), int(responses[row])
@@ -61,12 +63,9 @@ def unpack_experience(experience: Experience, pad_token_id: int) -> Experience:
     unpacked: dict[str, torch.Tensor | None] = {}
     for name in ACTION_FIELDS:
         value = getattr(experience, name)
-        if value is None or name == "action_mask":
+        if value is None:
             continue
         padded = torch.zeros((batch, num_actions), dtype=value.dtype)
-        padded[action_mask] = value[0]
+        padded[positions] = value[0]
         unpacked[name] = padded
-    return experience._replace(
-        sequences=sequences, attention_mask=attention_mask, action_mask=action_mask, packed_seq_lens=None,
-        **unpacked,
-    )
+    return experience._replace(sequences=sequences, attention_mask=attention_mask, packed_seq_lens=None, **unpacked)

@@ -72,6 +72,9 @@ class RequestOptions:
     partial_rollout: Literal["finish", "abort"] = "finish"  # generations in flight across a policy update
     normalization_scope: Literal["batch", "rollout"] = "batch"  # what advantages_norm / running norm cover
     skip_actor_forward: bool = False  # action_log_probs = the generator's (rollout_log_probs): no actor forward
+    environment: str = ""  # multi-turn: each sample an episode in the scorer's environment of this name
+    max_turns: int = 0  # model turns per episode (0: the service's default, 4)
+    max_total_tokens: int = 0  # response tokens per episode, turns and observations (0: the model's length)
     request_id: str = ""  # names the stream in the services' logs (else the x-request-id metadata, else new)
 
     def __post_init__(self) -> None:
@@ -198,6 +201,7 @@ def _message_fields(o: RequestOptions) -> dict[str, Any]:
         ),
         run_id=o.run_id, return_action_entropy=o.return_action_entropy, packing_samples=o.packing_samples,
         return_packed=o.return_packed, max_staleness=o.max_staleness, skip_actor_forward=o.skip_actor_forward,
+        environment=o.environment, max_turns=o.max_turns, max_total_tokens=o.max_total_tokens,
         partial_rollout=experience_pb2.PartialRollout.Value(f"PARTIAL_ROLLOUT_{o.partial_rollout.upper()}"),
         normalization_scope=experience_pb2.NormalizationScope.Value(
             f"NORMALIZATION_SCOPE_{o.normalization_scope.upper()}"

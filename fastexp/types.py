@@ -74,6 +74,7 @@ class Rollout(NamedTuple):
     vision: VisionInputs | None = None  # the rows' images/videos (None: every row is text-only)
     repaired_vision_tokens: int = 0  # sampled placeholder tokens replaced by the pad token in `sequences`
     vision_prompt_mismatches: int = 0  # rows whose generator prompt ids differed from the processor's
+    num_turns: tuple[int, ...] = ()  # (B,) model turns per row (multi-turn episodes; 1 otherwise)
 
 
 class Experience(NamedTuple):
@@ -112,6 +113,7 @@ class Experience(NamedTuple):
     resampled_groups: int = 0  # groups resampled since the previous batch (too stale, or aborted by an update)
     vision: VisionInputs | None = None  # pixel patches and grids of the rows' images/videos, in row order
     repaired_vision_tokens: int = 0  # sampled placeholder tokens replaced by the pad token (vision.repair_placeholders)
+    num_turns: tuple[int, ...] = ()  # (B,) model turns per row: the maximal runs of action_mask (see turn_spans)
 
 
 class ForwardOutputs(NamedTuple):
@@ -121,3 +123,22 @@ class ForwardOutputs(NamedTuple):
     base_action_log_probs: torch.Tensor | None  # reference log-probs (nats); None when no reference ran
     values: torch.Tensor | None = None  # critic values, when a critic runs
     action_entropy: torch.Tensor | None = None  # actor entropy (nats), on request
+
+
+def turn_spans(action_mask_row: torch.Tensor) -> list[tuple[int, int]]:
+    """The model turns of one row as ``[start, end)`` action positions: the maximal runs of ``action_mask`` true
+    (in a multi-turn episode the observations between turns are false; single-turn rows have one span).
+
+    Shape:
+        action_mask_row: (A,) bool, one row of ``Experience.action_mask`` (padded layout).
+    """
+    spans, start = [], None
+    for position, on in enumerate(action_mask_row.tolist()):
+        if on and start is None:
+            start = position
+        elif not on and start is not None:
+            spans.append((start, position))
+            start = None
+    if start is not None:
+        spans.append((start, len(action_mask_row)))
+    return spans

@@ -39,6 +39,12 @@ class RewardFailed(FastexpError):
     """
 
 
+class EpisodeFailed(FastexpError):
+    """A multi-turn episode failed in its environment (a step raised or ran past its deadline, or the session is
+    gone because the environment service restarted); the message names the environment (ABORTED). Only that
+    episode is lost."""
+
+
 class StreamFailed(FastexpError):
     """A stream failed after delivering some prompt groups; it has its ``cause``'s status code. The message and
     ``undelivered`` list the prompt indices that were not delivered (nor dropped by dynamic sampling), which is

@@ -44,7 +44,8 @@ class CompletionRecord:
     """One finished sample.
 
     ``output_log_probs`` is float32 ``(T,)``, ``T = len(output_token_ids)``: the log-prob (nats) of each sampled
-    token under the engine's raw, untempered next-token distribution (vLLM's ``raw_logprobs`` mode).
+    token under the engine's raw, untempered next-token distribution (vLLM's ``raw_logprobs`` mode). A multi-turn
+    episode is one record too: see ``action_mask``.
     """
 
     prompt_index: int
@@ -55,3 +56,8 @@ class CompletionRecord:
     finish_reason: FinishReason
     text: str
     policy_version: int
+    # Multi-turn episodes (services.experience.episodes): output_token_ids are the whole episode after the prompt,
+    # model turns and the environment's observations; action_mask is 1 on the model's sampled tokens, 0 on
+    # observation tokens (output_log_probs 0 there). None: every output token is the model's (one turn).
+    action_mask: tuple[int, ...] | None = None
+    num_turns: int = 1

@@ -114,10 +114,11 @@ class ServerSettings(Protocol):
 
 
 async def start_service(
-    settings: ServerSettings, service_name: str, register: Callable[[grpc.aio.Server], None]
+    settings: ServerSettings, service_name: str | Sequence[str], register: Callable[[grpc.aio.Server], None]
 ) -> RunningServer:
-    """:func:`create_server` for one fastexp service from its settings (address, message limit, TLS, tokens);
-    health is NOT_SERVING until the caller's :meth:`RunningServer.set_serving`.
+    """:func:`create_server` for one fastexp service (or several sharing a process: the scorer serves scoring
+    and environments) from its settings (address, message limit, TLS, tokens); health is NOT_SERVING until the
+    caller's :meth:`RunningServer.set_serving`.
 
     Raises:
         RuntimeError: the address could not be bound. SecurityConfigError: a TLS or token file is unusable.
@@ -126,7 +127,7 @@ async def start_service(
         host=settings.host,
         port=settings.port,
         register=register,
-        service_names=[service_name],
+        service_names=[service_name] if isinstance(service_name, str) else list(service_name),
         max_message_bytes=settings.max_message_bytes,
         tls=settings.server_tls(),
         auth=settings.auth(),

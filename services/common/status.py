@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from services.common.errors import (
+    EpisodeFailed,
     FastexpError,
     InvalidRequest,
     NotReady,
@@ -34,6 +35,7 @@ STATUS_CODES: dict[type[FastexpError], grpc.StatusCode] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UpstreamTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     RewardFailed: grpc.StatusCode.UNAVAILABLE,
+    EpisodeFailed: grpc.StatusCode.ABORTED,
 }
 
 

@@ -8,6 +8,7 @@ INVALID_ARGUMENT -> InvalidRequest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 import grpc
@@ -18,10 +19,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fastexp.channels import channel_options
 from fastexp.security import ClientTLS, bearer_metadata
 from fastexp.tensor_codec import to_numpy, to_torch
-from fastexp.v1 import generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
+from fastexp.v1 import (
+    environment_pb2,
+    environment_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    scoring_pb2,
+    scoring_pb2_grpc,
+)
 from fastexp.weights import weight_chunks
 from services.common.deadlines import Deadline
 from services.common.errors import (
+    EpisodeFailed,
     FastexpError,
     InvalidRequest,
     NotReady,
@@ -33,7 +42,7 @@ from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.logs import outbound_metadata
 from services.common.media_wire import media_to_pb
 from services.common.weights import ReceivedUpdate, entry_chunks
-from services.experience.events import ScoreBatch, Scores
+from services.experience.events import EpisodeStep, ScoreBatch, Scores
 from services.experience.upstream import GeneratorInfo
 
 SCORER_SERVICE = scoring_pb2.DESCRIPTOR.services_by_name["ScoringService"].full_name
@@ -57,6 +66,8 @@ def translate_rpc_error(service: str, error: grpc.aio.AioRpcError) -> FastexpErr
         return InvalidRequest(service, details or "rejected")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return NotReady(message)
+    if code == grpc.StatusCode.ABORTED:
+        return EpisodeFailed(message)
     return FastexpError(message)
 
 
@@ -272,3 +283,76 @@ class ScorerClient:
             )
         except grpc.aio.AioRpcError as error:
             raise translate_rpc_error("scorer", error) from error
+
+
+class EnvironmentClient:
+    """Calls ``EnvironmentService`` (hosted by the scorer) for multi-turn episodes; every call has a deadline.
+
+    Errors: ABORTED -> EpisodeFailed (that episode is lost: the environment failed, or its session is gone);
+    INVALID_ARGUMENT -> InvalidRequest (an unknown environment). Starting an episode rides out a scorer swap
+    (UNAVAILABLE is retried with backoff within ``timeout_s``, as :class:`ScorerClient` does); a step that finds
+    the scorer gone fails its episode (EpisodeFailed): the session lived in the process that went away.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float, retry_wait_max_s: float = 2.0) -> None:
+        self._stub = environment_pb2_grpc.EnvironmentServiceStub(channel)
+        self._timeout_s = timeout_s
+        self._retry_wait_max_s = retry_wait_max_s
+
+    async def start(
+        self, environment: str, prompt: str, reference: str, label: str, max_turns: int, deadline: Deadline
+    ) -> tuple[str, str | None, str]:
+        """Open an episode; returns (session id, first observation or None, its role).
+
+        Raises:
+            InvalidRequest: no such environment; NotReady: the scorer stayed unreachable for ``timeout_s``;
+            EpisodeFailed, Overloaded, UpstreamTimeout.
+        """
+        message = environment_pb2.StartEpisodeRequest(
+            environment=environment, prompt=prompt, reference=reference, label=label, max_turns=max_turns,
+        )
+        retries = stamina.retry_context(on=NotReady, attempts=None, timeout=deadline.timeout(self._timeout_s),
+                                        wait_initial=0.1, wait_max=self._retry_wait_max_s)
+        async for attempt in retries:
+            with attempt:
+                response = await self._call(self._stub.StartEpisode, message, deadline)
+        observation = response.observation if response.HasField("observation") else None
+        return response.session_id, observation, response.observation_role or "user"
+
+    async def step(self, session_id: str, action: str, deadline: Deadline) -> EpisodeStep:
+        """The environment's answer to one model turn.
+
+        Raises:
+            EpisodeFailed: the environment failed, the session is gone, the scorer is unreachable mid-episode, or
+                no answer within ``timeout_s``.
+            UpstreamTimeout: the request's deadline passed.
+        """
+        try:
+            response = await self._call(
+                self._stub.Step, environment_pb2.StepRequest(session_id=session_id, action=action), deadline
+            )
+        except NotReady as error:
+            raise EpisodeFailed(f"the environment service went away mid-episode ({error})") from error
+        except UpstreamTimeout as error:
+            remaining = deadline.remaining()
+            if remaining is not None and remaining <= 0:
+                raise  # the request's own deadline: the stream ends
+            raise EpisodeFailed(f"the environment did not answer a step in time ({error})") from error
+        return EpisodeStep(
+            observation=response.observation if response.HasField("observation") else None,
+            role=response.observation_role or "user",
+            reward=response.reward if response.HasField("reward") else None,
+            done=response.done, metrics=dict(response.metrics),
+        )
+
+    async def end(self, session_id: str) -> None:
+        """Close an episode abandoned before done (best effort: a gone scorer has forgotten it anyway)."""
+        with contextlib.suppress(FastexpError):
+            await self._call(self._stub.EndEpisode, environment_pb2.EndEpisodeRequest(session_id=session_id),
+                             Deadline.from_remaining(5.0))
+
+    async def _call(self, method, message, deadline: Deadline):
+        try:
+            return await method(message, timeout=deadline.timeout(self._timeout_s), metadata=outbound_metadata())
+        except grpc.aio.AioRpcError as error:
+            raise translate_rpc_error("environment", error) from error

@@ -113,6 +113,7 @@ def estimate_experience(
 _FROM_ROLLOUT = (
     "sequences", "attention_mask", "action_mask", "response_length", "total_length", "prompt_index", "sample_index",
     "prompt_texts", "response_texts", "policy_version", "rollout_log_probs", "vision", "repaired_vision_tokens",
+    "num_turns",
 )
 
 

@@ -11,7 +11,7 @@ batches. Every event is immutable; only the consumer counts them into :class:`St
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -66,6 +66,30 @@ class ScoreBatch:
     media: tuple[EncodedMedia | None, ...] = ()
 
 
+@dataclass(frozen=True)
+class EpisodeStep:
+    """An environment's answer to one model turn: the next ``observation`` (chat ``role``), or ``done`` with the
+    episode's ``reward``; ``metrics`` about the episode so far."""
+
+    observation: str | None
+    role: str
+    reward: float | None
+    done: bool
+    metrics: dict[str, float]
+
+
+class Environments(Protocol):
+    """Where multi-turn episodes run (the scorer's ``EnvironmentService``, through ``EnvironmentClient``)."""
+
+    async def start(
+        self, environment: str, prompt: str, reference: str, label: str, max_turns: int, deadline: Deadline
+    ) -> tuple[str, str | None, str]: ...
+
+    async def step(self, session_id: str, action: str, deadline: Deadline) -> EpisodeStep: ...
+
+    async def end(self, session_id: str) -> None: ...
+
+
 class Scorer(Protocol):
     """Where rewards come from (the scorer service, through ``ScorerClient``)."""
 
@@ -81,6 +105,7 @@ class StreamStats:
     dropped_groups: int = 0
     resampled_groups: int = 0
     rerouted_groups: int = 0  # generated again on another generator replica after theirs failed
+    failed_groups: list[int] = field(default_factory=list)  # multi-turn groups an episode failure stopped
     undelivered_prompt_indices: list[int] | None = None  # set when the stream failed: what a retry should send
 
 
@@ -130,6 +155,15 @@ class GroupsRerouted:
 
 
 @dataclass(frozen=True)
+class GroupFailed:
+    """A multi-turn group that cannot be completed: one of its episodes failed in its environment (``reason``
+    names it). It is not delivered; the stream goes on and lists it in ``failed-prompt-indices``."""
+
+    prompt_index: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Done:
     """Every group was generated once; only resamples the consumer asked for may still come."""
 
@@ -141,7 +175,7 @@ class Failed:
     error: BaseException
 
 
-Event = ScoredGroup | Dropped | RoundStarted | GroupsResampled | GroupsRerouted | Done | Failed
+Event = ScoredGroup | Dropped | RoundStarted | GroupsResampled | GroupsRerouted | GroupFailed | Done | Failed
 
 
 @dataclass(frozen=True)

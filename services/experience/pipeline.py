@@ -35,12 +35,14 @@ from services.common.weights import ReceivedUpdate
 from services.experience import batcher
 from services.experience.batcher import Inbox, Step
 from services.experience.batching import split_experience
+from services.experience.episodes import EpisodeRunner
 from services.experience.estimate import estimate_experience
 from services.experience.events import (
     Dropped,
     Event,
     ForwardedGroup,
     Generator,
+    GroupFailed,
     GroupsRerouted,
     GroupsResampled,
     RoundStarted,
@@ -79,15 +81,17 @@ class ExperienceMaker:
         policy: PolicyState | None = None,
         max_groups_ahead: int = 64,
         sync_timeout_s: float = 600.0,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.policy = policy if policy is not None else PolicyState()
         self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version)
         self._weights = WeightSync(generator, self._forwarder, self.policy, sync_timeout_s)
         self._stages = _Stages(
-            Producer(generator, scorer, self.policy, max_groups_ahead), self._forwarder, self.policy,
+            Producer(generator, scorer, self.policy, max_groups_ahead, episodes), self._forwarder, self.policy,
             runs if runs is not None else RunStore(),
         )
         self._consumers: set[_Consumer] = set()
+        self.runs_episodes = episodes is not None  # multi-turn requests are accepted
 
     def adopt_policy_version(self, version: int) -> None:
         """At start-up, before any stream or update: the generator serves ``version``; the actor replica is
@@ -213,6 +217,10 @@ class _Consumer:
             self._stats.resampled_groups += event.count
         elif isinstance(event, GroupsRerouted):
             self._stats.rerouted_groups += event.count
+        elif isinstance(event, GroupFailed):
+            self._stats.failed_groups.append(event.prompt_index)
+            run.release(1)
+            logger.warning("%s: prompt %d not delivered: %s", self._request.request_id, event.prompt_index, event.reason)
 
     async def _forward(self) -> None:
         forwarder, n = self._stages.forwarder, self._config.n_samples_per_prompt

@@ -25,14 +25,16 @@ from dataclasses import dataclass, field
 
 from services.common import metrics
 from services.common.deadlines import Deadline
-from services.common.errors import RewardFailed
+from services.common.errors import EpisodeFailed, RewardFailed
 from services.common.generation import CompletionRecord, GenerationRequest
+from services.experience.episodes import EpisodeRunner
 from services.experience.events import (
     Done,
     Dropped,
     Event,
     Failed,
     Generator,
+    GroupFailed,
     GroupsRerouted,
     GroupsResampled,
     Rerouted,
@@ -40,6 +42,7 @@ from services.experience.events import (
     ScoreBatch,
     ScoredGroup,
     Scorer,
+    Scores,
 )
 from services.experience.policy import PolicyState
 from services.experience.processing import zero_variance_groups
@@ -80,13 +83,18 @@ class ProducerRun:
 
 
 class Producer:
-    """Starts a :class:`ProducerRun` per stream over one generator and scorer."""
+    """Starts a :class:`ProducerRun` per stream over one generator and scorer (and, for multi-turn requests, the
+    episode runner: :mod:`~services.experience.episodes`)."""
 
-    def __init__(self, generator: Generator, scorer: Scorer, policy: PolicyState, max_groups_ahead: int) -> None:
+    def __init__(
+        self, generator: Generator, scorer: Scorer, policy: PolicyState, max_groups_ahead: int,
+        episodes: EpisodeRunner | None = None,
+    ) -> None:
         self._generator = generator
         self._scorer = scorer
         self._policy = policy
         self._max_groups_ahead = max_groups_ahead
+        self._episodes = episodes
 
     def start(self, request: ExperienceRequest, deadline: Deadline) -> ProducerRun:
         """Start producing ``request``'s groups (window: ``max_groups_ahead``, at least a batch's groups; none
@@ -196,7 +204,12 @@ class Producer:
         Returns (groups kept, prompt indices left unfinished because ``abort_on`` fired first). Groups already
         complete are scored and delivered even when generation failed or was aborted.
         """
-        round_ = _Round(run, indices, self._generator, lambda group: self._score_group(run, group, resampled))
+        if run.request.config.episodes is not None and self._episodes is not None:
+            round_: _Round | _EpisodeRound = _EpisodeRound(
+                run, indices, self._episodes, lambda group, scores: self._hand_on(run, group, scores, resampled)
+            )
+        else:
+            round_ = _Round(run, indices, self._generator, lambda group: self._score_group(run, group, resampled))
         generating = asyncio.create_task(round_.consume())
         aborted = False
         try:
@@ -229,6 +242,13 @@ class Producer:
                 scores = await self._scorer.score(batch, run.deadline)
         except RewardFailed as error:
             raise RewardFailed(f"prompt {prompt_index}: {error}") from error
+        return await self._hand_on(run, completions, scores, resampled)
+
+    async def _hand_on(
+        self, run: ProducerRun, completions: tuple[CompletionRecord, ...], scores: Scores, resampled: bool
+    ) -> bool:
+        """Hand a scored group to the consumer, or drop it (dynamic sampling); True when kept."""
+        request, prompt_index = run.request, completions[0].prompt_index
         config = request.config
         if config.dynamic_sampling and bool(zero_variance_groups(scores.rewards, config.n_samples_per_prompt)[0]):
             await run.events.put(Dropped(prompt_index, resampled))
@@ -289,6 +309,48 @@ class _Round:
     async def scored(self) -> list[bool | BaseException]:
         """Each started scoring task's result (kept or not) or error, once all are done."""
         return await asyncio.gather(*self._scoring, return_exceptions=True)
+
+
+class _EpisodeRound:
+    """A round of multi-turn groups: each group's n episodes run (:class:`EpisodeRunner`), and the group is handed
+    on as soon as they are done, independently of the other groups. A group whose episode failed in its
+    environment is reported (:class:`GroupFailed`) and the round goes on."""
+
+    def __init__(
+        self,
+        run: ProducerRun,
+        indices: Sequence[int],
+        runner: EpisodeRunner,
+        hand_on: Callable[[tuple[CompletionRecord, ...], Scores], Awaitable[bool]],
+    ) -> None:
+        self._run, self._indices, self._runner, self._hand_on = run, indices, runner, hand_on
+        self.complete: set[int] = set()
+        self._groups: list[asyncio.Task[bool]] = []
+
+    async def consume(self) -> None:
+        """Run every group's episodes; returns when all are done (their outcomes: :meth:`scored`)."""
+        self._groups = [asyncio.create_task(self._group(index)) for index in self._indices]
+        await asyncio.wait(self._groups)
+
+    async def _group(self, prompt_index: int) -> bool:
+        started = time.perf_counter()
+        try:
+            completions, scores = await self._runner.run_group(self._run.request, prompt_index, self._run.deadline)
+        except EpisodeFailed as error:
+            self.complete.add(prompt_index)
+            await self._run.events.put(GroupFailed(prompt_index, str(error)))
+            return False
+        metrics.STAGE_SECONDS.labels("episodes").observe(time.perf_counter() - started)
+        self.complete.add(prompt_index)
+        return await self._hand_on(completions, scores)
+
+    def cancel_scoring(self) -> None:
+        for task in self._groups:
+            task.cancel()
+
+    async def scored(self) -> list[bool | BaseException]:
+        """Each group's outcome (kept or not) or error, once all are done."""
+        return await asyncio.gather(*self._groups, return_exceptions=True)
 
 
 async def _until_done_or_aborted(generating: asyncio.Task[None], abort_on: asyncio.Event | None) -> bool:

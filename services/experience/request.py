@@ -70,6 +70,20 @@ class DynamicSamplingOptions:
     max_extra_rounds: int = DEFAULT_MAX_EXTRA_ROUNDS
 
 
+#: Most model turns a request may ask per episode, and the default with an environment.
+MAX_TURNS_LIMIT, DEFAULT_MAX_TURNS = 64, 4
+
+
+@dataclass(frozen=True)
+class EpisodeOptions:
+    """Multi-turn episodes: the scorer's ``environment`` by name, at most ``max_turns`` model turns and
+    ``max_total_tokens`` response tokens (turns and observations; 0: up to the model's length) per episode."""
+
+    environment: str
+    max_turns: int = DEFAULT_MAX_TURNS
+    max_total_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class ExperienceConfig:
     """How rewards become advantages, and what the batch carries (plain values, never a request or settings)."""
@@ -91,6 +105,7 @@ class ExperienceConfig:
     abort_partial_rollouts: bool = False  # PARTIAL_ROLLOUT_ABORT: resample generations an update interrupts
     normalization_scope: str = "batch"  # "batch" | "rollout": rows advantages_norm / reward_running_norm cover
     skip_actor_forward: bool = False  # action_log_probs are the generator's own (rollout_log_probs)
+    episodes: EpisodeOptions | None = None  # multi-turn episodes in an environment (None: single-turn)
 
     @property
     def needs_reference(self) -> bool:
@@ -165,6 +180,8 @@ def _check_multimodal_config(config: ExperienceConfig) -> None:
     if config.estimator.needs_critic:
         raise InvalidRequest("advantage_estimator", f"{config.estimator.name}'s critic is text-only; "
                              "image/video prompts need a critic-free estimator")
+    if config.episodes is not None:
+        raise InvalidRequest("environment", "multi-turn episodes take text-only prompts (for now)")
 
 
 def _unit_interval(message: Any, field: str, default: float) -> float:
@@ -225,7 +242,24 @@ def _decode_config(
         abort_partial_rollouts=_decode_partial_rollout(message.partial_rollout),
         normalization_scope=_decode_normalization_scope(message),
         skip_actor_forward=message.skip_actor_forward,
+        episodes=_decode_episodes(message),
     )
+
+
+def _decode_episodes(message: experience_pb2.MakeExperiencesRequest) -> EpisodeOptions | None:
+    if not message.environment:
+        if message.max_turns or message.max_total_tokens:
+            field = "max_turns" if message.max_turns else "max_total_tokens"
+            raise InvalidRequest(field, "only with an environment (multi-turn episodes)")
+        return None
+    max_turns = message.max_turns or DEFAULT_MAX_TURNS
+    if max_turns > MAX_TURNS_LIMIT:
+        raise InvalidRequest("max_turns", f"at most {MAX_TURNS_LIMIT}, got {max_turns}")
+    if message.dynamic_sampling.enabled:
+        raise InvalidRequest("dynamic_sampling", "not with an environment yet (episodes are not resampled)")
+    if message.partial_rollout == experience_pb2.PARTIAL_ROLLOUT_ABORT:
+        raise InvalidRequest("partial_rollout", "ABORT is not supported with an environment yet (episodes finish)")
+    return EpisodeOptions(message.environment, max_turns, message.max_total_tokens)
 
 
 def _decode_normalization_scope(message: experience_pb2.MakeExperiencesRequest) -> str:

@@ -21,7 +21,9 @@ def build_rollout(
     """Left-pad prompts and right-pad responses into one (B, S) batch, as the seed lays out experiences.
 
     ``action_mask`` is built from each response's length, not from token ids: the embedded model's pad token
-    equals its EOS token, so the seed's ``sequences != eos & sequences != pad`` test would drop the final EOS.
+    equals its EOS token, so the seed's ``sequences != eos & sequences != pad`` test would drop the final EOS. A
+    multi-turn episode's record brings its own mask (0 on observation tokens); ``response_length`` counts every
+    response token, observations included (the row's length after its prompt).
 
     Multimodal rows take their prompt from the processor (``PromptSpec.model_token_ids``, whose placeholders
     match their pixel patches); a generator prompt that differs (another processor configuration) is counted in
@@ -54,8 +56,11 @@ def build_rollout(
         if t:
             sequences[row, prompt_width : prompt_width + t] = torch.tensor(c.output_token_ids)
             rollout_log_probs[row, :t] = torch.tensor(c.output_log_probs, dtype=torch.float32)
-        action_mask[row, :t] = True
-    response_length = action_mask.sum(dim=1)
+        if c.action_mask is None:
+            action_mask[row, :t] = True
+        elif t:  # a multi-turn episode: the model's tokens only, not the observations between its turns
+            action_mask[row, :t] = torch.tensor(c.action_mask, dtype=torch.bool)
+    response_length = torch.tensor([len(c.output_token_ids) for c in completions], dtype=torch.int64)
     vision = stack_rows([prompts[c.prompt_index].vision for c in completions])
     sequences, repaired = repair_placeholders(sequences, vision, vision_tokens, pad_token_id)
     return Rollout(
@@ -73,4 +78,5 @@ def build_rollout(
         vision=vision,
         repaired_vision_tokens=repaired,
         vision_prompt_mismatches=mismatches,
+        num_turns=tuple(c.num_turns for c in completions),
     )

@@ -15,7 +15,8 @@ from fastexp.v1 import experience_pb2, experience_pb2_grpc
 from services.common import metrics
 from services.common.models import resolve_model
 from services.common.server import RunningServer, run_service, start_service
-from services.experience.clients import GeneratorClient, ScorerClient, open_channel
+from services.experience.clients import EnvironmentClient, GeneratorClient, ScorerClient, open_channel
+from services.experience.episodes import EpisodeRunner, ObservationRenderer
 from services.experience.fleet import GeneratorFleet
 from services.experience.forwarder import ForwardModels
 from services.experience.logprobs import LogProbModel
@@ -111,6 +112,23 @@ def _on_generator_reached(maker: ExperienceMaker, policy: _Policy):
     return reached
 
 
+def _episode_runner(
+    settings: ExperienceSettings, policy: _Policy, fleet: GeneratorFleet, scorer_channel: grpc.aio.Channel,
+    upstream: UpstreamMonitor,
+) -> EpisodeRunner | None:
+    """Multi-turn episodes over the fleet and the scorer's environments; None for a policy whose chat template
+    cannot render observations token-exactly (multi-turn requests are then refused)."""
+    try:
+        renderer = ObservationRenderer(policy.tokenizer)
+    except (ValueError, TypeError) as error:  # no chat template, or one that is not prefix-stable
+        logger.warning("multi-turn episodes are off: the policy's chat template cannot render observations (%s)",
+                       error)
+        return None
+    environments = EnvironmentClient(scorer_channel, settings.environment_step_timeout_s)
+    return EpisodeRunner(fleet, environments, renderer, lambda: upstream.require_ready().max_model_len,
+                         policy.tokenizer)
+
+
 def _connect_replica(settings: ExperienceSettings, tls: ClientTLS | None, token: str | None):
     """Opens one generator replica's client (its own channel: the fleet routes, not gRPC's load balancer)."""
 
@@ -137,16 +155,18 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     fleet = GeneratorFleet(settings.generator_targets, _connect_replica(settings, tls, token), settings.fleet_settings())
     scorer = ScorerClient(scorer_channel, settings.score_timeout_s)
     policy = _load_policy(settings)
-    maker = ExperienceMaker(
-        fleet, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=RunStore(settings.max_runs),
-        max_groups_ahead=settings.max_groups_ahead, sync_timeout_s=settings.update_weights_timeout_s,
-    )
-    fleet.weight_source = maker.sync_replica
     generators = ", ".join(settings.generator_targets)
     upstream = UpstreamMonitor(
         fleet, scorer, generator_address=generators, scorer_address=settings.scorer_address,
-        on_generator_info=_on_generator_reached(maker, policy), settings=settings.probe_settings(),
+        settings=settings.probe_settings(),
     )
+    maker = ExperienceMaker(
+        fleet, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=RunStore(settings.max_runs),
+        max_groups_ahead=settings.max_groups_ahead, sync_timeout_s=settings.update_weights_timeout_s,
+        episodes=_episode_runner(settings, policy, fleet, scorer_channel, upstream),
+    )
+    fleet.weight_source = maker.sync_replica
+    upstream.on_generator_info = _on_generator_reached(maker, policy)
     servicer = ExperienceServicer(
         maker, policy.tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,
         settings.max_concurrent_streams, vision=policy.vision, media_limits=settings.media_limits(),

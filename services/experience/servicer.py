@@ -15,7 +15,7 @@ import grpc
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from fastexp.wire import experience_to_pb
 from services.common.deadlines import Deadline
-from services.common.errors import Overloaded
+from services.common.errors import InvalidRequest, Overloaded
 from services.common.logs import bind_request_id, current_request_id
 from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits
@@ -33,6 +33,9 @@ UNDELIVERED_KEY = "fastexp-undelivered-prompt-indices"
 #: Trailing metadata of an INVALID_ARGUMENT answer caused by prompts: every invalid prompt index,
 #: comma-separated (SDK: :func:`fastexp.invalid_prompt_indices`).
 INVALID_PROMPTS_KEY = "fastexp-invalid-prompt-indices"
+#: Trailing metadata of a stream that completed without some multi-turn groups (an episode failed in its
+#: environment): their prompt indices, comma-separated; send them again.
+FAILED_KEY = "fastexp-failed-prompt-indices"
 
 
 class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
@@ -81,6 +84,8 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         except InvalidPrompts as error:
             context.set_trailing_metadata(((INVALID_PROMPTS_KEY, ",".join(map(str, error.prompt_indices))),))
             raise
+        if decoded.config.episodes is not None and not self._maker.runs_episodes:
+            raise InvalidRequest("environment", "this experience service runs no multi-turn episodes")
         if not request.request_id and current_request_id():  # the trainer's x-request-id names the stream
             decoded = dataclasses.replace(decoded, request_id=current_request_id())
         bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
@@ -98,7 +103,10 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
                 ("fastexp-generation-rounds", str(stats.generation_rounds)),
                 ("fastexp-resampled-groups", str(stats.resampled_groups)),
                 ("fastexp-rerouted-groups", str(stats.rerouted_groups)),
+                ("fastexp-failed-groups", str(len(stats.failed_groups))),
             ]
+            if stats.failed_groups:
+                trailers.append((FAILED_KEY, ",".join(map(str, sorted(stats.failed_groups)))))
             if stats.undelivered_prompt_indices is not None:
                 undelivered = ",".join(map(str, stats.undelivered_prompt_indices))
                 trailers.append((UNDELIVERED_KEY, undelivered))

@@ -72,6 +72,9 @@ class ExperienceSettings(GenerationLimits):
     )
     generate_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Generate stream")
     score_timeout_s: float = Field(120.0, gt=0, description="deadline of one Score call")
+    environment_step_timeout_s: float = Field(
+        120.0, gt=0, description="deadline of one call to the scorer's environments (an episode's start or step)"
+    )
     # The generator and scorer are waited for as long as the service runs (services.experience.upstream).
     upstream_probe_timeout_s: float = Field(5.0, gt=0, description="deadline of one readiness probe of the generator or scorer")
     upstream_probe_interval_s: float = Field(2.0, gt=0, description="time between probes of the generator while ready")

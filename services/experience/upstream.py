@@ -111,7 +111,7 @@ class UpstreamMonitor:
         self._scorer = scorer
         self._addresses = {"generator": generator_address, "scorer": scorer_address}
         self._on_readiness: Callable[[bool], Awaitable[None]] | None = None
-        self._on_generator_info = on_generator_info
+        self.on_generator_info = on_generator_info
         self._settings = settings or ProbeSettings()
         self._info: GeneratorInfo | None = None  # the last answer of the generator
         self._generator_up = False
@@ -205,8 +205,8 @@ class UpstreamMonitor:
         info = await self._call("generator", self._generator.model_info(timeout))
         self._generator_up = info is not None
         if info is not None:
-            if not was_up and self._on_generator_info is not None:
-                self._on_generator_info(info, self._info is None)
+            if not was_up and self.on_generator_info is not None:
+                self.on_generator_info(info, self._info is None)
             self._info = info
         if not self._scorer_reached:
             self._scorer_reached = await self._call("scorer", self._scorer.check_serving(timeout)) is not None

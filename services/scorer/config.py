@@ -146,3 +146,24 @@ def config_problems(
     if label_map and reward_fn is None:
         problems.append("reward_fn_label_map: set only together with reward_fn")
     return problems
+
+
+class EnvironmentConfig(BaseModel):
+    """A multi-turn environment the scorer hosts (:mod:`services.scorer.environments`): requests name it by
+    ``name``; ``cls`` is the class (``package.module:Class``) built per episode as ``cls(context, **options)``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="what a request's `environment` field names")
+    cls: str = Field(description="import path of the environment class, package.module:Class")
+    options: dict[str, object] = Field(default_factory=dict, description="keyword options of the class")
+    step_timeout_s: float = Field(60.0, gt=0, description="deadline of one reset or step (a tool run included)")
+    episode_timeout_s: float = Field(1800.0, gt=0, description="an open episode is dropped after this long")
+
+
+def default_environments() -> list[EnvironmentConfig]:
+    """The built-ins: ``math_feedback`` and ``python_tool`` (:mod:`services.scorer.builtin_environments`)."""
+    return [
+        EnvironmentConfig(name="math_feedback", cls="services.scorer.builtin_environments:MathFeedback"),
+        EnvironmentConfig(name="python_tool", cls="services.scorer.builtin_environments:PythonTool"),
+    ]

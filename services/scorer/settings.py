@@ -8,7 +8,14 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
-from services.scorer.config import RecipeEntry, SourceConfig, config_problems, default_sources
+from services.scorer.config import (
+    EnvironmentConfig,
+    RecipeEntry,
+    SourceConfig,
+    config_problems,
+    default_environments,
+    default_sources,
+)
 
 
 class ScorerSettings(ServiceSettings):
@@ -32,6 +39,12 @@ class ScorerSettings(ServiceSettings):
         default_factory=dict, description="source name -> its index in reward_fn's model_reward_list"
     )
     max_queries_per_request: int = Field(65536, ge=1)
+    environments: list[EnvironmentConfig] = Field(
+        default_factory=default_environments,
+        description="multi-turn environments requests may name (default: math_feedback, python_tool)",
+    )
+    environment_workers: int = Field(2, ge=1, description="worker processes verifying environments' answers")
+    max_episodes: int = Field(4096, ge=1, description="episodes open at once; more get RESOURCE_EXHAUSTED")
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -1,0 +1,236 @@
+"""Multi-turn environments: the protocol environment teams implement, and the host that runs their episodes.
+
+An episode is a session: :meth:`EnvironmentHost.start` creates the configured environment by name (operators
+name environments in the scorer's ``environments`` setting; a request only picks one of those names), calls its
+``reset`` and returns the session id; the experience service then alternates model turns with
+:meth:`EnvironmentHost.step` until the environment says ``done`` (with the episode's reward), and ends it with
+:meth:`EnvironmentHost.end`. Each step has a deadline (``step_timeout_s``) and each session a lifetime
+(``episode_timeout_s``, after which it is dropped); an environment that raises or overruns fails that episode only
+(:class:`~services.common.errors.EpisodeFailed`, naming the environment), never the service.
+
+Environments are asynchronous (``async def reset/step``) so that one waiting for a tool does not hold others.
+Blocking work goes through the :class:`EnvironmentContext`: ``verify`` (math-verify in the scorer's worker
+processes, which have a main thread for its signal-based timeout) and ``run_python`` (the sandbox of
+:mod:`services.scorer.sandbox`, in a thread). Built-ins: :mod:`services.scorer.builtin_environments`.
+Nothing here imports grpc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pebble import ProcessPool
+
+from services.common.errors import EpisodeFailed, InvalidRequest, Overloaded
+from services.scorer.rules import import_callable, math_verify_reward
+from services.scorer.sandbox import SandboxLimits, SandboxResult, run_python
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EpisodeStart:
+    """What an environment is reset with: the prompt as text (rendered), the reference answer, the label, and the
+    turn budget (``max_turns`` model turns at most)."""
+
+    prompt: str
+    reference: str
+    label: str
+    max_turns: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """An environment's answer to one model turn.
+
+    ``observation``: the next message to the model (``None`` when ``done``), in chat role ``role`` (``user``, or
+    ``tool`` for a tool's output); ``reward``: the episode's reward, set when ``done``; ``metrics``: named numbers
+    reported with the episode (the last step's win).
+    """
+
+    observation: str | None = None
+    role: str = "user"
+    reward: float | None = None
+    done: bool = False
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    """One episode's environment (a new instance per episode)."""
+
+    async def reset(self, start: EpisodeStart) -> str | None:
+        """Begin the episode; returns a first observation to append after the prompt (``None``: the prompt is
+        the first observation)."""
+        ...
+
+    async def step(self, action: str) -> StepResult:
+        """React to the model's turn ``action`` (its text, as sampled)."""
+        ...
+
+
+class EnvironmentContext:
+    """What environments may use: answer verification in worker processes and the Python sandbox. The worker
+    pool starts with the first verification (a scorer no episode reaches spawns nothing); :meth:`close` stops it.
+    """
+
+    def __init__(self, workers: int = 2, verify_timeout_s: float = 10.0) -> None:
+        self._workers = workers
+        self._verify_timeout_s = verify_timeout_s
+        self._pool: ProcessPool | None = None
+
+    async def verify(self, response: str, reference: str) -> tuple[float, dict[str, float]]:
+        """math-verify's ``(reward, {"correct", "answer_found"})`` for ``response`` against ``reference``
+        (:func:`services.scorer.rules.math_verify_reward`), in a worker process.
+
+        Raises:
+            TimeoutError: the check ran past ``verify_timeout_s`` (its worker is replaced).
+        """
+        if self._pool is None:
+            self._pool = ProcessPool(max_workers=self._workers, context=multiprocessing.get_context("spawn"))
+        future = self._pool.schedule(math_verify_reward, args=(response, reference), timeout=self._verify_timeout_s)
+        return await asyncio.wrap_future(future)
+
+    async def run_python(self, code: str, limits: SandboxLimits) -> SandboxResult:
+        """Run ``code`` in the sandbox (its own process and limits) off the event loop."""
+        return await asyncio.to_thread(run_python, code, limits)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+            await asyncio.to_thread(self._pool.join)
+
+
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    """A configured environment: its name, the class (``package.module:Class``) and the keyword options it is
+    built with (``cls(context, **options)``), and its deadlines in seconds."""
+
+    name: str
+    cls: type
+    options: Mapping[str, Any]
+    step_timeout_s: float
+    episode_timeout_s: float
+
+
+def load_specs(configs: list[Any]) -> dict[str, EnvironmentSpec]:
+    """Resolve the configured environments' classes (``EnvironmentConfig`` records) by name.
+
+    Raises:
+        ImportError, TypeError: a class path that does not resolve to a class (named).
+    """
+    specs = {}
+    for config in configs:
+        cls = import_callable(config.cls)
+        if not isinstance(cls, type):
+            raise TypeError(f"environment {config.name}: {config.cls!r} is not a class")
+        specs[config.name] = EnvironmentSpec(config.name, cls, dict(config.options), config.step_timeout_s,
+                                             config.episode_timeout_s)
+    return specs
+
+
+@dataclass
+class _Session:
+    spec: EnvironmentSpec
+    environment: Environment
+    expires_at: float
+    turns: int = 0
+    busy: bool = False
+
+
+class EnvironmentHost:
+    """Runs episodes of the configured environments as sessions (module docs)."""
+
+    def __init__(self, specs: Mapping[str, EnvironmentSpec], context: EnvironmentContext, max_sessions: int = 4096):
+        self.specs = dict(specs)
+        self._context = context
+        self._max_sessions = max_sessions
+        self._sessions: dict[str, _Session] = {}
+        self._ids = itertools.count()
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.specs)
+
+    async def start(self, name: str, start: EpisodeStart) -> tuple[str, str | None]:
+        """Create environment ``name`` for a new episode and reset it; returns (session id, first observation).
+
+        Raises:
+            InvalidRequest: ``environment``: no environment of that name is configured (the configured ones are
+                listed); ``max_turns`` < 1.
+            Overloaded: ``max_sessions`` episodes are open.
+            EpisodeFailed: the environment failed to start or reset.
+        """
+        spec = self.specs.get(name)
+        if spec is None:
+            raise InvalidRequest("environment", f"no environment {name!r} here (configured: {', '.join(self.names)})")
+        if start.max_turns < 1:
+            raise InvalidRequest("max_turns", "must be >= 1")
+        self._expire()
+        if len(self._sessions) >= self._max_sessions:
+            raise Overloaded(f"max_sessions: {len(self._sessions)} episodes are open; retry later")
+        try:
+            environment = spec.cls(self._context, **spec.options)
+            first = await asyncio.wait_for(environment.reset(start), spec.step_timeout_s)
+        except Exception as error:  # noqa: BLE001 - an environment's failure is that episode's, named
+            raise EpisodeFailed(_failure(spec.name, "reset", error)) from error
+        session_id = f"{name}-{next(self._ids)}-{secrets.token_hex(6)}"
+        self._sessions[session_id] = _Session(spec, environment, time.monotonic() + spec.episode_timeout_s)
+        return session_id, first
+
+    async def step(self, session_id: str, action: str) -> StepResult:
+        """Send the model's turn to the session's environment; a ``done`` result ends the session.
+
+        Raises:
+            EpisodeFailed: unknown or expired session, a step already running for it, or the environment raised
+                or overran ``step_timeout_s`` (the session is dropped).
+        """
+        session = self._session(session_id)
+        if session.busy:
+            raise EpisodeFailed(f"session {session_id}: a step is already running")
+        session.busy = True
+        try:
+            result = await asyncio.wait_for(session.environment.step(action), session.spec.step_timeout_s)
+        except Exception as error:  # noqa: BLE001 - that episode fails, named; the service goes on
+            self._sessions.pop(session_id, None)
+            raise EpisodeFailed(_failure(session.spec.name, f"step {session.turns + 1}", error)) from error
+        finally:
+            session.busy = False
+        session.turns += 1
+        if result.done:
+            self._sessions.pop(session_id, None)
+        return result
+
+    def end(self, session_id: str) -> None:
+        """Forget a session (idempotent)."""
+        self._sessions.pop(session_id, None)
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._sessions)
+
+    def _session(self, session_id: str) -> _Session:
+        self._expire()
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise EpisodeFailed(f"session {session_id}: unknown or expired (the environment service may have restarted)")
+        return session
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for session_id in [s for s, session in self._sessions.items() if session.expires_at < now]:
+            logger.warning("episode %s expired after %.0f s", session_id, self._sessions[session_id].spec.episode_timeout_s)
+            del self._sessions[session_id]
+
+
+def _failure(name: str, what: str, error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return f"environment {name}: {what} ran past its deadline"
+    return f"environment {name}: {what} failed: {type(error).__name__}: {error}"
