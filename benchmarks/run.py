@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import fleet, gae, packing, pipeline, stream_overhead
+from benchmarks import episodes, fleet, gae, packing, pipeline, stream_overhead
 from services.common.models import SMOLLM2_ALIAS, resolve_model
 
 #: The issue's targets; a figure without one is informative (a seed's claim, or a precision).
@@ -33,6 +33,7 @@ TARGETS = {
     "gae_max_abs_error": "<= 1e-5",
     "stream_vs_generation": "<= 1.3",
     "fleet_two_vs_one_replica": ">= 1.8",
+    "episodes_async_vs_turn_synchronous": ">= 1.5",
 }
 SMALL_WORKLOAD = pipeline.Workload(
     num_prompts=4, n_samples_per_prompt=2, max_new_tokens=16, max_num_seqs=4, kv_cache_memory_bytes=256 * 1024**2,
@@ -40,12 +41,15 @@ SMALL_WORKLOAD = pipeline.Workload(
 )
 SMALL_DEMO_WORKLOAD = stream_overhead.DemoWorkload(num_prompts=2, n_samples_per_prompt=2, max_new_tokens=8)
 SMALL_FLEET_WORKLOAD = fleet.FleetWorkload(num_prompts=4, n_samples_per_prompt=2, max_new_tokens=8, backend="hf")
+SMALL_EPISODE_WORKLOAD = episodes.EpisodeWorkload(
+    num_prompts=2, n_samples_per_prompt=2, max_turns=2, max_new_tokens=16, backend="hf"
+)
 
 
 def main(
     out: Annotated[Path, typer.Option(help="results folder")] = Path("out/bench"),
     small: Annotated[bool, typer.Option(help="tiny sizes: a smoke test, not a measurement")] = False,
-    services: Annotated[bool, typer.Option(help="run the service benchmarks (vLLM, HF, gRPC): ratios 1-5, 7, 8")] = True,
+    services: Annotated[bool, typer.Option(help="run the service benchmarks (vLLM, HF, gRPC): ratios 1-5, 7-9")] = True,
 ) -> None:
     results = measure(out, small=small, services=services)
     Console().print(_table(results))
@@ -60,6 +64,8 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
         demo = SMALL_DEMO_WORKLOAD if small else stream_overhead.DemoWorkload()
         results.update(stream_overhead.run(model, demo, out / "logs"))
         results.update(fleet.run(model, SMALL_FLEET_WORKLOAD if small else fleet.FleetWorkload(), out / "logs"))
+        episode_workload = SMALL_EPISODE_WORKLOAD if small else episodes.EpisodeWorkload()
+        results.update(episodes.run(model, episode_workload, out / "logs"))
     results.update(
         packing.run(model, rows=4, max_response=16, micro_batch_size=2, repeats=1) if small else packing.run(model)
     )

@@ -10,6 +10,10 @@ Run (starts the three services itself; about a minute per step on 2 CPU cores)::
 
     .venv/bin/python examples/grpo_arithmetic.py --steps 20 --out out/grpo
 
+Multi-turn: ``--environment math_feedback --max-turns 3`` makes each sample an episode in the scorer's
+``math_feedback`` environment (a wrong answer gets feedback and another try; reward 1 if solved within the turns);
+the loss below is unchanged, ``action_mask`` keeps the environment's messages out of it.
+
 Writes ``<out>/metrics.jsonl`` (one line per step and per evaluation), ``<out>/reward_curve.png`` and
 ``<out>/summary.json`` (held-out accuracy before and after).
 
@@ -112,6 +116,8 @@ def main(
     backend: str = typer.Option("auto", help="generator backend: auto, vllm or hf"),
     rows_per_pass: int = typer.Option(16, help="rows per trainer forward/backward pass"),
     seed: int = typer.Option(0, help="training problems' seed (held-out ones use seed + 10**6)"),
+    environment: str = typer.Option("", help="multi-turn episodes in this scorer environment (e.g. math_feedback)"),
+    max_turns: int = typer.Option(3, help="model turns per episode (with --environment)"),
     out: Path = typer.Option("out/grpo", help="output folder"),  # noqa: B008 - typer converts the str
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -137,7 +143,7 @@ def main(
             evals.append({"step": step, "held_out_accuracy": accuracy})
             log.write(json.dumps(evals[-1]) + "\n")
             log.flush()
-            write_results(out, curve, evals)
+            write_results(out, curve, evals, environment)
             tqdm.write(f"step {step}: held-out greedy accuracy {accuracy:.3f}")
 
         record_eval(0)
@@ -145,9 +151,10 @@ def main(
         for step in bar:
             started = time.monotonic()
             batch = train[(step - 1) * prompts_per_step : step * prompts_per_step]
+            episodes = {"environment": environment, "max_turns": max_turns} if environment else {}
             stream = experiences(client, batch, n_samples_per_prompt=n_samples_per_prompt, kl_coef=kl_coef,
                                  advantage_estimator="group_norm",
-                                 sampling=Sampling(temperature=1.0, max_new_tokens=max_new_tokens))
+                                 sampling=Sampling(temperature=1.0, max_new_tokens=max_new_tokens), **episodes)
             made = time.monotonic()
             optimizer.zero_grad()
             tokens = sum(int(e.action_mask.sum()) for e in stream)
@@ -164,6 +171,7 @@ def main(
                 "reward_mean": float(reward.mean()),
                 "kl_mean": float(kl.sum() / mask.sum()),
                 "response_length_mean": float(torch.cat([e.response_length for e in stream]).float().mean()),
+                "turns_mean": sum(t for e in stream for t in e.num_turns) / len(reward),
                 "policy_version_sampled": max(v for e in stream for v in e.policy_version),
                 "policy_version_now": response.policy_version,
                 "experience_s": made - started,
@@ -177,10 +185,10 @@ def main(
                             length=f"{row['response_length_mean']:.0f}")
             if step % eval_every == 0 or step == steps:
                 record_eval(step)
-    print(json.dumps(write_results(out, curve, evals), indent=2))
+    print(json.dumps(write_results(out, curve, evals, environment), indent=2))
 
 
-def write_results(out: Path, curve: list[dict], evals: list[dict]) -> dict:
+def write_results(out: Path, curve: list[dict], evals: list[dict], environment: str = "") -> dict:
     """Write ``summary.json`` and ``reward_curve.png`` for the steps so far (after every evaluation, so a run
     stopped early keeps its results); returns the summary."""
     summary = {
@@ -193,11 +201,11 @@ def write_results(out: Path, curve: list[dict], evals: list[dict]) -> dict:
         summary["train_reward_first_5_steps"] = sum(r["reward_mean"] for r in first) / len(first)
         summary["train_reward_last_5_steps"] = sum(r["reward_mean"] for r in last) / len(last)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(curve, evals, out / "reward_curve.png")
+    plot(curve, evals, out / "reward_curve.png", environment)
     return summary
 
 
-def plot(curve: list[dict], evals: list[dict], path: Path) -> None:
+def plot(curve: list[dict], evals: list[dict], path: Path, environment: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,7 +217,7 @@ def plot(curve: list[dict], evals: list[dict], path: Path) -> None:
               label="held-out accuracy (greedy)")
     axis.set_xlabel("step (policy version)")
     axis.set_ylabel("math-verify reward")
-    axis.set_title(f"GRPO through fastexp: SmolLM2-135M on {TASK}")
+    axis.set_title(f"GRPO through fastexp: SmolLM2-135M on {TASK}" + (f" ({environment})" if environment else ""))
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()

@@ -15,7 +15,7 @@ FIGURES = {
     "generator_service_vs_inprocess_vllm", "first_batch_vs_last", "experience_overhead_vs_generation",
     "stream_vs_raw_bytes", "vllm_vs_hf", "packed_vs_padded", "gae_vectorized_speedup", "gae_max_abs_error",
     "stream_vs_generation", "stream_skip_actor_vs_generation", "stream_lean_vs_generation",
-    "reference_free_vs_with_reference", "fleet_two_vs_one_replica",
+    "reference_free_vs_with_reference", "fleet_two_vs_one_replica", "episodes_async_vs_turn_synchronous",
 }
 
 
@@ -36,3 +36,7 @@ def test_benchmarks_run_and_write_every_figure(tmp_path):
     fleet = results["fleet_inputs"]  # both fleet runs streamed every sample
     expected = run.SMALL_FLEET_WORKLOAD.num_prompts * run.SMALL_FLEET_WORKLOAD.n_samples_per_prompt
     assert all(r["samples"] == expected for r in fleet.values()), fleet
+    episodes = results["episodes_inputs"]  # both episode loops played every episode, sampling the same tokens
+    workload = run.SMALL_EPISODE_WORKLOAD
+    assert {r["episodes"] for r in episodes.values()} == {workload.num_prompts * workload.n_samples_per_prompt}
+    assert episodes["asynchronous"]["tokens"] == episodes["turn_synchronous"]["tokens"], episodes

@@ -171,7 +171,9 @@ async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(toke
     info = GeneratorInfo("tiny", "hf", MAX_MODEL_LEN, policy_version=0)
     servicer = ExperienceServicer(maker, tokenizer, LIMITS, lambda: info, max_concurrent_streams=2)
     held = [asyncio.create_task(anext(servicer.MakeExperiences(_request(), _Context()), None)) for _ in range(2)]
-    await asyncio.sleep(0.05)  # both streams are being served
+    async with asyncio.timeout(30):  # both streams are being served (decoding runs in a thread: no fixed sleep)
+        while servicer._streams < 2:
+            await asyncio.sleep(0.01)
     with pytest.raises(Overloaded, match="max_concurrent_streams"):
         await asyncio.wait_for(anext(servicer.MakeExperiences(_request(), _Context())), timeout=5)
     maker.release.set()
