@@ -119,6 +119,17 @@ class CoreSplit:
         return {}
 
 
+def _child_setup(cores: set[int] | None) -> None:
+    """In a service's process before it runs: die with the launching process (Linux ``PR_SET_PDEATHSIG``: a
+    launcher killed outright must not leave engines running), and keep to ``cores`` when given."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+
+
 def default_core_split() -> CoreSplit | None:
     """The split for this host: none where an NVIDIA GPU runs the engine and the forwards."""
     if shutil.which("nvidia-smi") is not None:
@@ -272,7 +283,7 @@ class LocalCluster:
             pinned = set(self.core_split.generator_cores(replica, self.generator_replicas))
         self.processes[name] = subprocess.Popen(
             command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-            start_new_session=True, preexec_fn=None if pinned is None else lambda: os.sched_setaffinity(0, pinned),
+            start_new_session=True, preexec_fn=lambda: _child_setup(pinned),
         )
         logger.info("started %s on %s (pid %d)", name, self.address(name), self.processes[name].pid)
 

@@ -348,10 +348,14 @@ class ReplicaSet:
         """No new work for ``replica``; its running streams stop and their groups go to the others."""
         if replica.state is ReplicaState.DRAINING:
             state = ReplicaState.DRAINING
+        was_serving = replica.state is ReplicaState.SERVING
         replica.state = state
         replica.problem = reason
-        logger.warning("generator replica %s taken out (%s): %s; %d streams rerouted",
-                       replica.address, state, reason, len(replica.streams))
+        if was_serving or replica.streams:
+            logger.warning("generator replica %s taken out (%s): %s; %d streams rerouted",
+                           replica.address, state, reason, len(replica.streams))
+        else:  # not reached yet, or already out: what it waits for is in readiness's message
+            logger.debug("generator replica %s %s: %s", replica.address, state, reason)
         for stream in list(replica.streams):
             stream.stop(reason)
 

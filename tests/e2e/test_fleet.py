@@ -1,7 +1,8 @@
 """A fleet of three generator replicas (real processes, HF backend, the tiny Llama) behind one experience service:
 a replica SIGKILLed mid-stream costs no group and delivers none twice; a policy update reaches every replica; a
-replica that was down during an update, or starts late, is sent the live weights before it gets work; a bad
-update (wrong shape, corrupted bytes) leaves every replica on the old version."""
+replica that was down during an update, or that joins mid-stream, is sent the live weights before it gets work
+(and then gets work in that stream); a bad update (wrong shape, corrupted bytes) leaves every replica on the old
+version."""
 
 from __future__ import annotations
 
@@ -153,20 +154,25 @@ def test_an_update_reaches_every_replica_and_late_or_restarted_ones_get_it_befor
         after = _greedy(fleet.address("generator"))
         assert after != before, "the update changed what the model samples"
 
-        # the replica that missed the update restarts at version 0, and one that never ran starts now
+        # the replica that missed the update restarts at version 0 and is brought to version 1 before it serves
         fleet.start_service("generator-1")
-        fleet.start_service("generator-2")
-        for name in ("generator-1", "generator-2"):
-            _wait_for(lambda name=name: _replica_version(fleet.address(name)) == version,
-                      f"{name} brought to version {version}")
-            assert _greedy(fleet.address(name)) == after, f"{name} serves the live weights"
-        _wait_for(lambda: sum(_experience_metric(fleet, "fastexp_generator_replica_up").values()) == 3,
-                  "three replicas serving")
+        _wait_for(lambda: _replica_version(fleet.address("generator-1")) == version, "generator-1 at version 1")
+        assert _greedy(fleet.address("generator-1")) == after, "generator-1 serves the live weights"
+        _wait_for(lambda: sum(_experience_metric(fleet, "fastexp_generator_replica_up").values()) == 2,
+                  "two replicas serving")
         tokens_before = _experience_metric(fleet, "fastexp_generator_replica_tokens_total")
-        batches = _stream(client)
-    assert {v for e in batches for v in e.policy_version} == {version}
+
+        def start_a_third_replica(batches_so_far: int) -> None:  # one that never ran joins mid-stream
+            if batches_so_far == 1:
+                fleet.start_service("generator-2")
+
+        batches = _stream(client, prompts=PROMPTS * 2, on_batch=start_a_third_replica)
+    assert {v for e in batches for v in e.policy_version} == {version}, "every row sampled at the live version"
+    assert sorted(i for e in batches for i in e.prompt_index) == sorted(list(range(len(PROMPTS) * 2)) * N)
     tokens = _experience_metric(fleet, "fastexp_generator_replica_tokens_total")
     assert all(tokens[fleet.address(n)] > tokens_before.get(fleet.address(n), 0) for n in REPLICAS), tokens
+    assert _replica_version(fleet.address("generator-2")) == version
+    assert _greedy(fleet.address("generator-2")) == after, "the replica that joined serves the live weights"
 
 
 def test_a_bad_update_leaves_every_replica_on_the_old_version(fleet, tiny_model_path):
