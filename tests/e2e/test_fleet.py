@@ -80,10 +80,10 @@ def _wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.25)
 
 
-def _stream(client: ExperienceClient, prompts=PROMPTS, on_batch=None) -> list:
+def _stream(client: ExperienceClient, prompts=PROMPTS, on_batch=None, max_new_tokens: int = 48) -> list:
     batches = []
     for experience in client.make_experiences(
-        prompts, n_samples_per_prompt=N, sampling=Sampling(max_new_tokens=48, temperature=1.0),
+        prompts, n_samples_per_prompt=N, sampling=Sampling(max_new_tokens=max_new_tokens, temperature=1.0),
         micro_rollout_batch_size=N * 2,
     ):
         batches.append(experience)
@@ -164,11 +164,13 @@ def test_an_update_reaches_every_replica_and_late_or_restarted_ones_get_it_befor
 
         def start_a_third_replica(batches_so_far: int) -> None:  # one that never ran joins mid-stream
             if batches_so_far == 1:
-                fleet.start_service("generator-2")
+                fleet.start_service("generator-2", wait=False)  # it loads while the stream goes on
 
-        batches = _stream(client, prompts=PROMPTS * 2, on_batch=start_a_third_replica)
+        # long enough (about 30 s on two replicas) for the third to load, be synced and take groups
+        batches = _stream(client, prompts=PROMPTS * 4, on_batch=start_a_third_replica, max_new_tokens=160)
+        fleet.wait_serving(["generator-2"], timeout_s=120)
     assert {v for e in batches for v in e.policy_version} == {version}, "every row sampled at the live version"
-    assert sorted(i for e in batches for i in e.prompt_index) == sorted(list(range(len(PROMPTS) * 2)) * N)
+    assert sorted(i for e in batches for i in e.prompt_index) == sorted(list(range(len(PROMPTS) * 4)) * N)
     tokens = _experience_metric(fleet, "fastexp_generator_replica_tokens_total")
     assert all(tokens[fleet.address(n)] > tokens_before.get(fleet.address(n), 0) for n in REPLICAS), tokens
     assert _replica_version(fleet.address("generator-2")) == version
