@@ -72,18 +72,20 @@ def translate_rpc_error(service: str, error: grpc.aio.AioRpcError) -> FastexpErr
 
 
 def open_channel(
-    address: str, max_message_bytes: int, tls: ClientTLS | None = None, token: str | None = None
+    address: str, max_message_bytes: int, tls: ClientTLS | None = None, token: str | None = None,
+    load_balancing: str = "round_robin",
 ) -> grpc.aio.Channel:
     """A channel with fastexp's message limits and the ``round_robin`` policy: behind a name that resolves to
     several replicas (``dns:///fastexp-scorer:50052``, a Kubernetes headless Service) calls spread over every
     ready one instead of pinning one connection; a peer that went away is tried again at least every 2 s
     (``RECONNECT_BACKOFF_OPTIONS``). ``tls``: verify the server (and present a client certificate);
-    ``token``: send ``authorization: Bearer`` on every call.
+    ``token``: send ``authorization: Bearer`` on every call. ``load_balancing="pick_first"`` keeps every call on
+    one replica instead (stateful calls: an environment session lives in the scorer process that opened it).
 
     Raises:
         services.common.security.SecurityConfigError: a TLS file is missing or empty.
     """
-    options = [*channel_options(max_message_bytes), ("grpc.lb_policy_name", "round_robin")]
+    options = [*channel_options(max_message_bytes), ("grpc.lb_policy_name", load_balancing)]
     interceptors = [kind(token) for kind in (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary)] if token else None
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)

@@ -113,7 +113,7 @@ def _on_generator_reached(maker: ExperienceMaker, policy: _Policy):
 
 
 def _episode_runner(
-    settings: ExperienceSettings, policy: _Policy, fleet: GeneratorFleet, scorer_channel: grpc.aio.Channel,
+    settings: ExperienceSettings, policy: _Policy, fleet: GeneratorFleet, environment_channel: grpc.aio.Channel,
     upstream: UpstreamMonitor,
 ) -> EpisodeRunner | None:
     """Multi-turn episodes over the fleet and the scorer's environments; None for a policy whose chat template
@@ -124,7 +124,7 @@ def _episode_runner(
         logger.warning("multi-turn episodes are off: the policy's chat template cannot render observations (%s)",
                        error)
         return None
-    environments = EnvironmentClient(scorer_channel, settings.environment_step_timeout_s)
+    environments = EnvironmentClient(environment_channel, settings.environment_step_timeout_s)
     return EpisodeRunner(fleet, environments, renderer, lambda: upstream.require_ready().max_model_len,
                          policy.tokenizer)
 
@@ -152,6 +152,8 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         torch.set_num_threads(settings.torch_threads)
     tls, token = settings.upstream_tls(), settings.upstream_token()
     scorer_channel = open_channel(settings.scorer_address, settings.max_message_bytes, tls, token)
+    # episodes are sessions in one scorer process: their calls stay on one scorer replica (pick_first)
+    environment_channel = open_channel(settings.scorer_address, settings.max_message_bytes, tls, token, "pick_first")
     fleet = GeneratorFleet(settings.generator_targets, _connect_replica(settings, tls, token), settings.fleet_settings())
     scorer = ScorerClient(scorer_channel, settings.score_timeout_s)
     policy = _load_policy(settings)
@@ -163,7 +165,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     maker = ExperienceMaker(
         fleet, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=RunStore(settings.max_runs),
         max_groups_ahead=settings.max_groups_ahead, sync_timeout_s=settings.update_weights_timeout_s,
-        episodes=_episode_runner(settings, policy, fleet, scorer_channel, upstream),
+        episodes=_episode_runner(settings, policy, fleet, environment_channel, upstream),
     )
     fleet.weight_source = maker.sync_replica
     upstream.on_generator_info = _on_generator_reached(maker, policy)
@@ -185,7 +187,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",
         settings.host, running.port, generators, settings.scorer_address,
     )
-    return ExperienceService(running, upstream, fleet, watchers, (scorer_channel,))
+    return ExperienceService(running, upstream, fleet, watchers, (scorer_channel, environment_channel))
 
 
 def serve(settings: ExperienceSettings) -> None:
