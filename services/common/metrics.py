@@ -26,8 +26,9 @@ GRPC_HANDLING_SECONDS = Histogram(
 )
 STAGE_SECONDS = Histogram(
     "fastexp_stage_duration_seconds",
-    "Time in one pipeline stage: generate (a prompt group, submit to last sample), score (a group), actor, "
-    "reference, critic (a forward over ready groups), advantages (a batch), stream (a batch handed to the trainer)",
+    "Time in one pipeline stage: generate (a prompt group, submit to last sample), score (a group), episodes (a "
+    "multi-turn group's n episodes, start to done), actor, reference, critic (a forward over ready groups), "
+    "advantages (a batch), stream (a batch handed to the trainer)",
     ["stage"], buckets=_SECONDS,
 )
 GENERATED_TOKENS = Counter("fastexp_generated_tokens", "Response tokens sampled by the generator", ["backend"])
