@@ -217,7 +217,8 @@ def plot(curve: list[dict], evals: list[dict], path: Path, environment: str = ""
               label="held-out accuracy (greedy)")
     axis.set_xlabel("step (policy version)")
     axis.set_ylabel("math-verify reward")
-    axis.set_title(f"GRPO through fastexp: SmolLM2-135M on {TASK}" + (f" ({environment})" if environment else ""))
+    title = f"GRPO through fastexp: SmolLM2-135M on {TASK}"
+    axis.set_title(title + (f"\nmulti-turn episodes in {environment}" if environment else ""), fontsize=10)
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
