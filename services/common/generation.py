@@ -31,6 +31,9 @@ class GenerationRequest:
     media: tuple[EncodedMedia | None, ...] = ()
     # Set by the generator's servicer: the same media decoded (what engines read); empty for text-only requests.
     decoded_media: tuple[DecodedMedia | None, ...] = ()
+    # The experience service's routing hint (never sent): requests with one key go to the replica that holds their
+    # prefix in its KV cache, e.g. the turns of one multi-turn episode. None: the prompt's own tokens.
+    affinity_key: str | None = None
 
     def media_of(self, index: int) -> EncodedMedia | None:
         return self.media[index] if self.media else None

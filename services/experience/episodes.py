@@ -213,6 +213,8 @@ class EpisodeRunner:
             request_id=f"{request.request_id}-p{prompt_index}-e{sample_index}-t{trace.turns}",
             prompts=(tuple(trace.ids),), sampling=dataclasses.replace(sampling, max_new_tokens=budget, seed=seed),
             n_samples_per_prompt=1,
+            # the episode's earlier turns are in one replica's prefix cache: its turns go back there (fleet routing)
+            affinity_key=f"{request.request_id}/{prompt_index}/{sample_index}",
         )
         async with contextlib.aclosing(self._generator.generate(turn, deadline)) as records:
             async for record in records:

@@ -190,8 +190,10 @@ class GeneratorFleet:
             InvalidRequest: a replica rejected the request (every replica would).
             UpstreamTimeout: the request's deadline passed.
         """
-        call = _Call(request, deadline, [group_work(p, request.n_samples_per_prompt, request.sampling.max_new_tokens)
-                                         for p in request.prompts])
+        works = [group_work(p, request.n_samples_per_prompt, request.sampling.max_new_tokens) for p in request.prompts]
+        if request.affinity_key is not None:  # e.g. an episode's turns: one key, so they stay where their KV is
+            works = [dataclasses.replace(w, prefix_key=f"{request.affinity_key}/{i}") for i, w in enumerate(works)]
+        call = _Call(request, deadline, works)
         try:
             self._dispatch(call)
             while call.unfinished:

@@ -5,6 +5,7 @@ closed once idle) and may come back; a failed resolution keeps the known replica
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -77,6 +78,22 @@ async def test_replicas_join_and_drain_as_the_name_resolves(servers):
                      "b joined")
         records = [r async for r in fleet.generate(_request(4), Deadline())]
         assert sorted((r.prompt_index, r.sample_index) for r in records) == [(p, s) for p in range(4) for s in range(2)]
+
+        # requests with one affinity key (an episode's turns) stay on the replica that holds their prefix: the first
+        # turn goes to b while a looks busy; the later ones go back to b although a would win a tie by name
+        first, second = fleet.replicas
+
+        def turn(k: int) -> GenerationRequest:  # the episode's sequence grows with each turn: a new prompt each time
+            return dataclasses.replace(_request(1), prompts=((100, 101, 102, *range(200, 200 + 5 * k)),),
+                                       affinity_key="episode-7")
+
+        first.outstanding_tokens += 10**6
+        assert len([r async for r in fleet.generate(turn(0), Deadline())]) == 2
+        first.outstanding_tokens -= 10**6
+        for k in (1, 2):
+            assert len([r async for r in fleet.generate(turn(k), Deadline())]) == 2
+        assert [r.address for r in fleet.replicas if r.warm("episode-7/0")] == [second.address]
+        assert first.in_flight_samples == second.in_flight_samples == 0
 
         resolver.answer = OSError("name resolution failed")  # a DNS hiccup keeps both
         await members.discover()
