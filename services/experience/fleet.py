@@ -121,7 +121,6 @@ class _Call:
         self.excluded.add(failed)
 
 
-
 class GeneratorFleet:
     """Generator replicas behind one :class:`~services.experience.events.Generator` (module docs).
 
