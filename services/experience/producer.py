@@ -258,7 +258,6 @@ class Producer:
         return True
 
 
-
 class _Round:
     """One generation request's bookkeeping: samples grouped by prompt, each complete group's scoring task."""
 
