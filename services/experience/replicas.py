@@ -314,11 +314,27 @@ class ReplicaSet:
             self.version = info.policy_version
             logger.info("generator fleet serves policy version %d (first replica reached: %s)",
                         self.version, replica.address)
+        if replica.version not in (self.version, self.pending_version) and self._updated_directly(replica):
+            logger.warning(
+                "generator %s serves policy version %d, ahead of the %d live here: it was updated directly, not "
+                "through this experience service; following it (the actor replica keeps its weights, so "
+                "action_log_probs follow those until the next update through this service)",
+                replica.address, replica.version, self.version,
+            )
+            self.version = replica.version
         if replica.version not in (self.version, self.pending_version):
             await self._sync(replica)
         elif replica.state is not ReplicaState.SERVING:
             self._serve(replica)
         return True
+
+    def _updated_directly(self, replica: Replica) -> bool:
+        """A lone generator ahead of the live version (a generator-only update): the single-generator deployment
+        follows it, as it always did. In a fleet of several, the experience service's version is the authority and
+        such a replica is brought back to it."""
+        others = [r for r in self._replicas.values() if r is not replica and r.state is not ReplicaState.DRAINING]
+        ahead = self.version is not None and replica.version is not None and replica.version > self.version
+        return ahead and not others and self.pending_version is None
 
     async def _sync(self, replica: Replica) -> None:
         """Send ``replica`` the fleet's current weights; it serves once it has them."""
