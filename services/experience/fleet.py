@@ -328,8 +328,8 @@ class GeneratorFleet:
         return not (isinstance(error, UpstreamTimeout) and expired)
 
     async def update_weights(self, update: ReceivedUpdate, deadline: Deadline, version: int | None = None) -> int:
-        """Apply a checked policy update on every serving replica in parallel; ``version`` (default: the fleet's
-        + 1) is the fleet's once every replica that stays has it. Replicas that fail it are taken out (their work
+        """Apply a checked policy update on every serving replica in parallel; ``version`` (default, and
+        at least: the fleet's + 1) is the fleet's once every replica that stays has it. Replicas that fail it are taken out (their work
         rerouted) and brought back by a resync.
 
         Raises:
@@ -341,7 +341,8 @@ class GeneratorFleet:
         targets = [r for r in self.replicas if self.members.routable(r)]
         if not targets or self.version is None:
             raise NotReady(f"no generator replica serves to apply the update: {self.members.describe()}")
-        version = self.version + 1 if version is None else version
+        if version is None or version <= self.version:  # after a lone generator's direct update, numbers go on
+            version = self.version + 1
         self.members.pending_version = version
         try:
             results = await asyncio.gather(
