@@ -95,6 +95,10 @@ EXPERIENCE_LAYOUT: Mapping[str, FieldLayout] = MappingProxyType({
     "vision": FieldLayout(Kind.VISION, optional=True),
     "repaired_vision_tokens": FieldLayout(Kind.SCALAR, first_batch_only=True),
     "num_turns": FieldLayout(Kind.ROW),
+    "rollout_is_weights": FieldLayout(Kind.ACTION, _F32, optional=True),
+    "rollout_log_prob_abs_diff": FieldLayout(Kind.SCALAR),
+    "rollout_kl": FieldLayout(Kind.SCALAR),
+    "rollout_is_clip_frac": FieldLayout(Kind.SCALAR),
 })
 
 if tuple(EXPERIENCE_LAYOUT) != Experience._fields:  # one edit forgotten: fail at import, not in a stream

@@ -41,7 +41,8 @@ class RequestOptions:
 
     Raises:
         TypeError: a field of the wrong type (``n_samples_per_prompt="4"``), naming every such field.
-        ValueError: ``partial_rollout`` or ``normalization_scope`` outside its values.
+        ValueError: ``partial_rollout``, ``normalization_scope``, ``prompt_overflow`` or ``rollout_is`` outside its
+            values.
     """
 
     n_samples_per_prompt: int  # samples per prompt: the group a baseline is taken over (seed default: 1)
@@ -75,6 +76,11 @@ class RequestOptions:
     environment: str = ""  # multi-turn: each sample an episode in the scorer's environment of this name
     max_turns: int = 0  # model turns per episode (0: the service's default, 4)
     max_total_tokens: int = 0  # response tokens per episode, turns and observations (0: the model's length)
+    prompt_overflow: Literal["reject", "truncate_left", "skip"] = "reject"  # prompts over max_prompt_tokens (seed:
+    # truncates to prompt_max_len)
+    max_prompt_tokens: int = 0  # the seed's prompt_max_len (0: the model's length minus one)
+    rollout_is: Literal["off", "token", "sequence"] = "off"  # truncated importance weights (rollout_is_weights)
+    rollout_is_threshold: float | None = None  # their truncation C >= 1 (None: the service's default, 2.0)
     request_id: str = ""  # names the stream in the services' logs (else the x-request-id metadata, else new)
 
     def __post_init__(self) -> None:
@@ -86,7 +92,7 @@ class RequestOptions:
         ]
         if wrong:
             raise TypeError("RequestOptions: " + "; ".join(wrong))
-        for name in ("partial_rollout", "normalization_scope"):
+        for name in ("partial_rollout", "normalization_scope", "prompt_overflow", "rollout_is"):
             allowed = typing.get_args(hints[name])
             if getattr(self, name) not in allowed:
                 raise ValueError(f"RequestOptions.{name}: {getattr(self, name)!r} is not one of {allowed}")
@@ -205,5 +211,11 @@ def _message_fields(o: RequestOptions) -> dict[str, Any]:
         partial_rollout=experience_pb2.PartialRollout.Value(f"PARTIAL_ROLLOUT_{o.partial_rollout.upper()}"),
         normalization_scope=experience_pb2.NormalizationScope.Value(
             f"NORMALIZATION_SCOPE_{o.normalization_scope.upper()}"
+        ),
+        prompt_overflow=experience_pb2.PromptOverflow.Value(f"PROMPT_OVERFLOW_{o.prompt_overflow.upper()}"),
+        max_prompt_tokens=o.max_prompt_tokens,
+        rollout_correction=experience_pb2.RolloutCorrection(
+            level=experience_pb2.RolloutCorrectionLevel.Value(f"ROLLOUT_CORRECTION_{o.rollout_is.upper()}"),
+            threshold=o.rollout_is_threshold,
         ),
     )

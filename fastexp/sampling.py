@@ -16,6 +16,9 @@ class SamplingOptions:
     ``seed + j`` when ``seed`` is set (vLLM); the HF backend seeds the whole request once.
     ``first_token_temperature`` (FIRE, Chen et al. 2024, arXiv 2410.21236): the first response token's softmax
     temperature; ``None`` uses ``temperature`` for every token.
+    ``skip_special_tokens`` is False by default, as in the proto and the seed: response texts (and so the queries
+    reward models and rule functions see) keep special tokens such as EOS. ``ignore_eos`` keeps sampling after
+    EOS until ``max_new_tokens`` (vLLM's ``ignore_eos``; the seed's ``IGNORE_EOS``).
     """
 
     temperature: float = 1.0
@@ -23,9 +26,10 @@ class SamplingOptions:
     top_k: int = 0
     max_new_tokens: int = 256
     min_new_tokens: int = 0
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = False
     seed: int | None = None
     first_token_temperature: float | None = None
+    ignore_eos: bool = False
 
     def temperature_at(self, position: int) -> float:
         """The temperature response token ``position`` (0-based) is sampled at."""

@@ -114,6 +114,10 @@ class Experience(NamedTuple):
     vision: VisionInputs | None = None  # pixel patches and grids of the rows' images/videos, in row order
     repaired_vision_tokens: int = 0  # sampled placeholder tokens replaced by the pad token (vision.repair_placeholders)
     num_turns: tuple[int, ...] = ()  # (B,) model turns per row: the maximal runs of action_mask (see turn_spans)
+    rollout_is_weights: torch.Tensor | None = None  # (B, A) float32 truncated IS weights (rollout_correction)
+    rollout_log_prob_abs_diff: float = 0.0  # mean |action_log_probs - rollout_log_probs| per action token, nats
+    rollout_kl: float = 0.0  # KL(rollout || actor) per action token (k3), nats
+    rollout_is_clip_frac: float = 0.0  # share of tokens (token level) or rows (sequence level) truncated
 
 
 class ForwardOutputs(NamedTuple):

@@ -78,6 +78,7 @@ def sampling_from_pb(
         skip_special_tokens=message.skip_special_tokens,
         seed=message.seed if message.HasField("seed") else None,
         first_token_temperature=first_token_temperature,
+        ignore_eos=message.ignore_eos,
     )
 
 

@@ -25,6 +25,7 @@ from services.experience.processing import (
 )
 from services.experience.request import ExperienceConfig
 from services.experience.rewards import compute_reward
+from services.experience.rollout_correction import rollout_correction
 from services.experience.runs import RunningMoments, RunState
 
 
@@ -52,6 +53,8 @@ def estimate_experience(
     7. ``advantages, returns = estimator.advantages(r, values, gamma, lambd)``.
     8. ``advantages_norm`` (whitening over ``action_mask``), then ``advantage_clip``.
     9. The run's beta is updated from this batch's mean per-sequence KL (adaptive controller only).
+    10. Rollout/trainer mismatch: truncated importance weights (``rollout_correction``) and the batch's mismatch
+        metrics (:mod:`~services.experience.rollout_correction`).
 
     γ and λ come from ``config`` for every batch (the seed pops γ inside its loop, so only its first micro-batch
     gets the requested value).
@@ -88,6 +91,7 @@ def estimate_experience(
 
     kl_state = state.kl if kl is None else state.kl.update(sequence_mean_kl(kl, mask), batch)
     next_state = RunState(reward_moments=shaped.moments, kl=kl_state)
+    mismatch = rollout_correction(forward.action_log_probs, rollout.rollout_log_probs, mask, config.rollout_correction)
     rows = {name: getattr(rollout, name) for name in _FROM_ROLLOUT}
     experience = Experience(
         **rows,
@@ -105,6 +109,10 @@ def estimate_experience(
         reward_norm_mean=shaped.norm_mean,
         reward_norm_std=shaped.norm_std,
         dropped_prompt_indices=dropped_prompt_indices,
+        rollout_is_weights=mismatch.weights,
+        rollout_log_prob_abs_diff=mismatch.log_prob_abs_diff,
+        rollout_kl=mismatch.kl,
+        rollout_is_clip_frac=mismatch.clip_frac,
     )
     return experience, next_state
 

@@ -177,6 +177,9 @@ class _Consumer:
         self._batch_index = 0
         self._resampled_reported = 0
         self._local_state = _initial_state(self._config)
+        # prompt_overflow SKIP: reported like dynamic-sampling drops, with the first batch
+        self._skipped_unreported = request.skipped_prompt_indices
+        stats.dropped_groups += len(request.skipped_prompt_indices)
 
     async def run(self) -> AsyncIterator[Experience]:
         run = self._stages.producer.start(self._request, self._deadline)
@@ -188,8 +191,9 @@ class _Consumer:
                 if step is Step.DELIVER:
                     groups = await self._take_batch(run)
                     for part in self._estimate(groups) if groups else ():
+                        outward = self._in_request_indices(part)
                         with metrics.stage_timer("stream"):  # how long the trainer takes to take it
-                            yield pack_experience(part) if self._config.return_packed else part
+                            yield pack_experience(outward) if self._config.return_packed else outward
                         self._delivered(part, run)
                 elif step is Step.FORWARD:
                     await self._forward()
@@ -200,7 +204,8 @@ class _Consumer:
             if self.inbox.failure is not None:
                 raise self.inbox.failure
         except FastexpError as error:  # a failed stream says which prompts to send again
-            undelivered = [i for i in range(len(self._request.prompts)) if i not in self._handled]
+            request = self._request
+            undelivered = [request.source_index(i) for i in range(len(request.prompts)) if i not in self._handled]
             self._stats.undelivered_prompt_indices = undelivered
             raise StreamFailed(error, undelivered) from error
         finally:
@@ -218,7 +223,7 @@ class _Consumer:
         elif isinstance(event, GroupsRerouted):
             self._stats.rerouted_groups += event.count
         elif isinstance(event, GroupFailed):
-            self._stats.failed_groups.append(event.prompt_index)
+            self._stats.failed_groups.append(self._request.source_index(event.prompt_index))
             run.release(1)
             logger.warning("%s: prompt %d not delivered: %s", self._request.request_id, event.prompt_index, event.reason)
 
@@ -272,6 +277,18 @@ class _Consumer:
         parts = split_experience(experience, config.groups_per_batch * config.n_samples_per_prompt)
         self._batch_index += len(parts)
         return parts
+
+    def _in_request_indices(self, part: Experience) -> Experience:
+        """``part`` with prompt indices into the request's message (they differ once SKIP left prompts out), and
+        the skipped prompts with the first batch's drops."""
+        request = self._request
+        if not request.skipped_prompt_indices:
+            return part
+        skipped, self._skipped_unreported = self._skipped_unreported, ()
+        return part._replace(
+            prompt_index=tuple(request.source_index(i) for i in part.prompt_index),
+            dropped_prompt_indices=(*skipped, *(request.source_index(i) for i in part.dropped_prompt_indices)),
+        )
 
     def _delivered(self, part: Experience, run: ProducerRun) -> None:
         metrics.EXPERIENCE_SAMPLES.inc(len(part.reward))

@@ -17,7 +17,8 @@ from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits, validate_batch
 from services.experience.advantages import ALIASES, ESTIMATORS, AdvantageEstimator, get_estimator
 from services.experience.kl import KL_ESTIMATORS
-from services.experience.prompts import InvalidPrompts, PromptSpec, render_prompt
+from services.experience.prompts import PromptSpec, render_prompts
+from services.experience.rollout_correction import DEFAULT_THRESHOLD, RolloutCorrectionOptions
 from services.experience.vision import VisionProcessor
 
 DEFAULT_ESTIMATOR = "group_norm"
@@ -106,6 +107,7 @@ class ExperienceConfig:
     normalization_scope: str = "batch"  # "batch" | "rollout": rows advantages_norm / reward_running_norm cover
     skip_actor_forward: bool = False  # action_log_probs are the generator's own (rollout_log_probs)
     episodes: EpisodeOptions | None = None  # multi-turn episodes in an environment (None: single-turn)
+    rollout_correction: RolloutCorrectionOptions | None = None  # truncated IS weights (None: off)
 
     @property
     def needs_reference(self) -> bool:
@@ -128,10 +130,22 @@ class ExperienceConfig:
 
 @dataclass(frozen=True)
 class ExperienceRequest:
+    """A validated request. ``prompts`` are the ones to sample; the pipeline indexes them 0..len(prompts)-1.
+    With ``prompt_overflow = skip`` some of the message's prompts are left out: ``prompt_indices`` then maps each
+    of ``prompts`` to its index in the message (empty: the identity) and ``skipped_prompt_indices`` lists the
+    others; ``truncated_prompt_indices`` are message indices of prompts cut to ``max_prompt_tokens``."""
+
     request_id: str
     prompts: tuple[PromptSpec, ...]
     sampling: SamplingOptions
     config: ExperienceConfig
+    prompt_indices: tuple[int, ...] = ()
+    skipped_prompt_indices: tuple[int, ...] = ()
+    truncated_prompt_indices: tuple[int, ...] = ()
+
+    def source_index(self, index: int) -> int:
+        """The message's index of ``prompts[index]``."""
+        return self.prompt_indices[index] if self.prompt_indices else index
 
 
 def decode_request(
@@ -157,18 +171,14 @@ def decode_request(
     """
     sampling = validate_batch(len(message.prompts), message.n_samples_per_prompt, message.sampling, limits)
     config = _decode_config(message, message.n_samples_per_prompt, sampling, has_critic)
-    prompts, errors = [], {}
-    for i, p in enumerate(message.prompts):
-        try:
-            prompts.append(render_prompt(i, p, tokenizer, max_model_len, vision, media_limits))
-        except InvalidRequest as error:
-            errors[i] = error
-    if errors:
-        raise InvalidPrompts(errors)
+    rendered = render_prompts(message, tokenizer, max_model_len, vision, media_limits)
+    prompts = rendered.prompts
     if any(p.vision is not None for p in prompts):
         _check_multimodal_config(config)
     return ExperienceRequest(
-        request_id=message.request_id or uuid.uuid4().hex, prompts=tuple(prompts), sampling=sampling, config=config
+        request_id=message.request_id or uuid.uuid4().hex, prompts=tuple(prompts), sampling=sampling, config=config,
+        prompt_indices=rendered.prompt_indices, skipped_prompt_indices=rendered.skipped_prompt_indices,
+        truncated_prompt_indices=rendered.truncated_prompt_indices,
     )
 
 
@@ -243,7 +253,30 @@ def _decode_config(
         normalization_scope=_decode_normalization_scope(message),
         skip_actor_forward=message.skip_actor_forward,
         episodes=_decode_episodes(message),
+        rollout_correction=_decode_rollout_correction(message),
     )
+
+
+_CORRECTION_LEVELS = {
+    experience_pb2.ROLLOUT_CORRECTION_TOKEN: "token", experience_pb2.ROLLOUT_CORRECTION_SEQUENCE: "sequence",
+}
+
+
+def _decode_rollout_correction(message: experience_pb2.MakeExperiencesRequest) -> RolloutCorrectionOptions | None:
+    correction = message.rollout_correction
+    if correction.level == experience_pb2.ROLLOUT_CORRECTION_OFF:
+        if correction.HasField("threshold"):
+            raise InvalidRequest("rollout_correction.threshold", "set a level (TOKEN or SEQUENCE) with it")
+        return None
+    if correction.level not in _CORRECTION_LEVELS:
+        raise InvalidRequest("rollout_correction.level", f"unknown value {correction.level}")
+    if message.skip_actor_forward:
+        raise InvalidRequest("rollout_correction.level", "needs the actor forward: not with skip_actor_forward "
+                             "(the weights would all be 1)")
+    threshold = correction.threshold if correction.HasField("threshold") else DEFAULT_THRESHOLD
+    if not math.isfinite(threshold) or threshold < 1.0:
+        raise InvalidRequest("rollout_correction.threshold", f"must be finite and >= 1, got {threshold}")
+    return RolloutCorrectionOptions(_CORRECTION_LEVELS[correction.level], threshold)
 
 
 def _decode_episodes(message: experience_pb2.MakeExperiencesRequest) -> EpisodeOptions | None:

@@ -104,6 +104,8 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
                 ("fastexp-resampled-groups", str(stats.resampled_groups)),
                 ("fastexp-rerouted-groups", str(stats.rerouted_groups)),
                 ("fastexp-failed-groups", str(len(stats.failed_groups))),
+                ("fastexp-truncated-prompts", str(len(decoded.truncated_prompt_indices))),
+                ("fastexp-skipped-prompts", str(len(decoded.skipped_prompt_indices))),
             ]
             if stats.failed_groups:
                 trailers.append((FAILED_KEY, ",".join(map(str, sorted(stats.failed_groups)))))

@@ -162,7 +162,8 @@ class HFEngine(TokenizerEngine):
                     temperature=1.0,
                     top_k=0,
                     top_p=1.0,
-                    eos_token_id=eos,
+                    # ignore_eos: no stop token (generation_config's would stop it otherwise); EOS stays sampleable
+                    eos_token_id=[] if options.ignore_eos else eos,
                     pad_token_id=pad,
                     logits_processor=self._logits_processors(recorder, width, options),
                     stopping_criteria=StoppingCriteriaList([_AbortCriteria(abort)]),
@@ -194,7 +195,7 @@ class HFEngine(TokenizerEngine):
         """One row's completion: its tokens up to and with EOS, and how it ended."""
         eos = self.description.eos_token_id
         finish = "abort" if abort.is_set() else "length"
-        if eos in tokens:
+        if eos in tokens and not options.ignore_eos:
             tokens = tokens[: tokens.index(eos) + 1]
             finish = "stop"
         return CompletionRecord(

@@ -229,6 +229,7 @@ def _sampling_params(options: SamplingOptions, sample_index: int) -> Any:
         top_k=options.top_k,
         max_tokens=options.max_new_tokens,
         min_tokens=options.min_new_tokens,
+        ignore_eos=options.ignore_eos,
         skip_special_tokens=options.skip_special_tokens,
         seed=None if options.seed is None else options.seed + sample_index,
         logprobs=0,

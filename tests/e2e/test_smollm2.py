@@ -6,11 +6,13 @@ import json
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from fastexp import ExperienceClient, Sampling
 from fastexp.datasets import reasoning_gym_problems
 from fastexp.launcher import LocalCluster
+from fastexp.v1 import generation_pb2, generation_pb2_grpc
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm2]
 
@@ -27,6 +29,7 @@ def test_smollm2_experiences_through_vllm(smollm2_path, tmp_path):
                 [list(p.messages) for p in problems], references=[p.reference for p in problems],
                 n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=48),
             ))
+        stopped, ignored = (_greedy(cluster.address("generator"), ignore_eos) for ignore_eos in (False, True))
     assert sum(e.sequences.shape[0] for e in batches) == 8
     for e in batches:
         mask = e.action_mask
@@ -35,6 +38,23 @@ def test_smollm2_experiences_through_vllm(smollm2_path, tmp_path):
         assert e.kl[mask].abs().max() < 1e-4  # reference == actor weights at policy version 0
         # vLLM and HF, both bf16, agree on the sampled tokens' log-probs up to kernel numerics
         assert (e.rollout_log_probs[mask] - e.action_log_probs[mask]).abs().mean() < 0.1
+        for text, length in zip(e.response_texts, e.response_length.tolist(), strict=True):
+            if length < 48:  # ended with EOS: kept in the text (skip_special_tokens defaults to False, as in the seed)
+                assert text.endswith("<|im_end|>")
+    # ignore_eos on vLLM: the same greedy answer, then past its EOS to max_new_tokens
+    assert stopped.finish_reason == generation_pb2.FINISH_REASON_STOP and len(stopped.output_token_ids) < 40
+    assert ignored.finish_reason == generation_pb2.FINISH_REASON_LENGTH and len(ignored.output_token_ids) == 40
+    assert list(ignored.output_token_ids[: len(stopped.output_token_ids)]) == list(stopped.output_token_ids)
+
+
+def _greedy(address: str, ignore_eos: bool) -> generation_pb2.Completion:
+    prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    request = generation_pb2.GenerateRequest(
+        prompts=[generation_pb2.GenerationPrompt(text=prompt)], n_samples_per_prompt=1,
+        sampling=Sampling(temperature=0.0, max_new_tokens=40, ignore_eos=ignore_eos).to_pb())
+    with grpc.insecure_channel(address) as channel:
+        responses = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=300)
+        return [c for r in responses for c in r.completions][0]
 
 
 def test_demo_cli_writes_summary(tmp_path):

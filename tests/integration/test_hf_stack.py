@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoTokenizer
 
 from fastexp import Sampling, build_request, save_value_model, unpack_experience
 from fastexp.tensor_codec import to_numpy
@@ -19,6 +20,7 @@ from fastexp.wire import experience_from_pb
 from services.experience.advantages import ESTIMATORS, get_estimator
 from services.experience.estimate import estimate_experience
 from services.experience.request import AdvantageOptions, ExperienceConfig, KLOptions, RewardOptions
+from services.experience.rollout_correction import RolloutCorrectionOptions
 from services.experience.runs import KLController, RunningMoments, RunState
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
@@ -117,15 +119,15 @@ async def test_every_option_through_make_experiences_and_reproducible_from_the_b
         kl_coef=0.05, kl_estimator="k3", kl_target=0.01, kl_horizon=100, reward_running_norm=True,
         reward_running_norm_minus_mean=True, reward_clip=0.7, overlong_buffer_len=4,
         overlong_buffer_penalty_factor=0.5, advantages_norm=True, advantage_clip=1.5, run_id="run-a",
-        return_action_entropy=True, packing_samples=True, return_packed=True,
-        sampling=Sampling(max_new_tokens=max_new_tokens, min_new_tokens=1, seed=5),
+        return_action_entropy=True, packing_samples=True, return_packed=True, rollout_is="token",
+        rollout_is_threshold=1.5, sampling=Sampling(max_new_tokens=max_new_tokens, min_new_tokens=1, seed=5),
     )
     state = RunState(RunningMoments(), KLController(0.05, 0.01, 100))
     config = ExperienceConfig(
         n, get_estimator("gae"), gamma=0.9, lambd=0.8,
         kl=KLOptions(kl_coef=0.05, kl_estimator="k3", kl_target=0.01, kl_horizon=100),
         reward=RewardOptions(True, True, 0.7, 4, 0.5, max_new_tokens),
-        advantage=AdvantageOptions(True, 1.5),
+        advantage=AdvantageOptions(True, 1.5), rollout_correction=RolloutCorrectionOptions("token", 1.5),
     )
     for request_number in range(2):  # the run's statistics carry over to the second request
         batches = await _collect(stack["experience"], build_request(PROMPTS[:2], **options))
@@ -144,13 +146,45 @@ async def test_every_option_through_make_experiences_and_reproducible_from_the_b
                 ForwardOutputs(e.action_log_probs, e.base_action_log_probs, e.values), config, state,
                 e.batch_index,
             )
-            for name in ("kl", "returns", "advantages", "shaped_reward"):
+            for name in ("kl", "returns", "advantages", "shaped_reward", "rollout_is_weights"):
                 assert torch.allclose(getattr(again, name), getattr(e, name), atol=1e-5), name
+            delta = (e.action_log_probs - e.rollout_log_probs)[mask]  # TIS weights from the batch's own tensors
+            assert torch.allclose(e.rollout_is_weights[mask], delta.exp().clamp(max=1.5), atol=1e-6)
+            assert e.rollout_log_prob_abs_diff == pytest.approx(float(delta.abs().mean()), abs=1e-6)
+            assert e.rollout_kl == pytest.approx(float((delta.exp() - 1 - delta).mean()), abs=1e-6)
             assert (again.reward_norm_mean, again.reward_norm_std) == (
                 pytest.approx(e.reward_norm_mean, abs=1e-6), pytest.approx(e.reward_norm_std, rel=1e-5))
             assert again.advantage_clip_frac == pytest.approx(e.advantage_clip_frac)
         if request_number == 1:
             assert state.reward_moments.count == 8  # both requests' rewards are in the run's moments
+
+
+async def test_over_long_prompts_are_truncated_left_or_skipped_as_the_request_says(stack, tiny_model_path):
+    """prompt_overflow: TRUNCATE_LEFT keeps each long prompt's last max_prompt_tokens tokens; SKIP samples the
+    others and reports the skipped ones like drops, in the message's indices; counted in trailing metadata."""
+    long_prompt = "Count with me: one two three four five six seven eight nine ten eleven twelve."
+    prompts = [long_prompt, "hi", long_prompt + " Go on.", "yo"]
+    common = dict(n_samples_per_prompt=2, max_prompt_tokens=6, sampling=Sampling(max_new_tokens=4))
+    call = stack["experience"].MakeExperiences(build_request(prompts, prompt_overflow="truncate_left", **common),
+                                               timeout=300)
+    batches = [experience_from_pb(m) async for m in call]
+    trailers = dict(await call.trailing_metadata())
+    assert trailers["fastexp-truncated-prompts"] == "2" and trailers["fastexp-skipped-prompts"] == "0"
+    rows = {(p, e.prompt_texts[i]) for e in batches for i, p in enumerate(e.prompt_index)}
+    assert sorted(p for p, _ in rows) == [0, 1, 2, 3]
+    texts = dict(rows)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    ids = tokenizer(long_prompt, add_special_tokens=False)["input_ids"]
+    assert texts[1] == "hi" and texts[0] == tokenizer.decode(ids[-6:]) and long_prompt.endswith(texts[0])
+    assert texts[2].endswith(" Go on.") and len(texts[0]) < len(long_prompt)
+    for e in batches:  # the sampled sequences hold the kept tokens only
+        assert all(int(length) - int(r) <= 6 for length, r in zip(e.total_length, e.response_length, strict=True))
+    call = stack["experience"].MakeExperiences(build_request(prompts, prompt_overflow="skip", **common), timeout=300)
+    batches = [experience_from_pb(m) async for m in call]
+    trailers = dict(await call.trailing_metadata())
+    assert trailers["fastexp-skipped-prompts"] == "2" and trailers["fastexp-dropped-groups"] == "2"
+    assert sorted(p for e in batches for p in e.prompt_index) == [1, 1, 3, 3]  # the message's indices
+    assert batches[0].dropped_prompt_indices == (0, 2) and all(not e.dropped_prompt_indices for e in batches[1:])
 
 
 async def test_stream_delivers_each_group_once_with_consistent_tensors(stack):

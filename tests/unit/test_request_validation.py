@@ -85,6 +85,14 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
          "dynamic_sampling.max_extra_rounds", "at most 16"),
         (_request(run_id="r" * 257), "run_id", "at most 256"),
         (_request(normalization_scope="rollout", max_staleness=1), "normalization_scope", "max_staleness"),
+        (_request(prompts=["word " * 10], max_prompt_tokens=5), "prompts[0]", "limit is 5 prompt tokens"),
+        (_request(max_prompt_tokens=64), "max_prompt_tokens", "below the model's length 64"),
+        (_request(prompts=["word " * 100], prompt_overflow="skip"), "prompts", "every prompt is longer than 63"),
+        (_request(rollout_is="token", rollout_is_threshold=0.5), "rollout_correction.threshold", ">= 1"),
+        (_request(rollout_is="sequence", rollout_is_threshold=float("inf")), "rollout_correction.threshold",
+         "finite"),
+        (_request(rollout_is_threshold=3.0), "rollout_correction.threshold", "set a level"),
+        (_request(rollout_is="token", skip_actor_forward=True), "rollout_correction.level", "actor forward"),
     ],
 )
 def test_bad_input_names_the_field(tokenizer, request_, field, why):
@@ -186,3 +194,32 @@ def test_top_k_minus_one_is_off_as_in_the_seed_and_vllm(tokenizer):
     assert decoded.sampling.top_k == 0
     with pytest.raises(InvalidRequest, match="sampling.top_k"):
         decode_request(_request(sampling=Sampling(top_k=-2)), tokenizer, LIMITS, MAX_MODEL_LEN)
+
+
+def test_prompt_overflow_truncates_left_or_skips_and_keeps_the_message_indices(tokenizer):
+    long_prompt, short = "one two three four five six seven eight nine ten", "hi"
+    ids = tokenizer(long_prompt, add_special_tokens=False)["input_ids"]
+    with pytest.raises(InvalidRequest) as info:  # reject (the default) names every such prompt
+        decode_request(_request(prompts=[short, long_prompt, long_prompt], max_prompt_tokens=4), tokenizer, LIMITS,
+                       MAX_MODEL_LEN)
+    assert info.value.prompt_indices == [1, 2] and "limit is 4 prompt tokens" in str(info.value)
+    truncated = decode_request(_request(prompts=[short, long_prompt], max_prompt_tokens=4,
+                                        prompt_overflow="truncate_left"), tokenizer, LIMITS, MAX_MODEL_LEN)
+    assert truncated.truncated_prompt_indices == (1,) and truncated.skipped_prompt_indices == ()
+    assert truncated.prompts[1].token_ids == tuple(ids[-4:])  # the last 4 tokens: the end of the prompt is kept
+    assert truncated.prompts[1].text == tokenizer.decode(ids[-4:]) == " seven eight nine ten"
+    assert truncated.prompts[0].text == short and truncated.source_index(1) == 1
+    skipped = decode_request(_request(prompts=[long_prompt, short, long_prompt, short], max_prompt_tokens=4,
+                                      prompt_overflow="skip"), tokenizer, LIMITS, MAX_MODEL_LEN)
+    assert [p.text for p in skipped.prompts] == [short, short]
+    assert skipped.skipped_prompt_indices == (0, 2) and skipped.prompt_indices == (1, 3)
+    assert [skipped.source_index(i) for i in range(2)] == [1, 3]
+
+
+def test_rollout_correction_decodes_with_the_default_threshold(tokenizer):
+    config = decode_request(_request(rollout_is="sequence"), tokenizer, LIMITS, MAX_MODEL_LEN).config
+    assert config.rollout_correction.level == "sequence" and config.rollout_correction.threshold == 2.0
+    config = decode_request(_request(rollout_is="token", rollout_is_threshold=5.0), tokenizer, LIMITS,
+                            MAX_MODEL_LEN).config
+    assert (config.rollout_correction.level, config.rollout_correction.threshold) == ("token", 5.0)
+    assert decode_request(_request(), tokenizer, LIMITS, MAX_MODEL_LEN).config.rollout_correction is None
