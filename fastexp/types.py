@@ -6,8 +6,9 @@ fields. B rows, S padded sequence length, A padded response (action) length, ``S
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -118,6 +119,65 @@ class Experience(NamedTuple):
     rollout_log_prob_abs_diff: float = 0.0  # mean |action_log_probs - rollout_log_probs| per action token, nats
     rollout_kl: float = 0.0  # KL(rollout || actor) per action token (k3), nats
     rollout_is_clip_frac: float = 0.0  # share of tokens (token level) or rows (sequence level) truncated
+
+    @property
+    def info(self) -> Mapping[str, torch.Tensor | Mapping[str, torch.Tensor]]:
+        """The seed's ``experience.info`` (LightRFT/OpenRLHF), read-only and computed from the typed fields; every
+        value is (B,) float32 (batch-wide figures repeated per row, so ``torch.cat`` over batches works as there).
+
+        Keys: ``reward`` (the scorer's, before shaping), ``response_length``, ``total_length`` (tokens), ``kl``
+        (per-row mean of ``kl`` over ``action_mask``, 0 without a reference), ``return`` (the return at the first
+        response token, ``returns[:, 0]``: the sum of the per-token rewards, the seed's ``final_reward.sum(-1)``, when
+        gamma = 1 and the estimator is not gae, whose returns are advantages + values),
+        ``reward_clip_frac``, ``advantage_clip_frac``, ``rollout_is_clip_frac``, and ``reward_metrics``
+        (name -> (B,)). Only padded batches (``unpack_experience`` a packed one first).
+
+        Raises:
+            ValueError: a packed batch.
+        """
+        if self.packed_seq_lens is not None:
+            raise ValueError("info needs the padded layout: unpack_experience(batch) first")
+        rows = self.reward.shape[0]
+        mask = self.action_mask.float()
+        kl = torch.zeros(rows) if self.kl is None else (self.kl * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        per_batch = {name: torch.full((rows,), float(getattr(self, name)))
+                     for name in ("reward_clip_frac", "advantage_clip_frac", "rollout_is_clip_frac")}
+        return MappingProxyType({
+            "reward": self.reward.float(),
+            "response_length": self.response_length.float(),
+            "total_length": self.total_length.float(),
+            "kl": kl.float(),
+            "return": self.returns[:, 0].float() if self.returns.shape[1] else torch.zeros(rows),
+            **per_batch,
+            "reward_metrics": MappingProxyType(dict(self.reward_metrics)),
+        })
+
+    def to_device(self, device: torch.device | str) -> Experience:
+        """The same batch with every tensor on ``device`` (the seed's ``to_device``, which moves in place; a new
+        record here, the fields are immutable)."""
+        return self._map_tensors(lambda tensor: tensor.to(device))
+
+    def pin_memory(self) -> Experience:
+        """The same batch with every tensor in page-locked host memory, for asynchronous copies to an accelerator
+        (the seed's ``pin_memory``). Without an accelerator there is nothing to pin for: the batch is returned as
+        it is."""
+        if not torch.cuda.is_available():
+            return self
+        return self._map_tensors(lambda tensor: tensor.pin_memory())
+
+    def _map_tensors(self, function: Callable[[torch.Tensor], torch.Tensor]) -> Experience:
+        return Experience(*(_map_tensors(value, function) for value in self))
+
+
+def _map_tensors(value: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``function`` applied to its tensors (a tensor, a dict of them, VisionInputs; others as is)."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, function) for key, item in value.items()}
+    if isinstance(value, VisionInputs):
+        return VisionInputs(*(_map_tensors(item, function) for item in value))
+    return value
 
 
 class ForwardOutputs(NamedTuple):

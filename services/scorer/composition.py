@@ -223,14 +223,15 @@ def build_source(config: SourceConfig) -> RewardSource:
     if isinstance(config, LocalModelConfig):
         return LocalModelScorer(
             config.name, config.path, micro_batch_size=config.micro_batch_size, max_length=config.max_length,
-            dtype=config.dtype, device=config.device,
+            dtype=config.dtype, device=config.device, factory=config.factory, factory_options=config.factory_options,
         )
     if isinstance(config, SimilarityConfig):
         return SimilarityScorer(config.name, config.path, batch_size=config.batch_size, device=config.device)
     if isinstance(config, RemoteConfig):
         return RemoteScorer(config)
     if isinstance(config, RuleConfig):
-        return RuleScorer(config.name, config.function, workers=config.workers, timeout_s=config.timeout_s)
+        return RuleScorer(config.name, config.function, workers=config.workers, timeout_s=config.timeout_s,
+                          batched=config.signature == "batch")
     raise TypeError(f"unknown source config {type(config).__name__}")
 
 

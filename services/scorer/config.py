@@ -48,10 +48,16 @@ class _SourceConfig(BaseModel):
 
 
 class LocalModelConfig(_SourceConfig):
-    """A local reward model: ``AutoModelForSequenceClassification`` with ``num_labels == 1``, scoring the query."""
+    """A local reward model scoring the query: ``AutoModelForSequenceClassification`` with ``num_labels == 1``
+    loaded from ``path``, or any ``torch.nn.Module`` a ``factory`` builds (the seed accepts any module):
+    ``factory(**factory_options)`` returns the module, called as ``module(input_ids, attention_mask)`` on the
+    tokenized queries (``path``'s tokenizer) and returning (B,) or (B, 1) rewards, or an output with ``.logits``."""
 
     type: Literal["model"] = "model"
-    path: str = Field(description="model folder (config, weights, tokenizer)")
+    path: str = Field(description="model folder (config, weights, tokenizer); with a factory, the tokenizer's")
+    factory: str | None = Field(None, description="import path 'package.module:build' of a callable returning a "
+                                "torch.nn.Module; None: AutoModelForSequenceClassification from path")
+    factory_options: dict[str, object] = Field(default_factory=dict, description="keyword arguments of factory")
     micro_batch_size: int = Field(8, ge=1, description="queries per forward pass")
     max_length: int = Field(2048, ge=8, description="tokens per query; longer ones keep their last tokens")
     dtype: Literal["bfloat16", "float16", "float32"] = "float32"
@@ -82,12 +88,21 @@ class RemoteConfig(_SourceConfig):
 
 
 class RuleConfig(_SourceConfig):
-    """A rule function ``fn(response, reference) -> reward | (reward, {metric: value})`` by import path."""
+    """A rule function by import path, with one of two signatures (``signature``):
+
+    - ``item`` (default): ``fn(response, reference) -> reward | (reward, {metric: value})``, one call per item;
+    - ``batch``: the seed's ``custom_reward_func(queries, prompts, labels) -> rewards`` (LightRFT/OpenRLHF), one
+      call per batch with lists of N strings (``queries`` = prompt + response text, special tokens kept), returning
+      N numbers (a list, array or tensor).
+    """
 
     type: Literal["rule"] = "rule"
     function: str = Field(description="import path, 'package.module:function' (or 'package.module.function')")
+    signature: Literal["item", "batch"] = Field("item", description="fn(response, reference) per item, or the "
+                                                "seed's fn(queries, prompts, labels) per batch")
     workers: int = Field(2, ge=1, description="worker processes")
-    timeout_s: float = Field(5.0, gt=0, description="hard limit per item; the worker is killed after it")
+    timeout_s: float = Field(5.0, gt=0, description="hard limit per item (per batch with signature batch); the "
+                             "worker is killed after it")
 
     @property
     def recipe_type(self) -> str:

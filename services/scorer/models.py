@@ -1,4 +1,5 @@
-"""Local reward models: HF sequence classifiers and a reference-similarity reward on a sentence encoder.
+"""Local reward models: HF sequence classifiers (or any ``torch.nn.Module`` a factory builds) and a
+reference-similarity reward on a sentence encoder.
 
 Both run their forward passes in a worker thread, one batch at a time per model (a lock), so the event loop keeps
 serving while a model computes. A micro-batch whose forward pass raises costs its items (each gets the error),
@@ -10,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,8 +56,10 @@ class LocalModelScorer:
     first token (encoders), as their HF implementation defines. Units: whatever the model was trained to emit.
     """
 
-    def __init__(self, name: str, path: str, *, micro_batch_size: int, max_length: int, dtype: str, device: str):
+    def __init__(self, name: str, path: str, *, micro_batch_size: int, max_length: int, dtype: str, device: str,
+                 factory: str | None = None, factory_options: Mapping[str, object] | None = None):
         self.name = name
+        self._factory, self._factory_options = factory, dict(factory_options or {})
         self._path = path
         self._micro_batch_size = micro_batch_size
         self._max_length = max_length
@@ -71,6 +75,7 @@ class LocalModelScorer:
         Raises:
             OSError: ``path`` is not a model folder.
             ValueError: the model has more than one label (a reward model emits one score).
+            ImportError, TypeError: ``factory`` does not name a callable, or it returned no ``torch.nn.Module``.
         """
         await asyncio.to_thread(self._load)
 
@@ -83,17 +88,28 @@ class LocalModelScorer:
 
         if not Path(self._path).is_dir():
             raise OSError(f"{self.name}: model folder {self._path!r} does not exist")
+        if self._factory is not None:
+            self._load_module(AutoTokenizer)
+            return
         config = AutoConfig.from_pretrained(self._path)
         if config.num_labels != 1:
             raise ValueError(f"{self.name}: {self._path} has {config.num_labels} labels; a reward model has one")
-        tokenizer = AutoTokenizer.from_pretrained(self._path)
-        tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = _padded_tokenizer(AutoTokenizer.from_pretrained(self._path))
         model = AutoModelForSequenceClassification.from_pretrained(self._path, dtype=self._dtype)
         model.config.pad_token_id = tokenizer.pad_token_id
         self._model, self._tokenizer = model.to(self._device).eval(), tokenizer
         logger.info("reward model %s loaded from %s (%s)", self.name, self._path, self._dtype)
+
+    def _load_module(self, auto_tokenizer: Any) -> None:
+        """A module from ``factory`` (any ``torch.nn.Module``) with ``path``'s tokenizer."""
+        from services.scorer.rules import import_callable
+
+        module = import_callable(self._factory)(**self._factory_options)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"{self.name}: {self._factory} returned {type(module).__name__}, not a torch.nn.Module")
+        tokenizer = _padded_tokenizer(auto_tokenizer.from_pretrained(self._path))
+        self._model, self._tokenizer = module.to(self._device, self._dtype).eval(), tokenizer
+        logger.info("reward model %s built by %s (%s)", self.name, self._factory, self._dtype)
 
     async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
         """One float reward per item: the model's logit, in micro-batches of ``micro_batch_size``."""
@@ -113,8 +129,11 @@ class LocalModelScorer:
                 encoded = self._tokenizer(
                     chunk, padding=True, truncation=True, max_length=self._max_length, return_tensors="pt"
                 ).to(self._device)
-                logits = self._model(**encoded).logits.float()[:, 0]
-                values.extend(logits.tolist())
+                if self._factory is None:
+                    rewards = self._model(**encoded).logits.float()[:, 0]
+                else:
+                    rewards = _module_rewards(self._model(encoded["input_ids"], encoded["attention_mask"]), len(chunk))
+                values.extend(rewards.tolist())
                 errors.extend([None] * len(chunk))
             except Exception as error:  # one bad micro-batch costs its items
                 logger.warning("reward model %s failed on a micro-batch", self.name, exc_info=True)
@@ -125,6 +144,31 @@ class LocalModelScorer:
     async def close(self) -> None:
         """Drop the model."""
         self._model = self._tokenizer = None
+
+
+def _padded_tokenizer(tokenizer: Any) -> Any:
+    """Right padding, left truncation (the response's end is kept), a pad token (EOS when it has none)."""
+    tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _module_rewards(output: Any, rows: int) -> torch.Tensor:
+    """(B,) float32 rewards from a factory module's output: a (B,) or (B, 1) tensor, or an output with ``.logits``.
+
+    Raises:
+        ValueError: any other shape.
+    """
+    tensor = output.logits if hasattr(output, "logits") else output
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"the module returned {type(output).__name__}, not a tensor")
+    tensor = tensor.float()
+    if tensor.dim() == 2 and tensor.shape[1] == 1:
+        tensor = tensor[:, 0]
+    if tensor.shape != (rows,):
+        raise ValueError(f"the module returned shape {tuple(tensor.shape)}; expected ({rows},) or ({rows}, 1)")
+    return tensor
 
 
 class SimilarityScorer:

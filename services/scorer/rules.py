@@ -1,7 +1,8 @@
 """Rule-based rewards: Python callables named by import path, run in worker processes with a hard per-item timeout.
 
 A rule function has the signature ``fn(response: str, reference: str) -> float | tuple[float, Mapping[str, float]]``
-and must be importable (``package.module:function``) in a fresh process. :class:`RuleScorer` runs it in a pebble
+(one call per item), or the seed's batch signature ``fn(queries, prompts, labels) -> N rewards`` (LightRFT's
+``custom_reward_func``, one call per batch), and must be importable (``package.module:function``) in a fresh process. :class:`RuleScorer` runs it in a pebble
 process pool: a check that hangs past ``timeout_s`` has its worker killed and replaced, and a check that raises
 or returns something that is not a finite number costs that one item (reported as its error), never the
 service. Signal-based timeouts would not work off the main thread; killing the worker does.
@@ -94,11 +95,29 @@ def _run_rule(path: str, response: str, reference: str) -> tuple[object, dict[st
     return result, {}
 
 
-class RuleScorer:
-    """A :class:`~services.scorer.scorer.RewardSource` running the rule at ``function`` in ``workers`` processes."""
+def _run_batch_rule(path: str, queries: list[str], prompts: list[str], labels: list[str]) -> np.ndarray:
+    """Worker-side: call a batch rule (the seed's ``custom_reward_func``) and check it returned one number per item.
 
-    def __init__(self, name: str, function: str, *, workers: int, timeout_s: float) -> None:
+    Raises:
+        ValueError: not N numbers.
+    """
+    result = _resolved(path)(queries, prompts, labels)
+    if hasattr(result, "detach"):  # a torch tensor
+        result = result.detach().cpu().float().numpy()
+    rewards = np.asarray(result, dtype=np.float32).reshape(-1)
+    if rewards.shape != (len(queries),):
+        raise ValueError(f"returned {rewards.size} rewards for {len(queries)} queries")
+    return rewards
+
+
+class RuleScorer:
+    """A :class:`~services.scorer.scorer.RewardSource` running the rule at ``function`` in ``workers`` processes,
+    per item, or per batch (``batched``: the seed's ``fn(queries, prompts, labels)``; a timeout, crash or wrong
+    count then costs the whole batch)."""
+
+    def __init__(self, name: str, function: str, *, workers: int, timeout_s: float, batched: bool = False) -> None:
         self.name = name
+        self._batched = batched
         self._function = function
         self._workers = workers
         self._timeout_s = timeout_s
@@ -112,11 +131,16 @@ class RuleScorer:
         """
         import_callable(self._function)
         self._pool = ProcessPool(max_workers=self._workers, context=multiprocessing.get_context("spawn"))
-        await asyncio.gather(*(self._score_one(ScoreItem("1", "", "1", "", "1")) for _ in range(self._workers)))
+        warm_up = [ScoreItem("1", "", "1", "", "1")]
+        await asyncio.gather(*(self.score(warm_up) for _ in range(self._workers)))
 
     async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
-        """Score every item in the pool; a timeout, crash or non-number is that item's error."""
-        results = await asyncio.gather(*(self._score_one(item) for item in items))
+        """Score every item in the pool; a timeout, crash or non-number is that item's error (the batch's, for a
+        batch rule)."""
+        if self._batched:
+            results = await self._score_batch(items)
+        else:
+            results = await asyncio.gather(*(self._score_one(item) for item in items))
         rewards, errors = checked_rewards(self.name, [reward for reward, *_ in results], len(items))
         errors = [results[i][2] or error for i, error in enumerate(errors)]
         names = sorted({name for _, metrics, *_ in results for name in metrics})
@@ -141,6 +165,22 @@ class RuleScorer:
         except Exception as error:  # a crashing check costs one item
             logger.warning("rule %s failed on one item", self.name, exc_info=True)
             return None, {}, f"{self.name}: rule raised {type(error).__name__}: {error}", False
+
+    async def _score_batch(self, items: Sequence[ScoreItem]) -> list[tuple[object, dict[str, float], str | None, bool]]:
+        """Per-item results of one call of a batch rule."""
+        assert self._pool is not None, "start() first"
+        columns = ([item.query for item in items], [item.prompt for item in items], [item.label for item in items])
+        future = self._pool.schedule(_run_batch_rule, args=(self._function, *columns), timeout=self._timeout_s)
+        try:
+            rewards = await asyncio.wrap_future(future)
+            return [(float(reward), {}, None, False) for reward in rewards]
+        except FutureTimeout:
+            logger.warning("batch rule %s timed out after %.1f s", self.name, self._timeout_s)
+            why, timed_out = f"{self.name}: batch rule timed out after {self._timeout_s:g} s", True
+        except Exception as error:  # a crashing rule costs its batch, never the service
+            logger.warning("batch rule %s failed on a batch of %d", self.name, len(items), exc_info=True)
+            why, timed_out = f"{self.name}: batch rule raised {type(error).__name__}: {error}", False
+        return [(None, {}, why, timed_out)] * len(items)
 
     async def close(self) -> None:
         """Stop the worker processes."""

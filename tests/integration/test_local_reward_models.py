@@ -76,3 +76,27 @@ async def test_reference_similarity_on_all_minilm_l6_v2():
     assert paraphrase > 0.6 > 0.2 > unrelated  # a real encoder tells a paraphrase from an unrelated sentence
     assert np.isnan(missing) and result.errors[3] == "similarity: no reference to compare with"
     assert resolve_encoder("/some/folder") == "/some/folder"
+
+
+async def test_any_torch_module_from_a_factory_scores_queries(reward_model_path):
+    """``factory``: the seed accepts any nn.Module as a reward model; the module gets the tokenized queries."""
+    from transformers import AutoTokenizer
+
+    from tests.support.reward_plugins import build_mean_embedding_reward
+
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
+    options = {"vocab_size": len(tokenizer), "seed": 3}
+    scorer = LocalModelScorer("custom", reward_model_path, micro_batch_size=2, max_length=512, dtype="float32",
+                              device="cpu", factory="tests.support.reward_plugins:build_mean_embedding_reward",
+                              factory_options=options)
+    await scorer.start()
+    result = await scorer.score(as_items(QUERIES))
+    assert result.errors == (None,) * 3
+    module = build_mean_embedding_reward(**options).eval()
+    with torch.inference_mode():  # one query at a time, unpadded: the same rewards
+        direct = [module(**tokenizer(q, return_tensors="pt")).item() for q in QUERIES]
+    np.testing.assert_allclose(result.rewards, direct, atol=1e-5)
+    refused = LocalModelScorer("bad", reward_model_path, micro_batch_size=2, max_length=512, dtype="float32",
+                               device="cpu", factory="tests.support.reward_plugins:build_not_a_module")
+    with pytest.raises(TypeError, match="returned str, not a torch.nn.Module"):
+        await refused.start()

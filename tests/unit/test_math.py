@@ -275,3 +275,32 @@ def test_estimate_applies_stages_in_the_seed_order():
     error = max(min((0.2 / 3 / 2) / 0.1 - 1, 0.2), -0.2)
     assert state.kl.value == pytest.approx(0.5 * (1 + error * 2 / 4))
     assert state.reward_moments.count == 2
+
+
+def test_seed_info_view_to_device_and_pin_memory():
+    """``exp.info`` has the seed's keys as (B,) float32, computed from the typed fields, read-only."""
+    mask = torch.tensor([[True, True], [True, False]])
+    logp = torch.tensor([[-1.0, -1.0], [-2.0, -9.0]])
+    base = torch.tensor([[-1.5, -1.0], [-1.0, -9.0]])  # k1 per token: [[0.5, 0], [-1, masked]]
+    config = ExperienceConfig(2, get_estimator("grpo"), kl=KLOptions(kl_coef=0.1), reward=RewardOptions(reward_clip=0.5))
+    exp, _ = _estimate(mask, torch.tensor([1.0, 0.0]), config, logp, base)
+    info = exp.info
+    assert set(info) == {"reward", "response_length", "total_length", "kl", "return", "reward_clip_frac",
+                         "advantage_clip_frac", "rollout_is_clip_frac", "reward_metrics"}
+    assert torch.equal(info["kl"], torch.tensor([0.25, -1.0]))  # per-row mean over action_mask
+    assert torch.equal(info["response_length"], torch.tensor([2.0, 1.0]))
+    assert torch.equal(info["total_length"], torch.tensor([4.0, 3.0]))
+    assert torch.equal(info["reward"], torch.tensor([1.0, 0.0]))
+    # gamma = 1: the return at the first token is the sum of the per-token rewards (shaped reward - beta * kl)
+    assert torch.allclose(info["return"], torch.tensor([0.5 - 0.1 * 0.5, -0.5 + 0.1]))
+    assert torch.equal(info["reward_clip_frac"], torch.tensor([1.0, 1.0]))  # ±1/sqrt(2) both clipped to ±0.5
+    assert all(value.dtype == torch.float32 for key, value in info.items() if key != "reward_metrics")
+    with pytest.raises(TypeError):
+        info["reward"] = torch.zeros(2)
+    moved = exp.to_device("cpu")
+    assert isinstance(moved, type(exp)) and torch.equal(moved.returns, exp.returns) and moved.prompt_index == (0, 0)
+    assert exp.pin_memory() is exp or exp.pin_memory().returns.is_pinned()  # pinned only with an accelerator
+    without_reference, _ = estimate_experience(_rollout(mask), torch.tensor([1.0, 0.0]), {},
+                                               ForwardOutputs(logp, None), ExperienceConfig(2, get_estimator("grpo"),
+                                               kl=KLOptions(kl_coef=0.0)), _state())
+    assert torch.equal(without_reference.info["kl"], torch.zeros(2))

@@ -190,3 +190,38 @@ async def test_failures_fail_the_item_unless_a_fallback_is_configured():
         assert result.metrics["strict/failed"].tolist() == [1.0, 0.0, 0.0]
     finally:
         await composer.close()
+
+
+async def test_a_batch_rule_with_the_seeds_signature_scores_a_whole_batch_in_one_call():
+    """``signature: batch``: the seed's custom_reward_func(queries, prompts, labels), in a worker process; a crash,
+    a hang or a wrong count costs that batch (with the fallback, if configured), never the service."""
+    settings = ScorerSettings(sources=[rule("seed", "seed_custom_reward_func", signature="batch", timeout_s=3.0,
+                                            fallback_reward=-1.0)])
+    composer = build_composer(settings)
+    await composer.start()
+    try:
+        items = [ScoreItem(query="Q: the answer is 7", prompt="Q:", response=" the answer is 7", label="7",
+                           reference=""),
+                 ScoreItem(query="Q: 8", prompt="Q:", response=" 8", label="7", reference="")]
+        assert (await composer.score(items)).rewards.tolist() == [1.0, 0.0]
+        crash = [ScoreItem(query="crash 7", prompt="crash", response=" 7", label="7", reference="")] * 2
+        result = await composer.score(crash)  # the configured fallback, the failure still reported
+        assert result.rewards.tolist() == [-1.0, -1.0] and result.metrics["seed/failed"].tolist() == [1.0, 1.0]
+        scorer = RuleScorer("raw", f"{PLUGINS}:seed_custom_reward_func", workers=1, timeout_s=3.0, batched=True)
+        counting = RuleScorer("count", f"{PLUGINS}:wrong_count_reward_func", workers=1, timeout_s=3.0, batched=True)
+        await scorer.start()
+        await counting.start()
+        try:
+            for prompt, why in (("crash", "raw: batch rule raised RuntimeError: batch verifier bug"),
+                                ("hang", "raw: batch rule timed out after 3 s")):
+                bad = [ScoreItem(query=prompt + " 7", prompt=prompt, response=" 7", label="7", reference="")] * 2
+                result = await scorer.score(bad)
+                assert np.isnan(result.rewards).all() and result.errors == (why, why)
+            result = await counting.score(items)
+            assert np.isnan(result.rewards).all() and "returned 1 rewards for 2 queries" in result.errors[0]
+            assert (await scorer.score(items[:1])).rewards.tolist() == [1.0]  # the killed worker was replaced
+        finally:
+            await scorer.close()
+            await counting.close()
+    finally:
+        await composer.close()
