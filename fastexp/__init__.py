@@ -24,6 +24,8 @@ _EXPORTS = {
     "DEFAULT_SAMPLING": "fastexp.request",
     "build_request": "fastexp.request",
     "encode_image": "fastexp.request",
+    "VideoSampling": "fastexp.video",
+    "video_frames": "fastexp.video",
     "Experience": "fastexp.types",
     "VisionInputs": "fastexp.types",
     "unpack_experience": "fastexp.packing",

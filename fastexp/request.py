@@ -18,13 +18,15 @@ from typing import Any, Literal
 
 from fastexp.sampling import SamplingOptions
 from fastexp.v1 import experience_pb2, media_pb2
+from fastexp.video import DEFAULT_VIDEO_SAMPLING, VideoSampling, is_video_file, video_frames
 
 #: A prompt: raw text, or chat messages ``[{"role": ..., "content": ...}, ...]`` rendered with the chat template.
 PromptLike = str | Sequence[dict[str, str]]
 #: An image: its encoded file bytes (PNG/JPEG/...), a path to such a file, or a PIL image (sent as PNG).
 ImageLike = bytes | str | os.PathLike | Any
-#: A video: its frames, in time order, each an ImageLike.
-VideoLike = Sequence[ImageLike]
+#: A video: a video file (a path, or the file's encoded bytes: mp4, webm, ...; sampled to frames by a
+#: :class:`~fastexp.video.VideoSampling`), or its frames in time order, each an ImageLike.
+VideoLike = str | os.PathLike | bytes | Sequence[ImageLike]
 
 #: Sampling parameters for a request (see ``fastexp.v1.SamplingParams``; the services check their ranges).
 Sampling = SamplingOptions
@@ -145,30 +147,36 @@ def build_request(
     labels: Sequence[str] | None = None,
     images: Sequence[Sequence[ImageLike]] | None = None,
     videos: Sequence[Sequence[VideoLike]] | None = None,
+    video_sampling: VideoSampling = DEFAULT_VIDEO_SAMPLING,
     **overrides: Any,
 ) -> experience_pb2.MakeExperiencesRequest:
     """A ``MakeExperiencesRequest`` for ``prompts`` with ``options``; keyword ``overrides`` replace options'
     fields (``build_request(prompts, n_samples_per_prompt=4, gamma=0.99)`` builds the options from them alone).
 
     ``references``/``labels`` give each prompt its reference answer and label; ``images``/``videos`` its images
-    and videos (one list per prompt, empty for text-only ones; see ``PromptInput`` for where they go).
+    and videos (one list per prompt, empty for text-only ones; see ``PromptInput`` for where they go). A video
+    given as a file (path or encoded bytes) is decoded here and sampled to frames by ``video_sampling``
+    (:mod:`fastexp.video`: ``fps`` frames per second, at most ``max_frames``, evenly spaced).
 
     Raises:
-        ValueError: a column given with a length other than ``len(prompts)``; an option value (RequestOptions).
-        TypeError: an unknown or mistyped option. OSError: an image path that cannot be read.
+        ValueError: a column given with a length other than ``len(prompts)``; an option value (RequestOptions); a
+            video file that cannot be decoded.
+        TypeError: an unknown or mistyped option. OSError: an image or video path that cannot be read.
+        ImportError: a video file without the ``video`` extra (PyAV, Pillow).
     """
     options = dataclasses.replace(options, **overrides) if options is not None else RequestOptions(**overrides)
     for name, column in (("references", references), ("labels", labels), ("images", images), ("videos", videos)):
         if column is not None and len(column) != len(prompts):
             raise ValueError(f"{len(column)} {name} for {len(prompts)} prompts")
     inputs = [
-        _prompt_input(prompt, *(None if column is None else column[i] for column in (references, labels, images, videos)))
+        _prompt_input(prompt, *(None if column is None else column[i] for column in (references, labels, images, videos)),
+                      video_sampling)
         for i, prompt in enumerate(prompts)
     ]
     return experience_pb2.MakeExperiencesRequest(prompts=inputs, **_message_fields(options))
 
 
-def _prompt_input(prompt: PromptLike, reference, label, images, videos) -> experience_pb2.PromptInput:
+def _prompt_input(prompt: PromptLike, reference, label, images, videos, video_sampling) -> experience_pb2.PromptInput:
     item = experience_pb2.PromptInput()
     if isinstance(prompt, str):
         item.text = prompt
@@ -179,7 +187,11 @@ def _prompt_input(prompt: PromptLike, reference, label, images, videos) -> exper
     if label is not None:
         item.label = label
     item.images.extend(media_pb2.Image(data=encode_image(image)) for image in images or ())
-    item.videos.extend(media_pb2.Video(frames=[encode_image(frame) for frame in video]) for video in videos or ())
+    item.videos.extend(
+        media_pb2.Video(frames=video_frames(video, video_sampling) if is_video_file(video)
+                        else [encode_image(frame) for frame in video])
+        for video in videos or ()
+    )
     return item
 
 

@@ -202,3 +202,25 @@ async def test_text_prompt_placeholders_must_match_its_images(stack):
     error = await _refused(stack, build_request(["no placeholder here"], images=[[JPEG]], n_samples_per_prompt=2))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompts[0].text: holds 0 image and 0 video placeholders" in error.details()
+
+
+async def test_a_video_file_is_sampled_to_frames_and_reaches_the_models(stack, tmp_path):
+    """A trainer passes an mp4 path: the SDK decodes it (PyAV) and samples it by its VideoSampling; the models get
+    exactly the patches of those frames (the same batch as sending the sampled frames by hand)."""
+    from fastexp import VideoSampling
+    from fastexp import video_frames as sample_video
+    from tests.support.videos import write_video
+
+    path = tmp_path / "clip.mp4"
+    write_video(path, frames=12, fps=6, size=(56, 56))  # 2 s
+    sampling = VideoSampling(fps=2.0, max_frames=4)
+    prompt = [[{"role": "user", "content": "What changes in the clip?"}]]
+    common = dict(n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=4, temperature=0.0))
+    from_file = [experience_from_pb(m) async for m in stack.MakeExperiences(
+        build_request(prompt, videos=[[str(path)]], video_sampling=sampling, **common), timeout=300)]
+    by_hand = [experience_from_pb(m) async for m in stack.MakeExperiences(
+        build_request(prompt, videos=[[sample_video(path, sampling)]], **common), timeout=300)]
+    (a,), (b,) = from_file, by_hand
+    assert a.vision.video_count == (1, 1) and a.vision.video_grid_thw[0, 0] == 2  # 4 frames, 2 per temporal patch
+    assert torch.equal(a.vision.pixel_values_videos, b.vision.pixel_values_videos)
+    assert torch.equal(a.vision.video_grid_thw, b.vision.video_grid_thw) and torch.equal(a.sequences, b.sequences)
