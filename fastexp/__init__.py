@@ -19,6 +19,8 @@ _EXPORTS = {
     "invalid_prompt_indices": "fastexp.client",
     "undelivered_prompt_indices": "fastexp.client",
     "update_generator_weights": "fastexp.client",
+    "sleep_generator": "fastexp.client",
+    "wake_up_generator": "fastexp.client",
     "RequestOptions": "fastexp.request",
     "Sampling": "fastexp.request",
     "DEFAULT_SAMPLING": "fastexp.request",

@@ -136,6 +136,20 @@ class ExperienceClient:
             timeout=timeout_s, metadata=self._metadata,
         )
 
+    def offload_models(self, timeout_s: float = 600.0) -> experience_pb2.ModelPlacementResponse:
+        """Move the service's actor, reference and critic to host memory (a trainer sharing the accelerator; the
+        seed's ``offload_model``); ``MakeExperiences`` is refused until :meth:`reload_models`.
+
+        Raises:
+            grpc.RpcError: FAILED_PRECONDITION (streams open, already offloaded, models already in host memory).
+        """
+        return self._stub.OffloadModels(experience_pb2.OffloadModelsRequest(), timeout=timeout_s,
+                                        metadata=self._metadata)
+
+    def reload_models(self, timeout_s: float = 600.0) -> experience_pb2.ModelPlacementResponse:
+        """Move offloaded models back to their devices. Raises grpc.RpcError FAILED_PRECONDITION when not offloaded."""
+        return self._stub.ReloadModels(experience_pb2.ReloadModelsRequest(), timeout=timeout_s, metadata=self._metadata)
+
     def wait_until_ready(self, timeout_s: float) -> None:
         """Block until the service reports SERVING over gRPC health: it has reached its generator and scorer
         (before that, and while the generator is unreachable, ``MakeExperiences`` answers UNAVAILABLE).
@@ -227,3 +241,31 @@ def update_generator_weights(
             metadata=bearer_metadata(token),
         )
     return response.policy_version
+
+
+def sleep_generator(generator_address: str, level: int = 1, *, timeout_s: float = 600.0,
+                    tls: ClientTLS | None = None, token: str | None = None) -> int:
+    """Put a generator's engine to sleep (see ``fastexp.v1.SleepRequest``: level 1 keeps the weights in host
+    memory, level 2 drops them); returns the bytes it freed.
+
+    Raises:
+        grpc.RpcError: FAILED_PRECONDITION (streams open, already asleep, no sleep mode on the platform: the
+            message says which), INVALID_ARGUMENT (level).
+    """
+    with _channel(generator_address, [], tls) as channel:
+        response = generation_pb2_grpc.GenerationServiceStub(channel).Sleep(
+            generation_pb2.SleepRequest(level=level), timeout=timeout_s, metadata=bearer_metadata(token))
+    return response.freed_bytes
+
+
+def wake_up_generator(generator_address: str, *, timeout_s: float = 600.0, tls: ClientTLS | None = None,
+                      token: str | None = None) -> generation_pb2.WakeUpResponse:
+    """Wake a sleeping generator; after level 2 (``needs_weights``) send every tensor with
+    :func:`update_generator_weights` (or :meth:`ExperienceClient.update_weights`) before generating.
+
+    Raises:
+        grpc.RpcError: FAILED_PRECONDITION (not asleep).
+    """
+    with _channel(generator_address, [], tls) as channel:
+        return generation_pb2_grpc.GenerationServiceStub(channel).WakeUp(
+            generation_pb2.WakeUpRequest(), timeout=timeout_s, metadata=bearer_metadata(token))

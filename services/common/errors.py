@@ -28,6 +28,11 @@ class Overloaded(FastexpError):
     (RESOURCE_EXHAUSTED)."""
 
 
+class FailedPrecondition(FastexpError):
+    """The operation cannot run in the service's current state or on its platform: an engine asleep, sleep mode on
+    a platform without it, models offloaded (FAILED_PRECONDITION). The message says what must change first."""
+
+
 class UpstreamTimeout(FastexpError):
     """An outbound call or the request's own deadline ran out (DEADLINE_EXCEEDED)."""
 

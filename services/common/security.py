@@ -5,9 +5,10 @@
   (mTLS). Clients verify the server against ``ca_file`` and present ``cert_file``/``key_file`` for mTLS.
 - **Bearer tokens** (:class:`AuthInterceptor`): ``authorization: Bearer <token>`` metadata checked in constant time
   against the operator's token files (one token per line, e.g. a mounted Kubernetes Secret). Two privileges:
-  ``call`` (every method) and ``admin`` (also ``UpdateWeights``). No token files: authentication is off. gRPC
+  ``call`` (every method) and ``admin`` (also ``UpdateWeights`` and the memory RPCs ``Sleep``, ``WakeUp``,
+  ``OffloadModels``, ``ReloadModels``). No token files: authentication is off. gRPC
   health checking and reflection stay open, for probes and ``grpcurl``. A missing or unknown token gets
-  UNAUTHENTICATED; a ``call`` token on ``UpdateWeights`` gets PERMISSION_DENIED. Tokens are never logged: the
+  UNAUTHENTICATED; a ``call`` token on an admin method gets PERMISSION_DENIED. Tokens are never logged: the
   interceptor's messages name the method, not the credential.
 """
 
@@ -24,7 +25,7 @@ from fastexp.security import AUTHORIZATION_KEY, SecurityConfigError, read_file
 from services.common.rpc import WrappingInterceptor, method_parts, wrap_handler
 
 #: Methods that need the ``admin`` privilege (full method names' last part).
-ADMIN_METHODS = frozenset({"UpdateWeights"})
+ADMIN_METHODS = frozenset({"UpdateWeights", "Sleep", "WakeUp", "OffloadModels", "ReloadModels"})
 #: Services anyone may call: health probes and reflection.
 OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                            "grpc.reflection.v1.ServerReflection"})

@@ -17,6 +17,7 @@ import grpc
 
 from services.common.errors import (
     EpisodeFailed,
+    FailedPrecondition,
     FastexpError,
     InvalidRequest,
     NotReady,
@@ -36,6 +37,7 @@ STATUS_CODES: dict[type[FastexpError], grpc.StatusCode] = {
     UpstreamTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
     RewardFailed: grpc.StatusCode.UNAVAILABLE,
     EpisodeFailed: grpc.StatusCode.ABORTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -128,6 +128,21 @@ def check_update(entries: list[TensorEntry], spec: Mapping[str, TensorSpec]) -> 
             raise InvalidRequest(field, f"shape {list(entry.shape)} != the model's {list(spec[entry.name].shape)}")
 
 
+def check_complete(entries: list[TensorEntry], spec: Mapping[str, TensorSpec]) -> None:
+    """Reject an update that leaves some model tensor out (needed after the engine dropped its weights); tied
+    names (``lm_head.weight`` of ``model.embed_tokens.weight``, see :func:`model_spec`) count once.
+
+    Raises:
+        InvalidRequest: ``tensors``, naming up to five missing tensors and how many there are.
+    """
+    sent = {id(spec[entry.name]) for entry in entries if entry.name in spec}  # tied names share one TensorSpec
+    missing = sorted(name for name, tensor in spec.items() if id(tensor) not in sent)
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise InvalidRequest("tensors", f"Sleep(level 2) dropped the weights: the update must carry every tensor; "
+                                        f"{len(missing)} missing ({shown})")
+
+
 class WeightStager:
     """Receives a streamed update chunk by chunk into a staging folder (one raw file per tensor).
 

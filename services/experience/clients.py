@@ -31,6 +31,7 @@ from fastexp.weights import weight_chunks
 from services.common.deadlines import Deadline
 from services.common.errors import (
     EpisodeFailed,
+    FailedPrecondition,
     FastexpError,
     InvalidRequest,
     NotReady,
@@ -68,6 +69,8 @@ def translate_rpc_error(service: str, error: grpc.aio.AioRpcError) -> FastexpErr
         return NotReady(message)
     if code == grpc.StatusCode.ABORTED:
         return EpisodeFailed(message)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailedPrecondition(message)
     return FastexpError(message)
 
 

@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 
 from services.common import metrics
 from services.common.deadlines import Deadline
-from services.common.errors import FastexpError, InvalidRequest, NotReady, Overloaded, UpstreamTimeout
+from services.common.errors import (
+    FailedPrecondition,
+    FastexpError,
+    InvalidRequest,
+    NotReady,
+    Overloaded,
+    UpstreamTimeout,
+)
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.weights import ReceivedUpdate
 from services.experience.events import Rerouted
@@ -321,8 +328,8 @@ class GeneratorFleet:
     def _reroutable(self, error: BaseException, deadline: Deadline) -> bool:
         """Whether ``error`` from one replica's stream is that replica's failure (send its groups elsewhere) and
         not the request's (raise it)."""
-        if isinstance(error, InvalidRequest) or not isinstance(error, FastexpError):
-            return False
+        if isinstance(error, InvalidRequest | FailedPrecondition) or not isinstance(error, FastexpError):
+            return False  # the request's, or the trainer's doing (a generator it put to sleep): raised as it is
         remaining = deadline.remaining()
         expired = remaining is not None and remaining <= 0
         return not (isinstance(error, UpstreamTimeout) and expired)

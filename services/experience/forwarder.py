@@ -23,6 +23,7 @@ from services.experience.batching import concat_forward, split_forward
 from services.experience.events import ForwardedGroup, ScoredGroup
 from services.experience.forward import chunks
 from services.experience.logprobs import LogProbModel
+from services.experience.offload import Offloader
 from services.experience.request import ExperienceConfig, ExperienceRequest
 from services.experience.sequences import build_rollout
 from services.experience.value_model import ValueModel
@@ -61,6 +62,8 @@ class Forwarder:
         self._pad_token_id = pad_token_id
         self._lock = asyncio.Lock()
         self.actor_version = actor_version
+        critic = models.critic.modules if models.critic is not None else {}
+        self._offloader = Offloader({"actor": models.actor.module, "reference": models.reference.module, **critic})
 
     @property
     def has_critic(self) -> bool:
@@ -82,11 +85,27 @@ class Forwarder:
     async def forward(self, groups: Sequence[ScoredGroup], request: ExperienceRequest) -> tuple[ForwardedGroup, ...]:
         """Each group with its forward outputs (n, a_g), computed in a worker thread under the lock."""
         async with self._lock:
+            self._offloader.require_loaded("MakeExperiences")
             forwards = await asyncio.to_thread(self._forward_groups, groups, request)
             actor_version = self.actor_version
         if request.config.skip_actor_forward:  # the generator computed them, at each group's sampling version
             return tuple(ForwardedGroup(g, f, g.policy_version) for g, f in zip(groups, forwards, strict=True))
         return tuple(ForwardedGroup(g, f, actor_version) for g, f in zip(groups, forwards, strict=True))
+
+    async def offload(self) -> tuple[int, tuple[str, ...]]:
+        """Move the models to host memory between forward passes (:class:`~services.experience.offload.Offloader`);
+        returns (bytes moved, model names)."""
+        async with self._lock:
+            return await asyncio.to_thread(self._offloader.offload)
+
+    async def reload(self) -> tuple[int, tuple[str, ...]]:
+        """Move offloaded models back to their devices; returns (bytes moved, model names)."""
+        async with self._lock:
+            return await asyncio.to_thread(self._offloader.reload)
+
+    def require_loaded(self, what: str) -> None:
+        """Raises FailedPrecondition naming ``what`` while the models are offloaded."""
+        self._offloader.require_loaded(what)
 
     async def load_actor(self, entries: Sequence[TensorEntry], version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy a checked policy update into the actor between forward passes; it is then ``version``."""

@@ -53,6 +53,11 @@ class LogProbModel:
         logger.info("loaded %s (%s, %s%s)", path, dtype, placed, ", vision-language" if vision else "")
         return cls(model, tokens)
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The network (for offloading; forwards go through :meth:`action_log_probs`)."""
+        return self._model
+
     def _inputs(self, chunk: ForwardChunk, device: torch.device) -> dict[str, Any]:
         """The forward's keyword arguments for ``chunk``: with vision inputs, only those the model accepts, and no
         position ids (the model derives its M-RoPE positions from the ids, grids and attention mask)."""

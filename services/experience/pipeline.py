@@ -119,6 +119,18 @@ class ExperienceMaker:
         """Apply a checked weight update (see :meth:`services.experience.weight_sync.WeightSync.update`)."""
         await self._weights.update(update, deadline)
 
+    async def offload_models(self) -> tuple[int, tuple[str, ...]]:
+        """Move the models to host memory (:meth:`services.experience.forwarder.Forwarder.offload`)."""
+        return await self._forwarder.offload()
+
+    async def reload_models(self) -> tuple[int, tuple[str, ...]]:
+        """Move offloaded models back (:meth:`services.experience.forwarder.Forwarder.reload`)."""
+        return await self._forwarder.reload()
+
+    def require_models_loaded(self, what: str) -> None:
+        """Raises FailedPrecondition naming ``what`` while the models are offloaded."""
+        self._forwarder.require_loaded(what)
+
     async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
         """Send a generator replica the live policy's weights (the fleet's weight source; see
         :meth:`services.experience.weight_sync.WeightSync.sync_replica`)."""

@@ -15,7 +15,7 @@ import grpc
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from fastexp.wire import experience_to_pb
 from services.common.deadlines import Deadline
-from services.common.errors import InvalidRequest, Overloaded
+from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
 from services.common.logs import bind_request_id, current_request_id
 from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits
@@ -73,6 +73,7 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
         if self._streams >= self._max_concurrent_streams:
             raise Overloaded(f"max_concurrent_streams: {self._streams} streams are being served; retry later")
+        self._maker.require_models_loaded("MakeExperiences")
         info = self._generator_info()  # NotReady (UNAVAILABLE) naming what the service waits for
         try:
             # images are decoded and patchified here: off the event loop, one request at a time (the tokenizer
@@ -127,3 +128,18 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
             policy_version=self._maker.policy.version, critic_version=self._maker.critic_version,
             num_tensors=len(update.entries), num_bytes=update.num_bytes,
         )
+
+    async def OffloadModels(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.OffloadModelsRequest, context: grpc.aio.ServicerContext
+    ) -> experience_pb2.ModelPlacementResponse:
+        if self._streams:
+            raise FailedPrecondition(f"OffloadModels: {self._streams} MakeExperiences streams open; offload once "
+                                     "they end")
+        moved, names = await self._maker.offload_models()
+        return experience_pb2.ModelPlacementResponse(moved_bytes=moved, models=names)
+
+    async def ReloadModels(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.ReloadModelsRequest, context: grpc.aio.ServicerContext
+    ) -> experience_pb2.ModelPlacementResponse:
+        moved, names = await self._maker.reload_models()
+        return experience_pb2.ModelPlacementResponse(moved_bytes=moved, models=names)

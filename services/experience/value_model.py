@@ -68,6 +68,11 @@ class ValueModel:
         self._backbone = backbone
         self._value_head = value_head
 
+    @property
+    def modules(self) -> dict[str, torch.nn.Module]:
+        """The backbone and the value head (for offloading)."""
+        return {"critic": self._backbone, "critic_value_head": self._value_head}
+
     @classmethod
     def load(cls, path: str, *, dtype: str, device: str, device_map: str | None = None) -> ValueModel:
         """Load a critic checkpoint folder (format in the module docstring) on ``device``, or with its backbone's

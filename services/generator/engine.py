@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from services.common.errors import FailedPrecondition
 from services.common.generation import CompletionRecord, GenerationRequest
 
 
@@ -27,12 +28,34 @@ class ModelDescription:
     multimodal: bool = False  # accepts images/videos (a vision-language model with its processor)
 
 
+@dataclass
+class SleepState:
+    """Whether an engine sleeps (``level`` 1 or 2, 0 awake) and whether Sleep(level 2) left it without weights
+    (``needs_weights``: until an update with every tensor). The servicer gates Generate and UpdateWeights on it."""
+
+    level: int = 0
+    needs_weights: bool = False
+
+    def require_awake(self, what: str) -> None:
+        """Raises FailedPrecondition naming ``what`` while asleep."""
+        if self.level:
+            raise FailedPrecondition(f"{what}: the engine is asleep (Sleep level {self.level}); call WakeUp first")
+
+    def require_weights(self, what: str) -> None:
+        """Raises FailedPrecondition naming ``what`` while asleep, or awake without weights after level 2."""
+        self.require_awake(what)
+        if self.needs_weights:
+            raise FailedPrecondition(f"{what}: Sleep(level 2) dropped the weights; send an UpdateWeights with every "
+                                     "tensor of the model first")
+
+
 class TokenizerEngine:
     """What both backends share: the policy version counter and tokenizing with the model's tokenizer (no
     special tokens). Subclasses set ``_tokenizer`` and ``_policy_version``."""
 
     _tokenizer: Any
     _policy_version: int
+    sleep_state: SleepState
 
     @property
     def policy_version(self) -> int:
@@ -76,6 +99,22 @@ class GenerationEngine(Protocol):
 
     async def check_health(self) -> None:
         """Return if the engine can serve; raise otherwise."""
+        ...
+
+    sleep_state: SleepState
+
+    async def sleep(self, level: int) -> int:
+        """Free the engine's memory (level 1: weights to host memory, KV cache dropped; level 2: weights and KV
+        cache dropped) while no request runs; returns the bytes freed and sets ``sleep_state.level``.
+
+        Raises:
+            FailedPrecondition: the platform or the engine's start options have no sleep mode, or (level 1) the
+                weights already live in host memory; the message says which.
+        """
+        ...
+
+    async def wake_up(self) -> None:
+        """Undo :meth:`sleep` (level 2: room for the weights, ``sleep_state.needs_weights`` set)."""
         ...
 
     async def close(self) -> None:

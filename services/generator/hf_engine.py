@@ -7,6 +7,7 @@ continuous batching: a chunk's completions are yielded when the whole chunk fini
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -22,10 +23,11 @@ from transformers.generation.logits_process import (
 )
 
 from fastexp.sampling import SamplingOptions
+from services.common.errors import FailedPrecondition
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.models import is_vision_language
 from services.common.weights import TensorEntry, copy_into, update_entries
-from services.generator.engine import ModelDescription, TokenizerEngine
+from services.generator.engine import ModelDescription, SleepState, TokenizerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,9 @@ class HFEngine(TokenizerEngine):
         self._max_batch_size = max_batch_size
         self._lock = threading.Lock()
         self._policy_version = 0
+        self.sleep_state = SleepState()
+        self._awake_device = model.device
+        self._dropped: dict[str, torch.Size] = {}  # level 2: each parameter's shape, to make room again on wake-up
 
     @classmethod
     def start(
@@ -248,5 +253,53 @@ class HFEngine(TokenizerEngine):
     async def check_health(self) -> None:
         return None
 
+    async def sleep(self, level: int) -> int:
+        """Level 1: the weights move to host memory (refused when they already live there: a CPU engine); level 2:
+        every parameter's storage is dropped. Returns the bytes of parameters moved or dropped."""
+        return await asyncio.to_thread(self._sleep, level)
+
+    def _sleep(self, level: int) -> int:
+        with self._lock:
+            device = self._model.device
+            parameters = dict(self._model.named_parameters())  # tied weights once
+            freed = sum(p.numel() * p.element_size() for p in parameters.values())
+            if level == 1:
+                if device.type == "cpu":
+                    raise FailedPrecondition("Sleep level 1 moves the weights to host memory, where this HF engine's "
+                                             "already are (device cpu); level 2 drops them")
+                self._model.to("cpu")
+            else:
+                self._dropped = {name: p.shape for name, p in parameters.items()}
+                for p in parameters.values():
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                gc.collect()
+            _release_cached(device)
+            self._awake_device, self.sleep_state.level = device, level
+            logger.info("asleep at level %d: %.1f MiB of weights %s", level, freed / 2**20,
+                        "moved to host memory" if level == 1 else "dropped")
+            return freed
+
+    async def wake_up(self) -> None:
+        """Level 1: the weights go back to the device; level 2: room is made for them (uninitialized) and the next
+        update must carry every tensor (``sleep_state.needs_weights``)."""
+        await asyncio.to_thread(self._wake_up)
+
+    def _wake_up(self) -> None:
+        with self._lock:
+            if self.sleep_state.level == 1:
+                self._model.to(self._awake_device)
+            else:
+                for name, p in self._model.named_parameters():
+                    p.data = torch.empty(self._dropped[name], dtype=p.dtype, device=self._awake_device)
+                self._dropped = {}
+                self.sleep_state.needs_weights = True
+            self.sleep_state.level = 0
+
     async def close(self) -> None:
         self._model = None
+
+
+def _release_cached(device: torch.device) -> None:
+    """Give the accelerator allocator's cached blocks back to the device (nothing to do on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -13,12 +13,12 @@ import grpc
 from fastexp.tensor_codec import from_numpy
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common import metrics
-from services.common.errors import InvalidRequest, Overloaded
+from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.media import decode_media
 from services.common.media_wire import media_from_pb
 from services.common.sampling import validate_batch
-from services.common.weights import check_update, model_spec, staged_update
+from services.common.weights import check_complete, check_update, model_spec, staged_update
 from services.generator.engine import GenerationEngine
 from services.generator.settings import GeneratorSettings
 
@@ -95,15 +95,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._spec = model_spec(engine.description.model_name)
         self._updating = asyncio.Lock()
         self._tokens = metrics.GENERATED_TOKENS.labels(engine.description.backend)
+        self._streams = 0  # Generate streams open (Sleep waits for none)
+        self._sleeping = asyncio.Lock()  # one Sleep / WakeUp at a time
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        self._engine.sleep_state.require_weights("Generate")
         decoded = decode_request(request, self._engine, self._settings)
         unfinished = len(decoded.prompts) * decoded.n_samples_per_prompt
         logger.debug("generate %s: %d prompts x %d samples", decoded.request_id, len(decoded.prompts),
                      decoded.n_samples_per_prompt)
         metrics.GENERATION_REQUESTS_IN_FLIGHT.inc(unfinished)
+        self._streams += 1
         try:
             async with contextlib.aclosing(self._engine.generate(decoded)) as records:
                 async for record in records:
@@ -112,6 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     self._tokens.inc(len(record.output_token_ids))
                     yield generation_pb2.GenerateResponse(completions=[encode_completion(record)])
         finally:
+            self._streams -= 1
             metrics.GENERATION_REQUESTS_IN_FLIGHT.dec(unfinished)  # aborted or failed: the engine dropped them
 
     async def GetModelInfo(  # noqa: N802 - gRPC method name
@@ -127,6 +132,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             eos_token_id=d.eos_token_id,
             pad_token_id=d.pad_token_id,
             multimodal=d.multimodal,
+            sleep_level=self._engine.sleep_state.level,
+            needs_weights=self._engine.sleep_state.needs_weights,
         )
 
     async def UpdateWeights(  # noqa: N802 - gRPC method name
@@ -134,6 +141,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> generation_pb2.UpdateWeightsResponse:
         if self._updating.locked():
             raise Overloaded("another weight update is in progress")
+        self._engine.sleep_state.require_awake("UpdateWeights")
         async with self._updating:
             async with staged_update(request_iterator, self._settings.weights_staging_dir) as update:
                 if update.target != "policy":
@@ -142,7 +150,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if not self._spec:
                     raise InvalidRequest("tensors", "the served model has no safetensors files to check updates against")
                 check_update(update.entries, self._spec)
+                if self._engine.sleep_state.needs_weights:
+                    check_complete(update.entries, self._spec)
                 version = await self._engine.update_weights(update.kind, update.folder, update.policy_version)
+                self._engine.sleep_state.needs_weights = False
         return generation_pb2.UpdateWeightsResponse(
             policy_version=version, num_tensors=len(update.entries), num_bytes=update.num_bytes
         )
+
+    async def Sleep(  # noqa: N802 - gRPC method name
+        self, request: generation_pb2.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.SleepResponse:
+        if request.level not in (1, 2):
+            raise InvalidRequest("level", f"must be 1 (weights to host memory) or 2 (weights dropped), got {request.level}")
+        async with self._sleeping:
+            self._engine.sleep_state.require_awake("Sleep")
+            if self._streams or self._updating.locked():
+                raise FailedPrecondition(f"Sleep: {self._streams} Generate streams open"
+                                         f"{' and a weight update' if self._updating.locked() else ''}; "
+                                         "sleep once they end")
+            freed = await self._engine.sleep(request.level)
+        return generation_pb2.SleepResponse(level=request.level, freed_bytes=freed)
+
+    async def WakeUp(  # noqa: N802 - gRPC method name
+        self, request: generation_pb2.WakeUpRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.WakeUpResponse:
+        async with self._sleeping:
+            if not self._engine.sleep_state.level:
+                raise FailedPrecondition("WakeUp: the engine is awake")
+            await self._engine.wake_up()
+        state = self._engine.sleep_state
+        return generation_pb2.WakeUpResponse(policy_version=self._engine.policy_version,
+                                             needs_weights=state.needs_weights)

@@ -37,6 +37,10 @@ class GeneratorSettings(GenerationLimits):
         1, ge=1, description="vLLM: engine copies inside this one replica, each on tensor_parallel_size GPUs "
         "(a replica then needs tensor_parallel_size x data_parallel_size GPUs); more replicas scale the same way",
     )
+    enable_sleep_mode: bool = Field(
+        False, description="vLLM: set the memory pool up for Sleep/WakeUp (a trainer sharing the GPU); where the "
+        "platform has no sleep mode (vLLM's CPU build) it stays off and Sleep says so. The HF backend always can",
+    )
     weights_staging_dir: str | None = Field(
         None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
     )

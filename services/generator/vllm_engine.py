@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from fastexp.sampling import SamplingOptions
-from services.common.errors import NotReady
+from services.common.errors import FailedPrecondition, NotReady
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.media import DecodedMedia
 from services.common.models import is_vision_language
-from services.generator.engine import ModelDescription, TokenizerEngine
+from services.generator.engine import ModelDescription, SleepState, TokenizerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ def engine_options(
     max_videos_per_prompt: int = 2,
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
+    enable_sleep_mode: bool = False,
 ) -> dict[str, Any]:
     """vLLM engine arguments of the generator (``AsyncEngineArgs``/``LLM`` keywords); benchmarks build their
     in-process baseline from the same dict.
@@ -59,6 +60,8 @@ def engine_options(
             model (ignored for text-only ones).
         tensor_parallel_size, data_parallel_size: GPUs per engine copy, engine copies (checked against the
             machine first: :func:`services.generator.server.check_parallelism`).
+        enable_sleep_mode: set vLLM's memory pool up for Sleep/WakeUp, where the platform has sleep mode (not
+            vLLM's CPU build: there it is left off and Sleep answers FAILED_PRECONDITION saying so).
     """
     options: dict[str, Any] = dict(
         model=model,
@@ -83,6 +86,8 @@ def engine_options(
         options["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": max_videos_per_prompt}
     from vllm.platforms import current_platform
 
+    if enable_sleep_mode and current_platform.is_sleep_mode_available():
+        options["enable_sleep_mode"] = True
     if current_platform.is_cpu():
         # A prompt whose prefill is split across steps (chunked prefill) makes vLLM rewind its request's torch
         # Generator (``set_offset``), which CPU generators do not have: a seeded request then kills the engine
@@ -101,6 +106,7 @@ class VLLMEngine(TokenizerEngine):
         self._policy_version = 0
         self._live = asyncio.Event()  # cleared while a weight update is applied: new requests wait for it
         self._live.set()
+        self.sleep_state = SleepState()
 
     @classmethod
     def start(cls, model: str, **options: Any) -> VLLMEngine:
@@ -209,9 +215,39 @@ class VLLMEngine(TokenizerEngine):
     async def check_health(self) -> None:
         await self._engine.check_health()
 
+    async def sleep(self, level: int) -> int:
+        """vLLM's sleep mode (``AsyncLLM.sleep``): level 1 offloads the weights to host memory and drops the KV
+        cache, level 2 drops both. Returns the accelerator memory freed (the device's free memory before and
+        after; the engine's workers are other processes)."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            raise FailedPrecondition(f"vLLM has no sleep mode on this platform ({current_platform.device_name}: "
+                                     "vLLM's CPU build has none); the generator keeps its memory")
+        if not self._engine.vllm_config.model_config.enable_sleep_mode:
+            raise FailedPrecondition("the engine was started without sleep mode: set the generator's "
+                                     "enable_sleep_mode (vLLM sets its memory pool up for it at start)")
+        before = _free_accelerator_bytes()
+        await self._engine.sleep(level, mode="wait")
+        self.sleep_state.level = level
+        return max(0, _free_accelerator_bytes() - before)
+
+    async def wake_up(self) -> None:
+        """``AsyncLLM.wake_up``; after level 2 the weights are garbage until a full update."""
+        await self._engine.wake_up()
+        self.sleep_state.needs_weights = self.sleep_state.level == 2
+        self.sleep_state.level = 0
+
     async def close(self) -> None:
         self._engine.shutdown()
         self._engine = None  # so AsyncLLM.__del__ does not shut it down again at interpreter exit
+
+
+def _free_accelerator_bytes() -> int:
+    """The device's free memory (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
 
 
 def _sampling_params(options: SamplingOptions, sample_index: int) -> Any:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from fastexp import ExperienceClient, Sampling, build_request
+from fastexp import ExperienceClient, Sampling, build_request, sleep_generator
 from fastexp.launcher import LocalCluster, free_port
 from fastexp.v1 import experience_pb2_grpc
 
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.vllm
 def cluster(tiny_model_path, tmp_path_factory):
     overrides = {
         "generator": {"model": tiny_model_path, "backend": "vllm", "max_model_len": 512,
-                      "kv_cache_memory_bytes": 256 * 1024**2, "metrics_port": free_port()},
+                      "kv_cache_memory_bytes": 256 * 1024**2, "metrics_port": free_port(),
+                      "enable_sleep_mode": True},
         "experience": {"actor_model": tiny_model_path, "reference_model": tiny_model_path, "dtype": "float32",
                        "metrics_port": free_port()},
     }
@@ -62,7 +63,8 @@ def test_dynamic_sampling_refills_through_the_services_and_reports_drops(cluster
         ))
         assert batches == []
         assert client.last_stream_stats == {"dropped-groups": 4, "generation-rounds": 2, "resampled-groups": 0,
-                                            "rerouted-groups": 0, "failed-groups": 0}
+                                            "rerouted-groups": 0, "failed-groups": 0, "truncated-prompts": 0,
+                                            "skipped-prompts": 0}
 
 
 def test_cancelled_stream_aborts_generation_and_leaves_the_services_healthy(cluster):
@@ -230,3 +232,20 @@ def test_seeded_requests_larger_than_one_prefill_step_leave_the_engine_alive(clu
         assert min(int(e.total_length.min()) for e in batches) > 250
         assert len(list(client.make_experiences(["What is 1 + 1?"], n_samples_per_prompt=2,
                                                 sampling=Sampling(max_new_tokens=4, seed=9)))) == 1
+
+
+def test_memory_rpcs_answer_failed_precondition_where_the_platform_cannot(cluster):
+    """vLLM's CPU build has no sleep mode (even with enable_sleep_mode), and the experience service's models
+    already live in host memory: both say so, and both services keep serving."""
+    with pytest.raises(grpc.RpcError) as info:
+        sleep_generator(cluster.address("generator"), 1)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no sleep mode" in info.value.details()
+    with ExperienceClient(cluster.address("experience"), timeout_s=120) as client:
+        for call, why in ((client.offload_models, "already live in host memory"),
+                          (client.reload_models, "not offloaded")):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and why in info.value.details()
+        batches = list(client.make_experiences(["still serving?"], n_samples_per_prompt=2,
+                                               sampling=Sampling(max_new_tokens=4)))
+    assert sum(len(e.prompt_index) for e in batches) == 2

@@ -12,7 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
-from fastexp import Sampling, build_request, save_value_model, unpack_experience
+from fastexp import Sampling, build_request, save_value_model, unpack_experience, weight_chunks
 from fastexp.tensor_codec import to_numpy
 from fastexp.types import ForwardOutputs, Rollout
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
@@ -317,3 +317,18 @@ async def test_images_for_a_text_only_policy_are_refused_naming_the_prompt(stack
         [m async for m in stack["generator"].Generate(generate, timeout=30)]
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompts[1].media: the model is text-only" in caught.value.details()
+
+
+async def test_a_sleeping_generator_fails_the_stream_with_failed_precondition_then_serves_again(stack, tiny_model_path):
+    """A trainer that put the generator to sleep and forgot to wake it gets FAILED_PRECONDITION naming the cause
+    (not UNAVAILABLE: nothing is down); after WakeUp and a full update the stream works at the new version."""
+    generator, experience = stack["generator"], stack["experience"]
+    request = build_request(PROMPTS[:1], n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=4))
+    await generator.Sleep(generation_pb2.SleepRequest(level=2))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _collect(experience, request)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "asleep" in caught.value.details()
+    await generator.WakeUp(generation_pb2.WakeUpRequest())
+    version = (await generator.UpdateWeights(iter(weight_chunks((), checkpoint_dir=tiny_model_path)))).policy_version
+    batches = await _collect(experience, request)
+    assert sum(len(e.prompt_index) for e in batches) == 2 and {v for e in batches for v in e.policy_version} == {version}

@@ -20,7 +20,8 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60  # docstrings aside
 
 CLI_MODULES = {"cli", "launcher", "demo", "demo_plot", "datasets", "torchvision_cpu"}
-CLIENT_DEPENDENCIES = {"grpc", "grpc_health", "google", "numpy", "torch", "fastexp", "safetensors"}
+CLIENT_DEPENDENCIES = {"grpc", "grpc_health", "google", "numpy", "torch", "fastexp", "safetensors",
+                       "av"}  # the optional `video` extra (fastexp/video.py imports it when a video file is given)
 CORES = [
     "services/experience/pipeline.py", "services/experience/producer.py", "services/experience/forwarder.py",
     "services/experience/batcher.py", "services/experience/weight_sync.py", "services/experience/events.py",
