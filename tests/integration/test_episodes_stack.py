@@ -107,7 +107,8 @@ async def test_episodes_are_token_exact_and_their_log_probs_are_the_actors(stack
             assert (context, turn) in sampled, f"row {r}: turn tokens {turn[:8]}... not sampled from that context"
             texts.append(sampled[(context, turn)].text)
         model_tokens = sequence[width:][e.action_mask[r]].tolist()
-        assert tokenizer.decode(model_tokens, skip_special_tokens=True) == "".join(texts)
+        # response texts keep special tokens (skip_special_tokens defaults to False, as in the seed)
+        assert tokenizer.decode(model_tokens, skip_special_tokens=False) == "".join(texts)
         for (_, end), (next_start, _) in zip(spans, spans[1:], strict=False):  # observations: the template's
             observation = tokenizer.decode(sequence[width + end : width + next_start].tolist())
             assert observation.startswith("\n<|im_start|>user\n") and observation.endswith("<|im_start|>assistant\n")

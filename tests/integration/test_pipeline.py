@@ -222,6 +222,7 @@ class CountingModel:
         self._model = model
         self.calls = 0
         self.vision_tokens = model.vision_tokens
+        self.module = model.module
 
     def action_log_probs(self, parts, with_entropy=False):
         self.calls += 1
