@@ -85,7 +85,8 @@ class CoreSplit:
     forward passes when both run on it: the engine's OpenMP threads are bound to ``engine_cores`` (vLLM's
     ``VLLM_CPU_OMP_THREADS_BIND``; as many OpenMP threads for the HF backend) and the forwards get
     ``forward_threads`` torch threads, so neither oversubscribes the other's cores (forwards overlap generation
-    instead of stealing its time slices). ``pin_generators``: also confine each generator's whole process tree
+    instead of stealing its time slices); a forward pass that starts while none of the experience service's
+    samples are generating takes ``idle_forward_threads`` (every core, from :meth:`for_host`). ``pin_generators``: also confine each generator's whole process tree
     (server, vLLM's scheduler and workers) to its cores with CPU affinity; otherwise only the model's threads are
     bound and vLLM's scheduler process runs on any core (what a one-replica host wants: it keeps the model's core
     for the model)."""
@@ -93,12 +94,14 @@ class CoreSplit:
     engine_cores: tuple[int, ...]
     forward_threads: int
     pin_generators: bool = False
+    idle_forward_threads: int | None = None  # the forwards' threads while no generation is in flight (None: same)
 
     @classmethod
     def for_host(cls, cores: int) -> CoreSplit:
-        """Half the cores (at least one) to the engine, the rest (at least one thread) to the forwards."""
+        """Half the cores (at least one) to the engine, the rest (at least one thread) to the forwards; every core
+        to a forward pass that starts while no generation is in flight."""
         engine = max(1, cores // 2)
-        return cls(tuple(range(engine)), max(1, cores - engine))
+        return cls(tuple(range(engine)), max(1, cores - engine), idle_forward_threads=max(1, cores))
 
     def generator_cores(self, replica: int = 0, replicas: int = 1) -> tuple[int, ...]:
         """Generator ``replica``'s cores: the engine cores split into equal blocks, one per replica (replicas share
@@ -115,7 +118,10 @@ class CoreSplit:
             # OMP_NUM_THREADS: the HF backend's torch threads (vLLM sets its own from the bind list)
             return {"VLLM_CPU_OMP_THREADS_BIND": f"{mine[0]}-{mine[-1]}", "OMP_NUM_THREADS": str(len(mine))}
         if service == "experience":
-            return {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(self.forward_threads)}
+            threads = {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(self.forward_threads)}
+            if self.idle_forward_threads is not None:
+                threads["FASTEXP_EXPERIENCE_TORCH_THREADS_IDLE"] = str(self.idle_forward_threads)
+            return threads
         return {}
 
 

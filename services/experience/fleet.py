@@ -164,6 +164,10 @@ class GeneratorFleet:
         """The replicas known now (any state), by address."""
         return self.members.replicas
 
+    def samples_in_flight(self) -> int:
+        """Samples this service has submitted to its replicas and not yet received (every stream's)."""
+        return sum(replica.in_flight_samples for replica in self.members.replicas)
+
     async def run(self) -> None:
         """Discover and watch the replicas until cancelled."""
         await self.members.run()

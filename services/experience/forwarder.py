@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +57,11 @@ class Forwarder:
     """Runs :class:`ForwardModels` (module docs). ``actor_version``: the policy version of the actor replica's
     weights, changed only together with them, under the lock."""
 
-    def __init__(self, models: ForwardModels, pad_token_id: int, actor_version: int = 0) -> None:
+    def __init__(self, models: ForwardModels, pad_token_id: int, actor_version: int = 0,
+                 threads: Callable[[], int | None] | None = None) -> None:
+        """``threads``: asked before each forward pass, the CPU threads it may use (None: leave torch's setting);
+        e.g. more while no generation is in flight on the cores a CPU engine shares with it."""
+        self._threads = threads
         self._models = models
         self._pad_token_id = pad_token_id
         self._lock = asyncio.Lock()
@@ -86,7 +90,8 @@ class Forwarder:
         """Each group with its forward outputs (n, a_g), computed in a worker thread under the lock."""
         async with self._lock:
             self._offloader.require_loaded("MakeExperiences")
-            forwards = await asyncio.to_thread(self._forward_groups, groups, request)
+            threads = self._threads() if self._threads is not None else None
+            forwards = await asyncio.to_thread(self._forward_groups, groups, request, threads)
             actor_version = self.actor_version
         if request.config.skip_actor_forward:  # the generator computed them, at each group's sampling version
             return tuple(ForwardedGroup(g, f, g.policy_version) for g, f in zip(groups, forwards, strict=True))
@@ -142,11 +147,16 @@ class Forwarder:
         }
         return Assembled(rollout, torch.cat([s.rewards.float() for s in scores]), reward_metrics, forward)
 
-    def _forward_groups(self, groups: Sequence[ScoredGroup], request: ExperienceRequest) -> list[ForwardOutputs]:
-        """Per-group forward outputs (n, a_g) of ``groups`` (runs in a worker thread).
+    def _forward_groups(
+        self, groups: Sequence[ScoredGroup], request: ExperienceRequest, threads: int | None = None
+    ) -> list[ForwardOutputs]:
+        """Per-group forward outputs (n, a_g) of ``groups`` (runs in a worker thread, on ``threads`` CPU threads
+        when given: torch's thread count is per calling thread, so it is set here).
 
         Padded forwards sort the rows by length first, so each micro-batch pads only to rows of similar length.
         """
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         completions = [c for g in groups for c in g.completions]
         order = list(range(len(completions)))
         if not request.config.packing_samples:

@@ -82,9 +82,10 @@ class ExperienceMaker:
         max_groups_ahead: int = 64,
         sync_timeout_s: float = 600.0,
         episodes: EpisodeRunner | None = None,
+        forward_threads: Callable[[], int | None] | None = None,
     ) -> None:
         self.policy = policy if policy is not None else PolicyState()
-        self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version)
+        self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version, threads=forward_threads)
         self._weights = WeightSync(generator, self._forwarder, self.policy, sync_timeout_s)
         self._stages = _Stages(
             Producer(generator, scorer, self.policy, max_groups_ahead, episodes), self._forwarder, self.policy,

@@ -129,6 +129,17 @@ def _episode_runner(
                          policy.tokenizer)
 
 
+def _forward_threads(settings: ExperienceSettings, fleet: GeneratorFleet) -> Callable[[], int | None] | None:
+    """CPU threads per forward pass: ``torch_threads_idle`` while none of this service's samples are generating
+    (a CPU engine sharing the host then idles), ``torch_threads`` otherwise; None without ``torch_threads_idle``."""
+    if settings.torch_threads_idle is None:
+        return None
+    import torch
+
+    busy, idle = settings.torch_threads or torch.get_num_threads(), settings.torch_threads_idle
+    return lambda: idle if fleet.samples_in_flight() == 0 else busy
+
+
 def _connect_replica(settings: ExperienceSettings, tls: ClientTLS | None, token: str | None):
     """Opens one generator replica's client (its own channel: the fleet routes, not gRPC's load balancer)."""
 
@@ -166,6 +177,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         fleet, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=RunStore(settings.max_runs),
         max_groups_ahead=settings.max_groups_ahead, sync_timeout_s=settings.update_weights_timeout_s,
         episodes=_episode_runner(settings, policy, fleet, environment_channel, upstream),
+        forward_threads=_forward_threads(settings, fleet),
     )
     fleet.weight_source = maker.sync_replica
     upstream.on_generator_info = _on_generator_reached(maker, policy)

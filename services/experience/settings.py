@@ -59,6 +59,11 @@ class ExperienceSettings(GenerationLimits):
         None, ge=1, description="CPU threads of the forward passes (None: torch's default, one per core); on a host "
         "whose cores a CPU inference engine also uses, fewer avoid oversubscribing them",
     )
+    torch_threads_idle: int | None = Field(
+        None, ge=1, description="CPU threads of a forward pass that starts while none of this service's generation "
+        "is in flight (a CPU engine on this host then leaves its cores free: the launcher sets every core); None: "
+        "torch_threads always",
+    )
     forward_share_prompt: bool = Field(
         True, description="packed forwards (packing_samples) compute each prompt group's prompt once, not n times"
     )

@@ -261,3 +261,36 @@ async def test_forwards_a_request_does_not_need_are_not_run(engine, tiny_model_p
     (full,) = await run()
     assert actor.calls >= 1
     assert full.base_action_log_probs is not None and not torch.equal(full.action_log_probs, full.rollout_log_probs)
+
+
+class ThreadRecordingModel(CountingModel):
+    """Records the torch thread count each forward pass ran with."""
+
+    def __init__(self, model: LogProbModel) -> None:
+        super().__init__(model)
+        self.threads: list[int] = []
+
+    def action_log_probs(self, parts, with_entropy=False):
+        self.threads.append(torch.get_num_threads())
+        return super().action_log_probs(parts, with_entropy)
+
+
+async def test_each_forward_pass_runs_on_the_threads_asked_for_when_it_starts(engine, tiny_model_path):
+    """The service asks before every pass how many CPU threads it may use (more while no generation is in flight,
+    :func:`services.experience.server._forward_threads`); the pass runs with that many, in its worker thread."""
+    model = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
+    actor = ThreadRecordingModel(model)
+    asked = iter([2, 1, 2, 1, 2, 1, 2, 1])
+    maker = ExperienceMaker(InProcessGenerator(engine), InProcessRuleScorer(),
+                            ForwardModels(actor, CountingModel(model), None, micro_batch_size=2), pad_token_id=2,
+                            forward_threads=lambda: next(asked))
+    prompts = tuple(PromptSpec(f"p{i}", (100 + i, 101, 102), "1", "") for i in range(3))
+    config = ExperienceConfig(2, get_estimator("rloo"), micro_rollout_batch_size=2)
+    request = ExperienceRequest("threads", prompts, SamplingOptions(max_new_tokens=4), config)
+    previous = torch.get_num_threads()
+    try:
+        batches = [e async for e in maker.make_experiences(request, Deadline())]
+    finally:
+        torch.set_num_threads(previous)
+    assert len(batches) == 3 and len(actor.threads) >= 2
+    assert actor.threads == [2, 1, 2, 1, 2, 1][: len(actor.threads)]

@@ -13,7 +13,8 @@ def test_half_the_cores_go_to_the_engine_and_the_rest_to_the_forwards(cores, eng
     assert split.engine_cores == engine and split.forward_threads == threads
     assert split.environment("generator") == {"VLLM_CPU_OMP_THREADS_BIND": f"0-{engine[-1]}",
                                               "OMP_NUM_THREADS": str(len(engine))}
-    assert split.environment("experience") == {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(threads)}
+    assert split.environment("experience") == {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(threads),
+                                               "FASTEXP_EXPERIENCE_TORCH_THREADS_IDLE": str(cores)}
     assert split.environment("scorer") == {}
 
 
