@@ -11,17 +11,29 @@ import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
-from services.experience.events import Done, Dropped, Event, Failed, ForwardedGroup, ScoredGroup
+from services.common.generation import CompletionRecord
+from services.experience.events import (
+    Done,
+    Dropped,
+    Event,
+    Failed,
+    ForwardedGroup,
+    GroupFailed,
+    SampleFinished,
+    ScoredGroup,
+)
 from services.experience.request import ExperienceConfig
 
 
 @dataclass(frozen=True)
 class Inbox:
-    """Scored groups waiting for a forward pass, forwarded groups waiting for a batch, dynamic-sampling drops not
-    yet reported, resamples asked for and not returned, and whether more can come."""
+    """Scored groups waiting for a forward pass, forwarded groups waiting for a batch, finished samples of groups
+    still generating (forwarded early, when nothing else is to do), dynamic-sampling drops not yet reported,
+    resamples asked for and not returned, and whether more can come."""
 
     pending: tuple[ScoredGroup, ...] = ()
     forwarded: tuple[ForwardedGroup, ...] = ()
+    finished_samples: tuple[CompletionRecord, ...] = ()  # samples of groups still generating, not yet forwarded
     dropped: tuple[int, ...] = ()
     awaiting: int = 0
     producer_done: bool = False
@@ -39,13 +51,25 @@ def receive(inbox: Inbox, event: Event) -> Inbox:
         return dataclasses.replace(inbox, failure=inbox.failure or event.error)
     if isinstance(event, Done):
         return dataclasses.replace(inbox, producer_done=True)
+    if isinstance(event, SampleFinished):
+        return dataclasses.replace(inbox, finished_samples=(*inbox.finished_samples, event.completion))
     if isinstance(event, Dropped):
         return dataclasses.replace(
-            inbox, dropped=(*inbox.dropped, event.prompt_index), awaiting=inbox.awaiting - event.resampled
+            inbox, dropped=(*inbox.dropped, event.prompt_index), awaiting=inbox.awaiting - event.resampled,
+            finished_samples=_without_group(inbox.finished_samples, event.prompt_index),
         )
-    if isinstance(event, ScoredGroup):
-        return dataclasses.replace(inbox, pending=(*inbox.pending, event), awaiting=inbox.awaiting - event.resampled)
+    if isinstance(event, ScoredGroup):  # its samples not forwarded early go with the group
+        return dataclasses.replace(
+            inbox, pending=(*inbox.pending, event), awaiting=inbox.awaiting - event.resampled,
+            finished_samples=_without_group(inbox.finished_samples, event.prompt_index),
+        )
+    if isinstance(event, GroupFailed):
+        return dataclasses.replace(inbox, finished_samples=_without_group(inbox.finished_samples, event.prompt_index))
     return inbox
+
+
+def _without_group(samples: tuple[CompletionRecord, ...], prompt_index: int) -> tuple[CompletionRecord, ...]:
+    return tuple(s for s in samples if s.prompt_index != prompt_index)
 
 
 class Step(Enum):
@@ -53,6 +77,7 @@ class Step(Enum):
 
     DELIVER = "deliver"  # assemble and stream a batch
     FORWARD = "forward"  # run the forward passes on pending groups
+    FORWARD_EARLY = "forward_early"  # run them on finished samples of groups still generating
     FINISH = "finish"  # nothing more will come
     WAIT = "wait"  # for the next event
 
@@ -64,12 +89,21 @@ def batch_ready(inbox: Inbox, config: ExperienceConfig) -> bool:
 
 
 def next_step(inbox: Inbox, config: ExperienceConfig) -> Step:
-    """Deliver before forwarding more (the trainer is waiting), forward before waiting."""
+    """Deliver before forwarding more (the trainer is waiting), forward scored groups before samples of groups
+    still generating, and those before waiting."""
     if batch_ready(inbox, config):
         return Step.DELIVER
     if inbox.pending:
         return Step.FORWARD
+    if inbox.finished_samples and inbox.failure is None:
+        return Step.FORWARD_EARLY
     return Step.FINISH if inbox.finished else Step.WAIT
+
+
+def take_finished_samples(inbox: Inbox, max_rows: int) -> tuple[tuple[CompletionRecord, ...], Inbox]:
+    """The oldest finished samples of groups still generating, at most ``max_rows`` (at least one)."""
+    count = max(1, max_rows)
+    return inbox.finished_samples[:count], dataclasses.replace(inbox, finished_samples=inbox.finished_samples[count:])
 
 
 def take_pending(inbox: Inbox, max_rows: int, n: int) -> tuple[tuple[ScoredGroup, ...], Inbox]:

@@ -1,7 +1,8 @@
 """The records the experience pipeline's stages pass each other, and what the pipeline calls out to.
 
 The producer (:mod:`~services.experience.producer`) turns prompts into scored prompt groups and puts *events* on a
-stream's queue: :class:`ScoredGroup`, :class:`Dropped` (dynamic sampling), :class:`RoundStarted`,
+stream's queue: :class:`SampleFinished` (a sample of a group still generating), :class:`ScoredGroup`,
+:class:`Dropped` (dynamic sampling), :class:`RoundStarted`,
 :class:`GroupsResampled`, :class:`GroupsRerouted`, and finally :class:`Done` or :class:`Failed`. The consumer (:mod:`~services.experience.
 pipeline`) folds them into its :class:`~services.experience.batcher.Inbox`, has the forwarder
 (:mod:`~services.experience.forwarder`) turn scored groups into :class:`ForwardedGroup` records, and streams
@@ -128,6 +129,14 @@ class ScoredGroup:
 
 
 @dataclass(frozen=True)
+class SampleFinished:
+    """One sample of a group whose other samples are still generating. Its forward passes do not depend on the
+    group, so the consumer may run them early, while the engine still decodes (:class:`ScoredGroup` follows)."""
+
+    completion: CompletionRecord
+
+
+@dataclass(frozen=True)
 class Dropped:
     """Dynamic sampling dropped this prompt's group (all its rewards were equal)."""
 
@@ -175,7 +184,10 @@ class Failed:
     error: BaseException
 
 
-Event = ScoredGroup | Dropped | RoundStarted | GroupsResampled | GroupsRerouted | GroupFailed | Done | Failed
+Event = (
+    SampleFinished | ScoredGroup | Dropped | RoundStarted | GroupsResampled | GroupsRerouted | GroupFailed | Done
+    | Failed
+)
 
 
 @dataclass(frozen=True)

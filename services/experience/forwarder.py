@@ -18,6 +18,7 @@ import torch
 
 from fastexp.types import ForwardOutputs, Rollout
 from services.common import metrics
+from services.common.generation import CompletionRecord
 from services.common.weights import TensorEntry, copy_into
 from services.experience.batching import concat_forward, split_forward
 from services.experience.events import ForwardedGroup, ScoredGroup
@@ -86,16 +87,32 @@ class Forwarder:
         """Rows one :meth:`forward` call takes at most (a batch's micro-rollout, at least the models' micro-batch)."""
         return max(config.micro_rollout_batch_size, self._models.micro_batch_size)
 
-    async def forward(self, groups: Sequence[ScoredGroup], request: ExperienceRequest) -> tuple[ForwardedGroup, ...]:
-        """Each group with its forward outputs (n, a_g), computed in a worker thread under the lock."""
+    async def forward(
+        self, groups: Sequence[ScoredGroup], request: ExperienceRequest, early: EarlyForwards | None = None
+    ) -> tuple[ForwardedGroup, ...]:
+        """Each group with its forward outputs (n, a_g), computed in a worker thread under the lock. Rows that
+        :meth:`forward_samples` already computed for this very completion at the current actor version are taken
+        from ``early`` instead of being computed again."""
         async with self._lock:
             self._offloader.require_loaded("MakeExperiences")
             threads = self._threads() if self._threads is not None else None
-            forwards = await asyncio.to_thread(self._forward_groups, groups, request, threads)
             actor_version = self.actor_version
+            done = {} if early is None else early.usable(actor_version)
+            forwards = await asyncio.to_thread(self._forward_groups, groups, request, threads, done)
         if request.config.skip_actor_forward:  # the generator computed them, at each group's sampling version
             return tuple(ForwardedGroup(g, f, g.policy_version) for g, f in zip(groups, forwards, strict=True))
         return tuple(ForwardedGroup(g, f, actor_version) for g, f in zip(groups, forwards, strict=True))
+
+    async def forward_samples(
+        self, samples: Sequence[CompletionRecord], request: ExperienceRequest, early: EarlyForwards
+    ) -> None:
+        """Run the forward passes of finished samples whose groups are still generating, into ``early`` (at the
+        current actor version), so that their groups need only their remaining rows once complete."""
+        async with self._lock:
+            self._offloader.require_loaded("MakeExperiences")
+            threads = self._threads() if self._threads is not None else None
+            rows = await asyncio.to_thread(self._forward_rows, list(samples), request, threads)
+            early.add(samples, rows, self.actor_version)
 
     async def offload(self) -> tuple[int, tuple[str, ...]]:
         """Move the models to host memory between forward passes (:class:`~services.experience.offload.Offloader`);
@@ -148,16 +165,33 @@ class Forwarder:
         return Assembled(rollout, torch.cat([s.rewards.float() for s in scores]), reward_metrics, forward)
 
     def _forward_groups(
-        self, groups: Sequence[ScoredGroup], request: ExperienceRequest, threads: int | None = None
+        self, groups: Sequence[ScoredGroup], request: ExperienceRequest, threads: int | None = None,
+        done: Mapping[int, ForwardOutputs] | None = None,
     ) -> list[ForwardOutputs]:
         """Per-group forward outputs (n, a_g) of ``groups`` (runs in a worker thread, on ``threads`` CPU threads
-        when given: torch's thread count is per calling thread, so it is set here).
+        when given: torch's thread count is per calling thread, so it is set here). ``done``: rows already
+        computed, by ``id`` of their completion record."""
+        done = done or {}
+        completions = [c for g in groups for c in g.completions]
+        missing = [c for c in completions if id(c) not in done]
+        computed = dict(zip(map(id, missing), self._forward_rows(missing, request, threads), strict=True))
+        return [
+            concat_forward([done[id(c)] if id(c) in done else computed[id(c)] for c in g.completions],
+                           max(1, max(len(c.output_token_ids) for c in g.completions)))
+            for g in groups
+        ]
+
+    def _forward_rows(
+        self, completions: list[CompletionRecord], request: ExperienceRequest, threads: int | None
+    ) -> list[ForwardOutputs]:
+        """Each completion's forward outputs (1, a_i), in order (runs in a worker thread).
 
         Padded forwards sort the rows by length first, so each micro-batch pads only to rows of similar length.
         """
+        if not completions:
+            return []
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-        completions = [c for g in groups for c in g.completions]
         order = list(range(len(completions)))
         if not request.config.packing_samples:
             order.sort(key=lambda i: len(completions[i].prompt_token_ids) + len(completions[i].output_token_ids))
@@ -168,8 +202,8 @@ class Forwarder:
         inverse = torch.empty(len(order), dtype=torch.int64)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         forward = ForwardOutputs(*(None if t is None else t[inverse] for t in forward))
-        widths = [max(1, max(len(c.output_token_ids) for c in g.completions)) for g in groups]
-        return split_forward(forward, [len(g.completions) for g in groups], widths)
+        widths = [max(1, len(c.output_token_ids)) for c in completions]
+        return split_forward(forward, [1] * len(completions), widths)
 
     def _run_models(self, rollout: Rollout, config: ExperienceConfig) -> ForwardOutputs:
         """Actor, reference (and critic) passes over the rollout's rows (runs in a worker thread); the actor's
@@ -193,3 +227,29 @@ class Forwarder:
             with metrics.stage_timer("critic"):
                 values = models.critic.values(parts)
         return ForwardOutputs(actor, reference, values, entropy)
+
+
+class EarlyForwards:
+    """One stream's forward outputs of samples computed before their group completed (:meth:`Forwarder.
+    forward_samples`), each (1, a_i) with the actor version it was computed at. Only the consumer of that stream
+    uses it (one event loop): entries are taken when their group is forwarded, and dropped with their group."""
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple[int, int], tuple[CompletionRecord, ForwardOutputs, int]] = {}
+
+    def add(self, samples: Sequence[CompletionRecord], rows: Sequence[ForwardOutputs], actor_version: int) -> None:
+        for sample, row in zip(samples, rows, strict=True):
+            self._rows[(sample.prompt_index, sample.sample_index)] = (sample, row, actor_version)
+
+    def usable(self, actor_version: int) -> dict[int, ForwardOutputs]:
+        """Rows computed at ``actor_version``, by ``id`` of their completion (a resampled group's new completions
+        are other records: they never match an old row)."""
+        return {id(sample): row for sample, row, version in self._rows.values() if version == actor_version}
+
+    def discard(self, prompt_index: int) -> None:
+        """Forget ``prompt_index``'s rows (its group was forwarded, dropped, failed or sent back for resampling)."""
+        for key in [key for key in self._rows if key[0] == prompt_index]:
+            del self._rows[key]
+
+    def __len__(self) -> int:
+        return len(self._rows)

@@ -46,11 +46,12 @@ from services.experience.events import (
     GroupsRerouted,
     GroupsResampled,
     RoundStarted,
+    SampleFinished,
     Scorer,
     Scores,
     StreamStats,
 )
-from services.experience.forwarder import Forwarder, ForwardModels
+from services.experience.forwarder import EarlyForwards, Forwarder, ForwardModels
 from services.experience.policy import PolicyState
 from services.experience.producer import Producer, ProducerRun
 from services.experience.replicas import ReplicaClient
@@ -193,6 +194,8 @@ class _Consumer:
         # prompt_overflow SKIP: reported like dynamic-sampling drops, with the first batch
         self._skipped_unreported = request.skipped_prompt_indices
         stats.dropped_groups += len(request.skipped_prompt_indices)
+        # forwards of samples whose groups are still generating (not with dynamic sampling: most groups may drop)
+        self._early = EarlyForwards() if request.config.dynamic_sampling is None else None
 
     async def run(self) -> AsyncIterator[Experience]:
         run = self._stages.producer.start(self._request, self._deadline)
@@ -210,6 +213,8 @@ class _Consumer:
                         self._delivered(part, run)
                 elif step is Step.FORWARD:
                     await self._forward()
+                elif step is Step.FORWARD_EARLY:
+                    await self._forward_early()
                 elif step is Step.FINISH:
                     break
                 else:
@@ -225,7 +230,11 @@ class _Consumer:
             await run.close()
 
     def _receive(self, event: Event, run: ProducerRun) -> None:
+        if isinstance(event, SampleFinished) and self._early is None:
+            return
         self.inbox = batcher.receive(self.inbox, event)
+        if isinstance(event, Dropped | GroupFailed) and self._early is not None:
+            self._early.discard(event.prompt_index)
         if isinstance(event, Dropped):
             self._stats.dropped_groups += 1
             run.release(1)
@@ -243,7 +252,18 @@ class _Consumer:
     async def _forward(self) -> None:
         forwarder, n = self._stages.forwarder, self._config.n_samples_per_prompt
         groups, self.inbox = batcher.take_pending(self.inbox, forwarder.rows_per_pass(self._config), n)
-        self.inbox = batcher.add_forwarded(self.inbox, await forwarder.forward(groups, self._request))
+        forwarded = await forwarder.forward(groups, self._request, self._early)
+        if self._early is not None:
+            for group in groups:
+                self._early.discard(group.prompt_index)
+        self.inbox = batcher.add_forwarded(self.inbox, forwarded)
+
+    async def _forward_early(self) -> None:
+        """Forward finished samples of groups still generating (the engine is still decoding their siblings)."""
+        assert self._early is not None, "no SampleFinished events are kept without early forwards"
+        forwarder = self._stages.forwarder
+        samples, self.inbox = batcher.take_finished_samples(self.inbox, forwarder.rows_per_pass(self._config))
+        await forwarder.forward_samples(samples, self._request, self._early)
 
     async def _take_batch(self, run: ProducerRun) -> tuple[ForwardedGroup, ...]:
         """The next batch's groups; () when stale groups went back for resampling (or were given up after a
@@ -259,7 +279,7 @@ class _Consumer:
                            self._request.request_id, len(take.abandoned))
             run.release(len(take.abandoned))
         if take.resample:
-            run.resample([g.scored.prompt_index for g in take.resample])
+            run.resample([g.scored.prompt_index for g in take.resample])  # (their early rows went with them)
             self._stats.resampled_groups += len(take.resample)
             logger.info("%s: batch %d: %d groups older than version %d resampled",
                         self._request.request_id, self._batch_index, len(take.resample), oldest)

@@ -39,6 +39,7 @@ from services.experience.events import (
     GroupsResampled,
     Rerouted,
     RoundStarted,
+    SampleFinished,
     ScoreBatch,
     ScoredGroup,
     Scorer,
@@ -292,6 +293,8 @@ class _Round:
                 record = dataclasses.replace(record, prompt_index=self._indices[record.prompt_index])
                 group = pending.setdefault(record.prompt_index, [])
                 group.append(record)
+                if len(group) < n:  # its forwards may run before the group completes
+                    self._run.events.put_nowait(SampleFinished(record))
                 if len(group) == n:
                     metrics.STAGE_SECONDS.labels("generate").observe(time.perf_counter() - started)
                     del pending[record.prompt_index]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastexp.sampling import SamplingOptions
+from fastexp.types import Rollout
 from services.common.deadlines import Deadline
 from services.common.errors import NotReady, StreamFailed
 from services.common.status import status_of
@@ -294,3 +295,37 @@ async def test_each_forward_pass_runs_on_the_threads_asked_for_when_it_starts(en
         torch.set_num_threads(previous)
     assert len(batches) == 3 and len(actor.threads) >= 2
     assert actor.threads == [2, 1, 2, 1, 2, 1][: len(actor.threads)]
+
+
+async def test_samples_are_forwarded_before_their_group_completes_and_never_twice(engine, tiny_model_path):
+    """The HF engine here samples 2 sequences per generate call, so a group of 4 finishes in two halves: the first
+    half is forwarded while the second decodes, and only the rest when the group is scored; the results are the
+    same as one forward of the whole group."""
+    from services.experience.forward import chunks
+
+    model = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
+    counted = CountingModel(model)
+    maker = ExperienceMaker(InProcessGenerator(engine), InProcessRuleScorer(),
+                            ForwardModels(counted, CountingModel(model), None, micro_batch_size=8), pad_token_id=2)
+    forwarded_rows: list[int] = []
+    forward_rows = maker._forwarder._forward_rows
+
+    def recording(completions, request, threads):
+        forwarded_rows.append(len(completions))
+        return forward_rows(completions, request, threads)
+
+    maker._forwarder._forward_rows = recording
+    prompts = tuple(PromptSpec(f"p{i}", (100 + i, 101, 102), "1", "") for i in range(2))
+    config = ExperienceConfig(4, get_estimator("rloo"), micro_rollout_batch_size=8)
+    request = ExperienceRequest("early", prompts, SamplingOptions(max_new_tokens=6, min_new_tokens=6), config)
+    (experience,) = [e async for e in maker.make_experiences(request, Deadline())]
+    assert sum(forwarded_rows) == 8  # every row exactly once
+    assert len([n for n in forwarded_rows if n]) >= 2 and max(forwarded_rows) < 8  # some before their group
+    # the same log-probs as one forward of the whole batch
+    rollout = Rollout(experience.sequences, experience.attention_mask, experience.action_mask,
+                      experience.response_length, experience.total_length, experience.prompt_index,
+                      experience.sample_index, experience.prompt_texts, experience.response_texts,
+                      experience.policy_version, experience.rollout_log_probs)
+    whole, _ = model.action_log_probs(chunks(rollout, 8, packed=False))
+    mask = experience.action_mask
+    assert torch.allclose(experience.action_log_probs[mask], whole[mask], atol=1e-5)

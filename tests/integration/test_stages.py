@@ -13,7 +13,7 @@ from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
 from services.common.weights import ReceivedUpdate, WeightStager
 from services.experience.advantages import get_estimator
-from services.experience.events import Done, RoundStarted, ScoredGroup
+from services.experience.events import Done, RoundStarted, SampleFinished, ScoredGroup
 from services.experience.forward import chunks
 from services.experience.forwarder import Forwarder, ForwardModels
 from services.experience.logprobs import LogProbModel
@@ -67,15 +67,21 @@ async def test_the_producer_emits_each_group_whole_and_in_sample_order_then_done
     run = Producer(InProcessGenerator(engine), InProcessRuleScorer(), PolicyState(), 64).start(
         _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
     )
-    events = [await asyncio.wait_for(run.events.get(), 60) for _ in range(5)]
+    events = [await asyncio.wait_for(run.events.get(), 60)]
+    while not isinstance(events[-1], Done):
+        events.append(await asyncio.wait_for(run.events.get(), 60))
     await run.close()
-    assert isinstance(events[0], RoundStarted) and isinstance(events[-1], Done)
+    assert isinstance(events[0], RoundStarted)
     groups = [e for e in events if isinstance(e, ScoredGroup)]
-    assert sorted(g.prompt_index for g in groups) == [0, 1, 2]
+    assert sorted(g.prompt_index for g in groups) == [0, 1, 2] and len(events) == 2 + 3 + 3 * (N - 1)
     for group in groups:
         assert [c.sample_index for c in group.completions] == list(range(N))
         assert {c.prompt_index for c in group.completions} == {group.prompt_index}
         assert group.scores.rewards.shape == (N,)
+        # every sample but the group's last was announced before the group, as the very same record
+        early = [e.completion for e in events[: events.index(group)]
+                 if isinstance(e, SampleFinished) and e.completion.prompt_index == group.prompt_index]
+        assert len(early) == N - 1 and all(any(c is e for c in group.completions) for e in early)
 
 
 async def test_the_producers_window_admits_a_prompt_only_when_a_streamed_group_releases_its_slot(engine):

@@ -127,3 +127,23 @@ def test_after_a_failure_stale_groups_are_abandoned_not_resampled():
 def test_reported_drops_go_with_one_batch():
     drops, inbox = batcher.reported_drops(Inbox(dropped=(2, 5)))
     assert drops == (2, 5) and inbox.dropped == ()
+
+
+def test_finished_samples_are_forwarded_early_only_when_nothing_else_is_to_do():
+    """A sample of a group still generating waits for an early forward; its group arriving (or being dropped)
+    takes it back, and scored groups always go first."""
+    from services.experience.events import GroupFailed, SampleFinished
+
+    first, second = _scored(0).completions[0], _scored(1).completions[0]
+    inbox = batcher.receive(batcher.receive(Inbox(), SampleFinished(first)), SampleFinished(second))
+    assert inbox.finished_samples == (first, second)
+    assert batcher.next_step(inbox, _config()) is Step.FORWARD_EARLY
+    taken, rest = batcher.take_finished_samples(inbox, 1)
+    assert taken == (first,) and rest.finished_samples == (second,)
+    with_group = batcher.receive(inbox, _scored(0))
+    assert with_group.finished_samples == (second,)  # group 0's sample goes with its group
+    assert batcher.next_step(with_group, _config()) is Step.FORWARD  # scored groups first
+    assert batcher.receive(inbox, Dropped(1)).finished_samples == (first,)
+    assert batcher.receive(inbox, GroupFailed(0, "env")).finished_samples == (second,)
+    failed = batcher.receive(inbox, Failed(RuntimeError("generator down")))
+    assert batcher.next_step(failed, _config()) is Step.FINISH  # no early work once the stream failed
