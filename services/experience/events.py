@@ -42,13 +42,22 @@ class Rerouted:
     reason: str
 
 
+@dataclass(frozen=True)
+class SamplePreview:
+    """In a generation stream: one sample of a group not yet complete on its replica. The group still comes whole
+    (with this sample again) unless its replica fails and it is generated again elsewhere (:class:`Rerouted`);
+    meanwhile the pipeline may run the sample's forward passes."""
+
+    completion: CompletionRecord
+
+
 class Generator(Protocol):
     """Where completions come from: the generator fleet (:class:`~services.experience.fleet.GeneratorFleet`), or
     one generator service through ``GeneratorClient``."""
 
     def generate(
         self, request: GenerationRequest, deadline: Deadline
-    ) -> AsyncIterator[CompletionRecord | Rerouted]: ...
+    ) -> AsyncIterator[CompletionRecord | Rerouted | SamplePreview]: ...
 
     async def update_weights(self, update: ReceivedUpdate, deadline: Deadline, version: int | None = None) -> int:
         """Apply a policy update, live as ``version`` (``None``: the previous + 1); return the version now live."""

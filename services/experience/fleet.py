@@ -10,7 +10,8 @@ of a :class:`~services.experience.replicas.ReplicaSet` (one replica is today's d
   so a group whose replica fails (its stream errs, or the set takes the replica out) is generated again, whole,
   on another, and every group reaches the pipeline exactly once; the stream says so with a
   :class:`~services.experience.events.Rerouted` notice. With no replica left it fails (NotReady), and the
-  pipeline reports the undelivered prompt indices as before.
+  pipeline reports the undelivered prompt indices as before. Each held sample is announced as it arrives
+  (:class:`~services.experience.events.SamplePreview`), so its forward passes can start before its group is whole.
 - **Weights.** An update goes to every serving replica in parallel with the version it makes live
   (``WeightsHeader.policy_version``); the version becomes the fleet's once all replicas that stay have it. A
   replica that fails it is taken out (its work rerouted) and brought back by the set's resync.
@@ -40,7 +41,7 @@ from services.common.errors import (
 )
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.weights import ReceivedUpdate
-from services.experience.events import Rerouted
+from services.experience.events import Rerouted, SamplePreview
 from services.experience.replicas import (
     FleetSettings,
     Replica,
@@ -190,7 +191,7 @@ class GeneratorFleet:
 
     async def generate(
         self, request: GenerationRequest, deadline: Deadline
-    ) -> AsyncIterator[CompletionRecord | Rerouted]:
+    ) -> AsyncIterator[CompletionRecord | Rerouted | SamplePreview]:
         """Route ``request``'s prompt groups over the replicas; yield each group's n completions together (sample
         order) once all arrived from one replica, and a :class:`Rerouted` notice when a replica's unfinished
         groups were sent elsewhere. Closing the iterator cancels every replica's stream (their engines abort).
@@ -214,7 +215,10 @@ class GeneratorFleet:
                     continue
                 if isinstance(event, _Record):
                     self._account(event.stream, event.record)
-                    for completion in call.receive(event.record):
+                    whole = call.receive(event.record)
+                    if not whole:  # held until its group is whole; its forwards may start now
+                        yield SamplePreview(event.record)
+                    for completion in whole:
                         yield completion
                     if call.pending and event.record.prompt_index not in call.groups:  # a group done: room
                         self._dispatch(call)

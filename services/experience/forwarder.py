@@ -91,8 +91,8 @@ class Forwarder:
         self, groups: Sequence[ScoredGroup], request: ExperienceRequest, early: EarlyForwards | None = None
     ) -> tuple[ForwardedGroup, ...]:
         """Each group with its forward outputs (n, a_g), computed in a worker thread under the lock. Rows that
-        :meth:`forward_samples` already computed for this very completion at the current actor version are taken
-        from ``early`` instead of being computed again."""
+        :meth:`forward_samples` already computed (same prompt and sampled tokens, at the current actor version) are
+        taken from ``early`` instead of being computed again."""
         async with self._lock:
             self._offloader.require_loaded("MakeExperiences")
             threads = self._threads() if self._threads is not None else None
@@ -166,17 +166,18 @@ class Forwarder:
 
     def _forward_groups(
         self, groups: Sequence[ScoredGroup], request: ExperienceRequest, threads: int | None = None,
-        done: Mapping[int, ForwardOutputs] | None = None,
+        done: Mapping[RowKey, ForwardOutputs] | None = None,
     ) -> list[ForwardOutputs]:
         """Per-group forward outputs (n, a_g) of ``groups`` (runs in a worker thread, on ``threads`` CPU threads
         when given: torch's thread count is per calling thread, so it is set here). ``done``: rows already
-        computed, by ``id`` of their completion record."""
+        computed, by :func:`row_key`."""
         done = done or {}
         completions = [c for g in groups for c in g.completions]
-        missing = [c for c in completions if id(c) not in done]
-        computed = dict(zip(map(id, missing), self._forward_rows(missing, request, threads), strict=True))
+        missing = [c for c in completions if row_key(c) not in done]
+        computed = dict(zip(map(row_key, missing), self._forward_rows(missing, request, threads), strict=True))
+        rows = {**done, **computed}
         return [
-            concat_forward([done[id(c)] if id(c) in done else computed[id(c)] for c in g.completions],
+            concat_forward([rows[row_key(c)] for c in g.completions],
                            max(1, max(len(c.output_token_ids) for c in g.completions)))
             for g in groups
         ]
@@ -230,21 +231,21 @@ class Forwarder:
 
 
 class EarlyForwards:
-    """One stream's forward outputs of samples computed before their group completed (:meth:`Forwarder.
-    forward_samples`), each (1, a_i) with the actor version it was computed at. Only the consumer of that stream
-    uses it (one event loop): entries are taken when their group is forwarded, and dropped with their group."""
+    """One stream's forward outputs of samples computed before their group was whole (:meth:`Forwarder.
+    forward_samples`), each (1, a_i) with the actor version it was computed at. A row is reused for a completion
+    with the same prompt and sampled tokens (its outputs depend on nothing else), at the same actor version. Only
+    the consumer of that stream uses it (one event loop); rows are dropped with their group."""
 
     def __init__(self) -> None:
-        self._rows: dict[tuple[int, int], tuple[CompletionRecord, ForwardOutputs, int]] = {}
+        self._rows: dict[RowKey, tuple[ForwardOutputs, int]] = {}
 
     def add(self, samples: Sequence[CompletionRecord], rows: Sequence[ForwardOutputs], actor_version: int) -> None:
         for sample, row in zip(samples, rows, strict=True):
-            self._rows[(sample.prompt_index, sample.sample_index)] = (sample, row, actor_version)
+            self._rows[row_key(sample)] = (row, actor_version)
 
-    def usable(self, actor_version: int) -> dict[int, ForwardOutputs]:
-        """Rows computed at ``actor_version``, by ``id`` of their completion (a resampled group's new completions
-        are other records: they never match an old row)."""
-        return {id(sample): row for sample, row, version in self._rows.values() if version == actor_version}
+    def usable(self, actor_version: int) -> dict[RowKey, ForwardOutputs]:
+        """Rows computed at ``actor_version``, by :func:`row_key`."""
+        return {key: row for key, (row, version) in self._rows.items() if version == actor_version}
 
     def discard(self, prompt_index: int) -> None:
         """Forget ``prompt_index``'s rows (its group was forwarded, dropped, failed or sent back for resampling)."""
@@ -253,3 +254,12 @@ class EarlyForwards:
 
     def __len__(self) -> int:
         return len(self._rows)
+
+
+#: What a row's forward outputs depend on: (prompt index, sample index, prompt token ids, sampled token ids).
+RowKey = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def row_key(completion: CompletionRecord) -> RowKey:
+    c = completion
+    return c.prompt_index, c.sample_index, tuple(c.prompt_token_ids), tuple(c.output_token_ids)

@@ -40,6 +40,7 @@ from services.experience.events import (
     Rerouted,
     RoundStarted,
     SampleFinished,
+    SamplePreview,
     ScoreBatch,
     ScoredGroup,
     Scorer,
@@ -290,11 +291,14 @@ class _Round:
                 if isinstance(record, Rerouted):  # a replica failed: its groups come whole from another
                     self._run.events.put_nowait(GroupsRerouted(record.groups))
                     continue
+                if isinstance(record, SamplePreview):  # its forwards may run before its group is whole
+                    original = self._indices[record.completion.prompt_index]
+                    self._run.events.put_nowait(
+                        SampleFinished(dataclasses.replace(record.completion, prompt_index=original)))
+                    continue
                 record = dataclasses.replace(record, prompt_index=self._indices[record.prompt_index])
                 group = pending.setdefault(record.prompt_index, [])
                 group.append(record)
-                if len(group) < n:  # its forwards may run before the group completes
-                    self._run.events.put_nowait(SampleFinished(record))
                 if len(group) == n:
                     metrics.STAGE_SECONDS.labels("generate").observe(time.perf_counter() - started)
                     del pending[record.prompt_index]

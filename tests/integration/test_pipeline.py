@@ -298,15 +298,24 @@ async def test_each_forward_pass_runs_on_the_threads_asked_for_when_it_starts(en
 
 
 async def test_samples_are_forwarded_before_their_group_completes_and_never_twice(engine, tiny_model_path):
-    """The HF engine here samples 2 sequences per generate call, so a group of 4 finishes in two halves: the first
-    half is forwarded while the second decodes, and only the rest when the group is scored; the results are the
-    same as one forward of the whole group."""
+    """Through the real fleet and generator service: the HF engine here samples 2 sequences per generate call, so
+    a group of 4 finishes in two halves; the fleet announces the first half (SamplePreview) while it holds the
+    group, the consumer forwards those rows while the rest decode, and the group's forward computes only the others.
+    Every row is forwarded once, with the same log-probs as one forward of the whole batch."""
+    from services.experience.clients import GeneratorClient, open_channel
+    from services.experience.fleet import GeneratorFleet
     from services.experience.forward import chunks
+    from services.experience.replicas import FleetSettings
+    from services.generator.server import start_generator
+    from services.generator.settings import GeneratorSettings
 
+    server = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
+    address = f"127.0.0.1:{server.port}"
+    fleet = GeneratorFleet([address], lambda a: GeneratorClient(open_channel(a, 64 * 2**20), 60, 60, a),
+                           FleetSettings())
     model = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
-    counted = CountingModel(model)
-    maker = ExperienceMaker(InProcessGenerator(engine), InProcessRuleScorer(),
-                            ForwardModels(counted, CountingModel(model), None, micro_batch_size=8), pad_token_id=2)
+    maker = ExperienceMaker(fleet, InProcessRuleScorer(), ForwardModels(model, model, None, micro_batch_size=8),
+                            pad_token_id=2)
     forwarded_rows: list[int] = []
     forward_rows = maker._forwarder._forward_rows
 
@@ -318,10 +327,18 @@ async def test_samples_are_forwarded_before_their_group_completes_and_never_twic
     prompts = tuple(PromptSpec(f"p{i}", (100 + i, 101, 102), "1", "") for i in range(2))
     config = ExperienceConfig(4, get_estimator("rloo"), micro_rollout_batch_size=8)
     request = ExperienceRequest("early", prompts, SamplingOptions(max_new_tokens=6, min_new_tokens=6), config)
-    (experience,) = [e async for e in maker.make_experiences(request, Deadline())]
+    watching = asyncio.create_task(fleet.run())
+    try:
+        for _ in range(400):  # the fleet probes the new replica before routing to it
+            if any(fleet.members.routable(r) for r in fleet.replicas):
+                break
+            await asyncio.sleep(0.05)
+        (experience,) = [e async for e in maker.make_experiences(request, Deadline())]
+    finally:
+        watching.cancel()
+        await server.stop(1)
     assert sum(forwarded_rows) == 8  # every row exactly once
     assert len([n for n in forwarded_rows if n]) >= 2 and max(forwarded_rows) < 8  # some before their group
-    # the same log-probs as one forward of the whole batch
     rollout = Rollout(experience.sequences, experience.attention_mask, experience.action_mask,
                       experience.response_length, experience.total_length, experience.prompt_index,
                       experience.sample_index, experience.prompt_texts, experience.response_texts,

@@ -11,7 +11,7 @@ import pytest
 
 from fastexp.sampling import SamplingOptions
 from services.common.deadlines import Deadline
-from services.common.generation import GenerationRequest
+from services.common.generation import CompletionRecord, GenerationRequest
 from services.experience.clients import GeneratorClient, open_channel
 from services.experience.fleet import GeneratorFleet
 from services.experience.replicas import FleetSettings, ReplicaState, resolve_targets
@@ -46,6 +46,13 @@ def _connect(address: str) -> GeneratorClient:
     return GeneratorClient(open_channel(address, 64 * 1024 * 1024), timeout_s=60, address=address)
 
 
+async def _completions(fleet: GeneratorFleet, request: GenerationRequest, deadline: Deadline):
+    """The fleet's completions (its SamplePreview notices left out: each sample comes again with its group)."""
+    async for item in fleet.generate(request, deadline):
+        if isinstance(item, CompletionRecord):
+            yield item
+
+
 def _request(count: int) -> GenerationRequest:
     return GenerationRequest(
         request_id="discovery", prompts=tuple((100 + i, 101, 102) for i in range(count)),
@@ -76,7 +83,7 @@ async def test_replicas_join_and_drain_as_the_name_resolves(servers):
         await members.discover()
         await _until(lambda: all(r.state is ReplicaState.SERVING for r in fleet.replicas) and len(fleet.replicas) == 2,
                      "b joined")
-        records = [r async for r in fleet.generate(_request(4), Deadline())]
+        records = [r async for r in _completions(fleet, _request(4), Deadline())]
         assert sorted((r.prompt_index, r.sample_index) for r in records) == [(p, s) for p in range(4) for s in range(2)]
 
         # requests with one affinity key (an episode's turns) stay on the replica that holds their prefix: the first
@@ -88,10 +95,10 @@ async def test_replicas_join_and_drain_as_the_name_resolves(servers):
                                        affinity_key="episode-7")
 
         first.outstanding_tokens += 10**6
-        assert len([r async for r in fleet.generate(turn(0), Deadline())]) == 2
+        assert len([r async for r in _completions(fleet, turn(0), Deadline())]) == 2
         first.outstanding_tokens -= 10**6
         for k in (1, 2):
-            assert len([r async for r in fleet.generate(turn(k), Deadline())]) == 2
+            assert len([r async for r in _completions(fleet, turn(k), Deadline())]) == 2
         assert [r.address for r in fleet.replicas if r.warm("episode-7/0")] == [second.address]
         assert first.in_flight_samples == second.in_flight_samples == 0
 
@@ -102,7 +109,7 @@ async def test_replicas_join_and_drain_as_the_name_resolves(servers):
         resolver.answer = [b]  # a's pod went away: drained, then closed and forgotten
         await members.discover()
         assert members.describe().count("draining") == 1
-        records = [r async for r in fleet.generate(_request(3), Deadline())]
+        records = [r async for r in _completions(fleet, _request(3), Deadline())]
         assert len(records) == 6
         await _until(lambda: [r.address for r in fleet.replicas] == [b], "a closed once idle")
 

@@ -13,7 +13,7 @@ from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
 from services.common.weights import ReceivedUpdate, WeightStager
 from services.experience.advantages import get_estimator
-from services.experience.events import Done, RoundStarted, SampleFinished, ScoredGroup
+from services.experience.events import Done, RoundStarted, SampleFinished, SamplePreview, ScoredGroup
 from services.experience.forward import chunks
 from services.experience.forwarder import Forwarder, ForwardModels
 from services.experience.logprobs import LogProbModel
@@ -67,21 +67,39 @@ async def test_the_producer_emits_each_group_whole_and_in_sample_order_then_done
     run = Producer(InProcessGenerator(engine), InProcessRuleScorer(), PolicyState(), 64).start(
         _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
     )
-    events = [await asyncio.wait_for(run.events.get(), 60)]
-    while not isinstance(events[-1], Done):
-        events.append(await asyncio.wait_for(run.events.get(), 60))
+    events = [await asyncio.wait_for(run.events.get(), 60) for _ in range(5)]
     await run.close()
-    assert isinstance(events[0], RoundStarted)
+    assert isinstance(events[0], RoundStarted) and isinstance(events[-1], Done)
     groups = [e for e in events if isinstance(e, ScoredGroup)]
-    assert sorted(g.prompt_index for g in groups) == [0, 1, 2] and len(events) == 2 + 3 + 3 * (N - 1)
+    assert sorted(g.prompt_index for g in groups) == [0, 1, 2]
     for group in groups:
         assert [c.sample_index for c in group.completions] == list(range(N))
         assert {c.prompt_index for c in group.completions} == {group.prompt_index}
         assert group.scores.rewards.shape == (N,)
-        # every sample but the group's last was announced before the group, as the very same record
-        early = [e.completion for e in events[: events.index(group)]
-                 if isinstance(e, SampleFinished) and e.completion.prompt_index == group.prompt_index]
-        assert len(early) == N - 1 and all(any(c is e for c in group.completions) for e in early)
+
+
+class PreviewingGenerator(InProcessGenerator):
+    """Announces every sample once (a SamplePreview, as the fleet does while it holds a group), then yields it."""
+
+    async def generate(self, request, deadline):
+        async for record in super().generate(request, deadline):
+            yield SamplePreview(record)
+            yield record
+
+
+async def test_sample_previews_become_sample_finished_events_in_the_requests_indices(engine):
+    run = Producer(PreviewingGenerator(engine), InProcessRuleScorer(), PolicyState(), 64).start(
+        _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
+    )
+    events = [await asyncio.wait_for(run.events.get(), 60)]
+    while not isinstance(events[-1], Done):
+        events.append(await asyncio.wait_for(run.events.get(), 60))
+    await run.close()
+    for group in (e for e in events if isinstance(e, ScoredGroup)):
+        announced = [e.completion for e in events[: events.index(group)]
+                     if isinstance(e, SampleFinished) and e.completion.prompt_index == group.prompt_index]
+        assert [(c.sample_index, c.output_token_ids) for c in sorted(announced, key=lambda c: c.sample_index)] == [
+            (c.sample_index, c.output_token_ids) for c in group.completions]
 
 
 async def test_the_producers_window_admits_a_prompt_only_when_a_streamed_group_releases_its_slot(engine):
