@@ -63,6 +63,7 @@ class Forwarder:
         """``threads``: asked before each forward pass, the CPU threads it may use (None: leave torch's setting);
         e.g. more while no generation is in flight on the cores a CPU engine shares with it."""
         self._threads = threads
+        self._weights_epoch = 0  # +1 per actor or critic update: early rows of older weights are not reused
         self._models = models
         self._pad_token_id = pad_token_id
         self._lock = asyncio.Lock()
@@ -91,13 +92,13 @@ class Forwarder:
         self, groups: Sequence[ScoredGroup], request: ExperienceRequest, early: EarlyForwards | None = None
     ) -> tuple[ForwardedGroup, ...]:
         """Each group with its forward outputs (n, a_g), computed in a worker thread under the lock. Rows that
-        :meth:`forward_samples` already computed (same prompt and sampled tokens, at the current actor version) are
-        taken from ``early`` instead of being computed again."""
+        :meth:`forward_samples` already computed (same prompt and sampled tokens, with the same actor and critic
+        weights) are taken from ``early`` instead of being computed again."""
         async with self._lock:
             self._offloader.require_loaded("MakeExperiences")
             threads = self._threads() if self._threads is not None else None
             actor_version = self.actor_version
-            done = {} if early is None else early.usable(actor_version)
+            done = {} if early is None else early.usable(self._weights_epoch)
             forwards = await asyncio.to_thread(self._forward_groups, groups, request, threads, done)
         if request.config.skip_actor_forward:  # the generator computed them, at each group's sampling version
             return tuple(ForwardedGroup(g, f, g.policy_version) for g, f in zip(groups, forwards, strict=True))
@@ -107,12 +108,12 @@ class Forwarder:
         self, samples: Sequence[CompletionRecord], request: ExperienceRequest, early: EarlyForwards
     ) -> None:
         """Run the forward passes of finished samples whose groups are still generating, into ``early`` (at the
-        current actor version), so that their groups need only their remaining rows once complete."""
+        current weights), so that their groups need only their remaining rows once complete."""
         async with self._lock:
             self._offloader.require_loaded("MakeExperiences")
             threads = self._threads() if self._threads is not None else None
             rows = await asyncio.to_thread(self._forward_rows, list(samples), request, threads)
-            early.add(samples, rows, self.actor_version)
+            early.add(samples, rows, self._weights_epoch)
 
     async def offload(self) -> tuple[int, tuple[str, ...]]:
         """Move the models to host memory between forward passes (:class:`~services.experience.offload.Offloader`);
@@ -132,12 +133,14 @@ class Forwarder:
     async def load_actor(self, entries: Sequence[TensorEntry], version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy a checked policy update into the actor between forward passes; it is then ``version``."""
         async with self._lock:
+            self._weights_epoch += 1
             await asyncio.to_thread(copy_into, tensors, entries)
             self.actor_version = version
 
     async def load_critic(self, entries: Sequence[TensorEntry], tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy a checked critic update into the critic between forward passes (not cancelled half-way)."""
         async with self._lock:
+            self._weights_epoch += 1
             await asyncio.shield(asyncio.to_thread(copy_into, tensors, entries))
 
     def assemble(self, groups: Sequence[ForwardedGroup], request: ExperienceRequest) -> Assembled:
@@ -232,20 +235,20 @@ class Forwarder:
 
 class EarlyForwards:
     """One stream's forward outputs of samples computed before their group was whole (:meth:`Forwarder.
-    forward_samples`), each (1, a_i) with the actor version it was computed at. A row is reused for a completion
-    with the same prompt and sampled tokens (its outputs depend on nothing else), at the same actor version. Only
-    the consumer of that stream uses it (one event loop); rows are dropped with their group."""
+    forward_samples`), each (1, a_i) with the forwarder's weights epoch it was computed at. A row is reused for a
+    completion with the same prompt and sampled tokens (its outputs depend on nothing else) while no actor or critic
+    update came in between. Only the consumer of that stream uses it (one event loop); rows go with their group."""
 
     def __init__(self) -> None:
         self._rows: dict[RowKey, tuple[ForwardOutputs, int]] = {}
 
-    def add(self, samples: Sequence[CompletionRecord], rows: Sequence[ForwardOutputs], actor_version: int) -> None:
+    def add(self, samples: Sequence[CompletionRecord], rows: Sequence[ForwardOutputs], epoch: int) -> None:
         for sample, row in zip(samples, rows, strict=True):
-            self._rows[row_key(sample)] = (row, actor_version)
+            self._rows[row_key(sample)] = (row, epoch)
 
-    def usable(self, actor_version: int) -> dict[RowKey, ForwardOutputs]:
-        """Rows computed at ``actor_version``, by :func:`row_key`."""
-        return {key: row for key, (row, version) in self._rows.items() if version == actor_version}
+    def usable(self, epoch: int) -> dict[RowKey, ForwardOutputs]:
+        """Rows computed with the weights of ``epoch``, by :func:`row_key`."""
+        return {key: row for key, (row, computed_at) in self._rows.items() if computed_at == epoch}
 
     def discard(self, prompt_index: int) -> None:
         """Forget ``prompt_index``'s rows (its group was forwarded, dropped, failed or sent back for resampling)."""
