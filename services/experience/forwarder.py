@@ -264,5 +264,7 @@ RowKey = tuple[int, int, tuple[int, ...], tuple[int, ...]]
 
 
 def row_key(completion: CompletionRecord) -> RowKey:
+    """The :data:`RowKey` of a completion: two completions with one key have the same forward outputs under the
+    same weights."""
     c = completion
     return c.prompt_index, c.sample_index, tuple(c.prompt_token_ids), tuple(c.output_token_ids)

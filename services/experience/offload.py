@@ -31,6 +31,7 @@ class Offloader:
 
     @property
     def offloaded(self) -> bool:
+        """Whether the modules were moved to host memory and not yet back."""
         return self._devices is not None
 
     def require_loaded(self, what: str) -> None:

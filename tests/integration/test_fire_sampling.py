@@ -6,22 +6,16 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from fastexp.v1 import generation_pb2_grpc
 from services.generator.hf_engine import HFEngine
-from services.generator.server import start_generator
-from services.generator.settings import GeneratorSettings
 from tests.support.fire import HOT, assert_only_the_first_token_is_hot, fire_request
+from tests.support.inprocess import serving_generator
 
 
 @pytest.fixture(scope="module")
 async def stub(tiny_model_path):
     engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=16)
-    running = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
-    yield generation_pb2_grpc.GenerationServiceStub(channel)
-    await channel.close()
-    await running.stop(1)
-    await engine.close()
+    async with serving_generator(engine, 256) as (stub, _):
+        yield stub
 
 
 async def completions(stub, request):

@@ -9,10 +9,9 @@ import grpc
 import pytest
 
 from fastexp import Sampling, weight_chunks
-from fastexp.v1 import generation_pb2, generation_pb2_grpc
+from fastexp.v1 import generation_pb2
 from services.generator.hf_engine import HFEngine
-from services.generator.server import start_generator
-from services.generator.settings import GeneratorSettings
+from tests.support.inprocess import serving_generator
 
 pytestmark = pytest.mark.smollm2
 
@@ -22,12 +21,8 @@ SAY_HI = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
 @pytest.fixture(scope="module")
 async def smollm2_generator(smollm2_path):
     engine = HFEngine.start(smollm2_path, dtype="bfloat16", max_model_len=512, max_batch_size=4)
-    running = await start_generator(GeneratorSettings(port=0, max_model_len=512), engine)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
-    yield generation_pb2_grpc.GenerationServiceStub(channel)
-    await channel.close()
-    await running.stop(1)
-    await engine.close()
+    async with serving_generator(engine, 512) as (stub, _):
+        yield stub
 
 
 async def _generate(stub, sampling: Sampling) -> list[generation_pb2.Completion]:

@@ -11,10 +11,9 @@ import torch
 
 from fastexp import update_generator_weights, weight_chunks
 from fastexp.tensor_codec import to_numpy
-from fastexp.v1 import generation_pb2, generation_pb2_grpc, tensor_pb2
+from fastexp.v1 import generation_pb2, tensor_pb2
 from services.generator.hf_engine import HFEngine
-from services.generator.server import start_generator
-from services.generator.settings import GeneratorSettings
+from tests.support.inprocess import serving_generator
 
 PROMPT = "Count: one, two,"
 
@@ -22,12 +21,8 @@ PROMPT = "Count: one, two,"
 @pytest.fixture(scope="module")
 async def generator(tiny_model_path):
     engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
-    running = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
-    yield {"stub": generation_pb2_grpc.GenerationServiceStub(channel), "address": f"127.0.0.1:{running.port}"}
-    await channel.close()
-    await running.stop(1)
-    await engine.close()
+    async with serving_generator(engine, 256) as (stub, address):
+        yield {"stub": stub, "address": address}
 
 
 def perturbed(model_path: str, seed: int) -> torch.nn.Module:

@@ -3,11 +3,18 @@ HF engine called directly (as the generator service calls it) and math-verify ca
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
 import torch
 
+from fastexp.v1 import generation_pb2_grpc
 from services.common.weights import ReceivedUpdate
 from services.experience.events import ScoreBatch, Scores
 from services.generator.hf_engine import HFEngine
+from services.generator.server import start_generator
+from services.generator.settings import GeneratorSettings
 from services.scorer.rules import math_verify_reward
 
 
@@ -31,3 +38,20 @@ class InProcessRuleScorer:
         columns = zip(batch.queries, batch.prompts, batch.references, strict=True)
         results = [math_verify_reward(query[len(prompt):], reference) for query, prompt, reference in columns]
         return Scores(torch.tensor([r for r, _ in results]), {})
+
+
+@contextlib.asynccontextmanager
+async def serving_generator(
+    engine: HFEngine, max_model_len: int
+) -> AsyncIterator[tuple[generation_pb2_grpc.GenerationServiceStub, str]]:
+    """The real generator service in process on port 0 over ``engine``: its stub and address; the service and the
+    engine are closed on exit."""
+    running = await start_generator(GeneratorSettings(port=0, max_model_len=max_model_len), engine)
+    address = f"127.0.0.1:{running.port}"
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        yield generation_pb2_grpc.GenerationServiceStub(channel), address
+    finally:
+        await channel.close()
+        await running.stop(1)
+        await engine.close()
