@@ -73,6 +73,11 @@ def serve(
         typer.echo(f"invalid {service.value} settings:\n{error}", err=True)
         raise typer.Exit(2) from error
     _logging(settings.log_level, settings.log_format)
+    try:
+        _check_exposure(service, settings)
+    except SecurityConfigError as error:
+        typer.echo(f"{service.value} refuses to start: {error}", err=True)
+        raise typer.Exit(2) from error
     if settings.metrics_port is not None:
         from services.common.metrics import start_metrics_server
 
@@ -83,6 +88,18 @@ def serve(
     except (ConfigError, SecurityConfigError, ParallelismError) as error:
         typer.echo(f"{service.value} refuses to start: {error}", err=True)
         raise typer.Exit(2) from error
+
+
+def _check_exposure(service: Service, settings) -> None:
+    """The gRPC services' safe default, checked before any model loads (``start_service`` checks it again).
+
+    Raises:
+        SecurityConfigError: as :func:`services.common.security.check_exposure`.
+    """
+    from services.common.security import check_exposure
+
+    if service is not Service.reward_server:  # plain HTTP, no TLS or token settings of its own
+        check_exposure(settings.host, secured=settings.secured(), insecure=settings.insecure, service=service.value)
 
 
 def _service_settings(service, config, common, *, model, backend, generator_address, scorer_address, critic_model):

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,8 @@ import grpc
 
 from fastexp.security import AUTHORIZATION_KEY, SecurityConfigError, read_file
 from services.common.rpc import WrappingInterceptor, method_parts, wrap_handler
+
+logger = logging.getLogger(__name__)
 
 #: Methods that need the ``admin`` privilege (full method names' last part).
 ADMIN_METHODS = frozenset({"UpdateWeights", "Sleep", "WakeUp", "OffloadModels", "ReloadModels"})
@@ -42,6 +46,37 @@ def read_tokens(path: Path | str, setting: str) -> tuple[bytes, ...]:
     if not tokens:
         raise SecurityConfigError(f"{setting}: {path} holds no token")
     return tokens
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine only: ``localhost`` or a loopback address (``127.0.0.0/8``,
+    ``::1``). Any other name, and the wildcards ``0.0.0.0`` and ``::``, count as exposed."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, *, secured: bool, insecure: bool, service: str) -> None:
+    """Refuse to serve ``host`` beyond loopback with neither TLS nor tokens, unless the operator said
+    ``insecure: true`` (then warn loudly): an open experience service hands anyone the policy's weights.
+
+    Raises:
+        SecurityConfigError: ``host`` is not loopback, ``secured`` is false and ``insecure`` is not set; the
+            message names the settings that fix it.
+    """
+    if secured or is_loopback(host):
+        return
+    if not insecure:
+        raise SecurityConfigError(
+            f"host: {service} would serve {host} (beyond loopback) with neither TLS nor bearer tokens; set "
+            "auth_tokens_file/admin_tokens_file or tls_cert_file/tls_key_file, bind host 127.0.0.1, or accept the "
+            "risk with insecure: true"
+        )
+    logger.warning("INSECURE: %s serves %s without TLS and without tokens (insecure: true): anyone who can reach "
+                   "it may call every method, UpdateWeights included", service, host)
 
 
 @dataclass(frozen=True)

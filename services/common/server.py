@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from fastexp.channels import message_options
 from services.common.observing import ObservingInterceptor
-from services.common.security import AuthInterceptor, ServerTLS
+from services.common.security import AuthInterceptor, ServerTLS, check_exposure
 from services.common.status import ErrorMappingInterceptor
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,9 @@ class ServerSettings(Protocol):
     host: str
     port: int
     max_message_bytes: int
+    insecure: bool
+
+    def secured(self) -> bool: ...
 
     def server_tls(self) -> ServerTLS | None: ...
 
@@ -121,13 +124,16 @@ async def start_service(
     caller's :meth:`RunningServer.set_serving`.
 
     Raises:
-        RuntimeError: the address could not be bound. SecurityConfigError: a TLS or token file is unusable.
+        RuntimeError: the address could not be bound. SecurityConfigError: a TLS or token file is unusable, or a
+            non-loopback host with neither TLS nor tokens and no ``insecure: true`` (:func:`check_exposure`).
     """
+    names = [service_name] if isinstance(service_name, str) else list(service_name)
+    check_exposure(settings.host, secured=settings.secured(), insecure=settings.insecure, service=names[0])
     return await create_server(
         host=settings.host,
         port=settings.port,
         register=register,
-        service_names=[service_name] if isinstance(service_name, str) else list(service_name),
+        service_names=names,
         max_message_bytes=settings.max_message_bytes,
         tls=settings.server_tls(),
         auth=settings.auth(),

@@ -55,6 +55,10 @@ class ServiceSettings(BaseSettings):
     tls_client_ca_file: Path | None = Field(None, description="CA of accepted client certificates (PEM): mTLS")
     auth_tokens_file: Path | None = Field(None, description="bearer tokens that may call (not UpdateWeights)")
     admin_tokens_file: Path | None = Field(None, description="bearer tokens that may call everything")
+    insecure: bool = Field(
+        False, description="serve a non-loopback host without TLS and without tokens (refused at start otherwise; "
+        "logged as a warning when set)",
+    )
 
     # env_parse_none_str: FASTEXP_GENERATOR_KV_CACHE_MEMORY_BYTES=null sets an optional field to None
     model_config = SettingsConfigDict(extra="forbid", env_nested_delimiter="__", env_parse_none_str="null")
@@ -72,6 +76,10 @@ class ServiceSettings(BaseSettings):
         if self.tls_cert_file is None or self.tls_key_file is None:
             return None
         return ServerTLS(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    def secured(self) -> bool:
+        """Whether callers must present TLS or a bearer token (a certificate or a token file is set)."""
+        return self.tls_cert_file is not None or self.auth_tokens_file is not None or self.admin_tokens_file is not None
 
     def auth(self) -> AuthInterceptor | None:
         """The bearer-token check, or ``None`` when no token file is set.
