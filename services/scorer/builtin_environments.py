@@ -70,6 +70,9 @@ class PythonTool:
     unknown calls, code that raised or was stopped).
     """
 
+    #: Runs policy-written code: offered only where the tool sandbox works (fail closed).
+    requires_sandbox = True
+
     def __init__(
         self, context: EnvironmentContext, limits: dict[str, Any] | None = None, max_calls_per_turn: int = 4,
         turn_discount: float = 1.0,

@@ -10,8 +10,12 @@ name environments in the scorer's ``environments`` setting; a request only picks
 
 Environments are asynchronous (``async def reset/step``) so that one waiting for a tool does not hold others.
 Blocking work goes through the :class:`EnvironmentContext`: ``verify`` (math-verify in the scorer's worker
-processes, which have a main thread for its signal-based timeout) and ``run_python`` (the sandbox of
-:mod:`services.scorer.sandbox`, in a thread). Built-ins: :mod:`services.scorer.builtin_environments`.
+processes, which have a main thread for its signal-based timeout) and ``run_python`` (the tool sandbox of
+:mod:`services.scorer.sandbox`). Built-ins: :mod:`services.scorer.builtin_environments`.
+
+**Fail closed.** An environment class that runs tool code says so with ``requires_sandbox = True``. At start
+(:meth:`EnvironmentHost.start_up`) the sandbox's probe runs once; where it fails, those environments are withdrawn
+with the cause logged, a request naming one is told why, and ``run_python`` refuses to run anything.
 Nothing here imports grpc.
 """
 
@@ -31,7 +35,7 @@ from pebble import ProcessPool
 
 from services.common.errors import EpisodeFailed, InvalidRequest, Overloaded
 from services.scorer.rules import import_callable, math_verify_reward
-from services.scorer.sandbox import SandboxLimits, SandboxResult, run_python
+from services.scorer.sandbox import Sandbox, SandboxLimits, SandboxResult, SandboxUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +81,27 @@ class Environment(Protocol):
 
 
 class EnvironmentContext:
-    """What environments may use: answer verification in worker processes and the Python sandbox. The worker
-    pool starts with the first verification (a scorer no episode reaches spawns nothing); :meth:`close` stops it.
+    """What environments may use: answer verification in worker processes and the tool sandbox (``None``: no
+    tool code can run). The worker pool starts with the first verification (a scorer no episode reaches spawns
+    nothing); :meth:`close` stops it and the sandbox's connections.
     """
 
-    def __init__(self, workers: int = 2, verify_timeout_s: float = 10.0) -> None:
+    def __init__(self, workers: int = 2, verify_timeout_s: float = 10.0, sandbox: Sandbox | None = None) -> None:
         self._workers = workers
         self._verify_timeout_s = verify_timeout_s
         self._pool: ProcessPool | None = None
+        self._sandbox = sandbox
+        self._sandbox_problem = "no tool sandbox is configured" if sandbox is None else ""
+
+    async def check_sandbox(self) -> str:
+        """Probe the sandbox once; returns ``""`` when tool code can run, else the cause and the fix (and every
+        later :meth:`run_python` raises :class:`SandboxUnavailable` with it)."""
+        if self._sandbox is not None and not self._sandbox_problem:
+            try:
+                await self._sandbox.check()
+            except SandboxUnavailable as error:
+                self._sandbox_problem = str(error)
+        return self._sandbox_problem
 
     async def verify(self, response: str, reference: str) -> tuple[float, dict[str, float]]:
         """math-verify's ``(reward, {"correct", "answer_found"})`` for ``response`` against ``reference``
@@ -99,13 +116,22 @@ class EnvironmentContext:
         return await asyncio.wrap_future(future)
 
     async def run_python(self, code: str, limits: SandboxLimits) -> SandboxResult:
-        """Run ``code`` in the sandbox (its own process and limits) off the event loop."""
-        return await asyncio.to_thread(run_python, code, limits)
+        """Run ``code`` in the tool sandbox under ``limits``.
+
+        Raises:
+            SandboxUnavailable: there is no working sandbox (nothing is run).
+            SandboxError: the sandbox could not carry this run out.
+        """
+        if self._sandbox is None or self._sandbox_problem:
+            raise SandboxUnavailable(self._sandbox_problem)
+        return await self._sandbox.run(code, limits)
 
     async def close(self) -> None:
         if self._pool is not None:
             self._pool.stop()
             await asyncio.to_thread(self._pool.join)
+        if self._sandbox is not None:
+            await self._sandbox.close()
 
 
 @dataclass(frozen=True)
@@ -154,10 +180,27 @@ class EnvironmentHost:
         self._max_sessions = max_sessions
         self._sessions: dict[str, _Session] = {}
         self._ids = itertools.count()
+        self.withdrawn: dict[str, str] = {}
 
     @property
     def names(self) -> list[str]:
         return sorted(self.specs)
+
+    async def start_up(self) -> None:
+        """Probe the tool sandbox if a configured environment needs one; where it does not work, withdraw those
+        environments (:attr:`withdrawn`: name -> why) and log the cause and the fix as an error."""
+        needing = [name for name, spec in self.specs.items() if getattr(spec.cls, "requires_sandbox", False)]
+        if not needing:
+            return
+        problem = await self._context.check_sandbox()
+        if not problem:
+            logger.info("tool sandbox ready: %s (for %s)", self._context.sandbox_description, ", ".join(needing))
+            return
+        for name in needing:
+            self.withdrawn[name] = problem
+            del self.specs[name]
+        logger.error("tool environments %s are NOT offered: the tool sandbox does not work here: %s",
+                     ", ".join(needing), problem)
 
     async def start(self, name: str, start: EpisodeStart) -> tuple[str, str | None]:
         """Create environment ``name`` for a new episode and reset it; returns (session id, first observation).
@@ -169,6 +212,8 @@ class EnvironmentHost:
             EpisodeFailed: the environment failed to start or reset.
         """
         spec = self.specs.get(name)
+        if name in self.withdrawn:
+            raise InvalidRequest("environment", f"{name!r} is not offered here: {self.withdrawn[name]}")
         if spec is None:
             raise InvalidRequest("environment", f"no environment {name!r} here (configured: {', '.join(self.names)})")
         if start.max_turns < 1:

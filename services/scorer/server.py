@@ -13,6 +13,7 @@ from services.common.server import RunningServer, run_service, serving, start_se
 from services.scorer.composition import ConfigError, RewardComposer, build_composer
 from services.scorer.environment_servicer import EnvironmentServicer
 from services.scorer.environments import EnvironmentContext, EnvironmentHost, load_specs
+from services.scorer.sandbox import build_sandbox
 from services.scorer.servicer import ScoringServicer
 from services.scorer.settings import ScorerSettings
 
@@ -36,16 +37,18 @@ class ScorerCore:
 
 
 def build_environments(settings: ScorerSettings) -> tuple[EnvironmentHost, EnvironmentContext]:
-    """The configured environments' host (their classes resolved now; the worker pool starts on first use).
+    """The configured environments' host (their classes resolved now; the worker pool starts on first use; the
+    tool sandbox is probed by :meth:`EnvironmentHost.start_up`).
 
     Raises:
         ConfigError: an environment class path that does not resolve (named).
+        SecurityConfigError: the remote sandbox's token file is unreadable.
     """
     try:
         specs = load_specs(settings.environments)
     except (ImportError, TypeError) as error:
         raise ConfigError(f"environments: {error}") from error
-    context = EnvironmentContext(settings.environment_workers)
+    context = EnvironmentContext(settings.environment_workers, sandbox=build_sandbox(settings.sandbox))
     return EnvironmentHost(specs, context, settings.max_episodes), context
 
 
@@ -76,6 +79,7 @@ async def start_scorer(settings: ScorerSettings, scorer: ScorerCore | RewardComp
     running = await start_service(settings, (SERVICE_NAME, ENVIRONMENT_SERVICE_NAME), register)
     try:
         await core.composer.start()
+        await core.environments.start_up()
     except BaseException:
         await running.server.stop(0)
         raise

@@ -16,6 +16,7 @@ from services.scorer.config import (
     default_environments,
     default_sources,
 )
+from services.scorer.sandbox import SandboxSettings
 
 
 class ScorerSettings(ServiceSettings):
@@ -45,6 +46,9 @@ class ScorerSettings(ServiceSettings):
     )
     environment_workers: int = Field(2, ge=1, description="worker processes verifying environments' answers")
     max_episodes: int = Field(4096, ge=1, description="episodes open at once; more get RESOURCE_EXHAUSTED")
+    sandbox: SandboxSettings = Field(
+        default_factory=SandboxSettings, description="where tool code runs (bwrap, or a remote sandbox)"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

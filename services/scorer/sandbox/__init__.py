@@ -1,0 +1,18 @@
+"""The tool sandbox: policy-written code runs isolated by the operating system or on another machine, never bare.
+
+- :mod:`.base`: a run's limits and result, the backend protocol, :class:`SandboxUnavailable`, :class:`SandboxError`;
+- :mod:`.bubblewrap`: each run in its own bubblewrap sandbox (namespaces, read-only root, tmpfs, limits);
+- :mod:`.remote`: a SandboxFusion-compatible HTTP endpoint;
+- :mod:`.settings`: the scorer's ``sandbox:`` block and the backend it builds;
+- :mod:`.server`: ``fastexp serve sandbox``, that endpoint over the bubblewrap backend.
+"""
+
+from services.scorer.sandbox.base import Sandbox, SandboxError, SandboxLimits, SandboxResult, SandboxUnavailable
+from services.scorer.sandbox.bubblewrap import BubblewrapOptions, BubblewrapSandbox
+from services.scorer.sandbox.remote import RemoteSandbox
+from services.scorer.sandbox.settings import SandboxSettings, build_sandbox
+
+__all__ = [
+    "BubblewrapOptions", "BubblewrapSandbox", "RemoteSandbox", "Sandbox", "SandboxError", "SandboxLimits",
+    "SandboxResult", "SandboxSettings", "SandboxUnavailable", "build_sandbox",
+]

@@ -1,0 +1,263 @@
+"""Tool runs isolated by the operating system with bubblewrap (``bwrap``, what Flatpak uses).
+
+Each run is ``bwrap`` with, for the tool's process tree:
+
+- **new user, pid, network, ipc, uts and cgroup namespaces** (``--unshare-all --unshare-user``), and no further
+  user namespaces inside (``--disable-userns``): it sees only its own processes, has no network interface but a
+  down loopback, and holds no capability on the host;
+- **a minimal read-only root**: ``/usr`` (the interpreter, its standard library, the C library) and the
+  interpreter's own prefix when it lies elsewhere; nothing of ``/etc``, ``/home``, ``/root``, the project tree, the
+  scorer's mounts or its secrets; a private ``/proc`` (its own processes only) and a minimal ``/dev``;
+- **one writable place**, a fresh tmpfs at ``/tmp`` of ``tmpfs_bytes``, which is also its working directory and
+  vanishes with the run (``/dev/shm`` lies inside the sandbox's own ``/dev`` and vanishes too);
+- **an empty environment** (``--clearenv``) but ``PATH``, ``HOME`` and ``LANG``;
+- ``--die-with-parent`` and ``--new-session``; when the run's first process ends, the kernel kills every process
+  left in its pid namespace, so nothing outlives the run;
+- **limits** set by a trusted launcher inside, before the tool's code starts (the code cannot raise them):
+  ``RLIMIT_NPROC`` (``max_processes``), ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and
+  ``RLIMIT_CORE`` = 0; a wall-clock timeout kills the whole tree; stdout and stderr are cut to
+  ``max_output_bytes`` (the rest is read and dropped).
+
+A scorer running as root starts ``bwrap`` as an unprivileged uid (``uid``, default 65534): the kernel does not
+enforce ``RLIMIT_NPROC`` for processes that are root on the host, and a kernel escape then lands as nobody.
+The tool's code reaches ``bwrap`` through a memory file descriptor: no host file or directory is made for a run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.scorer.sandbox.base import (
+    MIB,
+    PROBE_CODE,
+    PROBE_OUTPUT,
+    SandboxError,
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailable,
+    cut,
+)
+
+#: Runs inside the sandbox first: sets the limits (argv: cpu_s, memory_bytes, max_file_bytes, max_processes), then
+#: replaces itself with the tool's program so that the tool runs as a clean ``__main__``.
+_LAUNCHER = (
+    "import os, resource as r, sys\n"
+    "cpu, memory, fsize, nproc = map(int, sys.argv[1:5])\n"
+    "for which, value in ((r.RLIMIT_CPU, (cpu, cpu + 1)), (r.RLIMIT_AS, (memory, memory)),\n"
+    "                     (r.RLIMIT_FSIZE, (fsize, fsize)), (r.RLIMIT_NPROC, (nproc, nproc)),\n"
+    "                     (r.RLIMIT_NOFILE, (64, 64)), (r.RLIMIT_CORE, (0, 0))):\n"
+    "    r.setrlimit(which, value)\n"
+    "os.execv(sys.executable, [sys.executable, '-I', '-B', 'main.py'])\n"
+)
+_WORKDIR = "/tmp"
+_NOBODY = 65534
+#: Exit statuses ``bwrap`` passes on for a child ended by a signal (128 + signal number).
+_CPU_SIGNALS = {128 + signal.SIGXCPU, 128 + signal.SIGKILL, -signal.SIGXCPU, -signal.SIGKILL}
+
+
+@dataclass(frozen=True)
+class BubblewrapOptions:
+    """How runs are isolated: the ``bwrap`` program, the interpreter inside (``None``: this process's interpreter
+    when it lies under ``/usr``, else ``/usr/bin/python3``), the host ``uid``/``gid`` runs use (``None``: 65534 when
+    the scorer is root, else the scorer's own), ``max_processes`` the tool may have (itself included),
+    ``tmpfs_bytes`` of its writable ``/tmp``, ``mount_proc`` (a private ``/proc``; off where the container
+    runtime masks ``/proc``), and ``max_concurrent`` runs at once (more wait)."""
+
+    bwrap: str = "bwrap"
+    python: str | None = None
+    uid: int | None = None
+    gid: int | None = None
+    max_processes: int = 16
+    tmpfs_bytes: int = 64 * MIB
+    mount_proc: bool = True
+    max_concurrent: int = 4
+
+
+class BubblewrapSandbox:
+    """Runs each tool program in its own bubblewrap sandbox (module docs)."""
+
+    def __init__(self, options: BubblewrapOptions = BubblewrapOptions()) -> None:
+        self._options = options
+        self._python = options.python or _default_python()
+        running_as_root = os.geteuid() == 0
+        self._uid = options.uid if options.uid is not None else (_NOBODY if running_as_root else None)
+        self._gid = options.gid if options.gid is not None else (_NOBODY if running_as_root else None)
+        self._slots = asyncio.Semaphore(options.max_concurrent)
+        self.description = f"bubblewrap ({options.bwrap}; {self._python}; host uid {self._uid or os.geteuid()})"
+
+    async def check(self) -> None:
+        """Run the probe in a real sandbox (see :meth:`run`).
+
+        Raises:
+            SandboxUnavailable: ``bwrap`` or the interpreter is missing, or the kernel refuses the namespaces.
+        """
+        bwrap = shutil.which(self._options.bwrap)
+        if bwrap is None:
+            raise SandboxUnavailable(
+                f"{self._options.bwrap!r} is not installed: install bubblewrap (Debian: apt-get install bubblewrap), "
+                "or set the scorer's sandbox.backend to 'remote' and run `fastexp serve sandbox` elsewhere"
+            )
+        if not os.access(self._python, os.X_OK):
+            raise SandboxUnavailable(f"sandbox.python {self._python!r} is not an executable interpreter")
+        version = await _bwrap_version(bwrap)
+        self.description = f"bubblewrap {version} ({self._python}; host uid {self._uid or os.geteuid()})"
+        try:
+            result = await self.run(PROBE_CODE, SandboxLimits(timeout_s=30.0))
+        except SandboxError as error:
+            raise SandboxUnavailable(
+                f"bubblewrap cannot isolate a run here: {error}. Fix: allow unprivileged user namespaces "
+                "(sysctl user.max_user_namespaces > 0 and kernel.unprivileged_userns_clone = 1); in a container, give "
+                "the sandbox the security options of deploy/ (its `sandbox` service), or set sandbox.backend to "
+                "'remote'"
+            ) from error
+        if result.stdout.strip() != PROBE_OUTPUT:
+            raise SandboxUnavailable(
+                f"the sandbox's probe printed {result.stdout.strip()!r} (exit {result.exit_code}; stderr "
+                f"{result.stderr.strip()[:300]!r}): check sandbox.python ({self._python}) can run with only /usr"
+            )
+
+    async def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
+        """Run ``code`` in a fresh sandbox (module docs) under ``limits``.
+
+        Raises:
+            SandboxError: ``bwrap`` could not set the sandbox up (its message).
+        """
+        async with self._slots:
+            return await self._run(code, limits)
+
+    async def close(self) -> None:
+        return None
+
+    async def _run(self, code: str, limits: SandboxLimits) -> SandboxResult:
+        source = _memory_file("tool-code", code.encode())
+        status_read, status_write = os.pipe()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self._command(limits, source, status_write),
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(source, status_write), start_new_session=True, env={},
+                **self._identity(),
+            )
+        finally:
+            os.close(source)
+            os.close(status_write)
+        with open(status_read, "rb") as status:
+            stopped, stdout, stderr = await _collect(process, limits)
+            started, exit_code = _parse_status(status.read())
+        if not started:
+            raise SandboxError(stderr.decode(errors="replace").strip() or f"bwrap exited {process.returncode}")
+        exit_code = process.returncode if exit_code is None else exit_code
+        if not stopped and exit_code in _CPU_SIGNALS:
+            stopped = "cpu"
+        return SandboxResult(cut(stdout, limits.max_output_bytes), cut(stderr, limits.max_output_bytes),
+                             exit_code, stopped)
+
+    def _command(self, limits: SandboxLimits, source: int, status: int) -> list[str]:
+        o = self._options
+        command = [
+            o.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--clearenv", "--hostname", "sandbox", "--json-status-fd", str(status),
+            "--ro-bind", "/usr", "/usr", *_root_links(), *_prefix_bind(self._python),
+            "--dev", "/dev", *(["--proc", "/proc"] if o.mount_proc else []),
+            "--size", str(o.tmpfs_bytes), "--tmpfs", _WORKDIR,
+            "--ro-bind-data", str(source), f"{_WORKDIR}/main.py", "--chdir", _WORKDIR,
+            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", _WORKDIR,
+            "--setenv", "LANG", "C.UTF-8",
+        ]
+        # The tool's processes plus bwrap's init in its pid namespace.
+        nproc = o.max_processes + 1
+        return [*command, self._python, "-I", "-B", "-c", _LAUNCHER,
+                str(limits.cpu_s), str(limits.memory_bytes), str(limits.max_file_bytes), str(nproc)]
+
+    def _identity(self) -> dict[str, object]:
+        if self._uid is None:
+            return {}
+        return {"user": self._uid, "group": self._gid, "extra_groups": []}
+
+
+def _default_python() -> str:
+    """This process's interpreter when it lies under ``/usr`` (same version as the scorer), else the system's."""
+    own = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    return own if own.startswith("/usr/") else "/usr/bin/python3"
+
+
+def _root_links() -> list[str]:
+    """``/bin``, ``/lib``, ``/lib64``, ``/sbin`` as the host has them: links into ``/usr`` (merged /usr) or
+    read-only binds."""
+    arguments = []
+    for name in ("bin", "lib", "lib64", "sbin"):
+        path = Path("/") / name
+        if path.is_symlink():
+            arguments += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            arguments += ["--ro-bind", str(path), str(path)]
+    return arguments
+
+
+def _prefix_bind(python: str) -> list[str]:
+    """A read-only bind of the interpreter's installation when it is not under ``/usr`` (e.g. pyenv's)."""
+    prefix = Path(os.path.realpath(python)).parent.parent
+    if prefix == Path("/usr") or Path("/usr") in prefix.parents:
+        return []
+    return ["--ro-bind", str(prefix), str(prefix)]
+
+
+def _memory_file(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+async def _collect(process: asyncio.subprocess.Process, limits: SandboxLimits) -> tuple[str, bytes, bytes]:
+    """Wait for ``process`` (killing its whole tree at ``timeout_s``) while reading both streams, each kept up to
+    one byte past ``max_output_bytes``."""
+    keep = limits.max_output_bytes + 1
+    reads = asyncio.gather(_drain(process.stdout, keep), _drain(process.stderr, keep))
+    stopped = ""
+    try:
+        await asyncio.wait_for(asyncio.shield(process.wait()), limits.timeout_s)
+    except TimeoutError:
+        stopped = "timeout"
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+    stdout, stderr = await reads
+    return stopped, stdout, stderr
+
+
+async def _drain(stream: asyncio.StreamReader | None, keep: int) -> bytes:
+    kept = bytearray()
+    while stream is not None and (chunk := await stream.read(65536)):
+        if len(kept) < keep:
+            kept += chunk[: keep - len(kept)]
+    return bytes(kept)
+
+
+def _parse_status(data: bytes) -> tuple[bool, int | None]:
+    """``bwrap --json-status-fd``'s records: whether the tool's process started, and its exit code if reported."""
+    started, exit_code = False, None
+    for line in data.decode(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            started = started or "child-pid" in record
+            exit_code = record.get("exit-code", exit_code)
+    return started, exit_code
+
+
+async def _bwrap_version(bwrap: str) -> str:
+    process = await asyncio.create_subprocess_exec(bwrap, "--version", stdout=subprocess.PIPE,
+                                                   stderr=subprocess.DEVNULL)
+    out, _ = await process.communicate()
+    return out.decode().strip().removeprefix("bubblewrap ") or "(unknown version)"

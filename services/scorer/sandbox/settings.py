@@ -1,0 +1,63 @@
+"""The tool sandbox's settings (the scorer's ``sandbox:`` block) and the backend they build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fastexp.security import read_file
+from services.scorer.sandbox.base import MIB, Sandbox
+from services.scorer.sandbox.bubblewrap import BubblewrapOptions, BubblewrapSandbox
+from services.scorer.sandbox.remote import RemoteSandbox
+
+
+class SandboxSettings(BaseModel):
+    """Where tool code runs: ``bwrap`` (each run isolated by bubblewrap in the scorer's container; the default) or
+    ``remote`` (a SandboxFusion-compatible endpoint, e.g. ``fastexp serve sandbox`` in a container of its own).
+    Tool code never runs without one: where the backend's probe fails at start, tool environments are not offered.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["bwrap", "remote"] = Field("bwrap", description="bwrap: local bubblewrap; remote: HTTP sandbox")
+    bwrap: str = Field("bwrap", description="the bubblewrap program (name on PATH or path)")
+    python: str | None = Field(
+        None, description="interpreter inside the sandbox (default: the scorer's if under /usr, else /usr/bin/python3)"
+    )
+    uid: int | None = Field(None, ge=1, description="host uid runs use (default: 65534 when the scorer is root)")
+    gid: int | None = Field(None, ge=1, description="host gid runs use (default: as uid)")
+    max_processes: int = Field(16, ge=1, le=4096, description="processes one run may have, itself included")
+    tmpfs_bytes: int = Field(64 * MIB, ge=MIB, description="size of the run's only writable place, /tmp")
+    mount_proc: bool = Field(True, description="a private /proc (turn off where the runtime masks /proc)")
+    max_concurrent: int = Field(4, ge=1, description="runs at once; more wait")
+    remote_url: str | None = Field(None, description="remote: the endpoint's base URL (POST {url}/run_code)")
+    remote_token_file: Path | None = Field(None, description="remote: bearer token file (first line)")
+    remote_ca_file: Path | None = Field(None, description="remote: CA bundle verifying an https endpoint")
+    remote_margin_s: float = Field(5.0, gt=0, description="remote: deadline beyond the run's own timeout")
+
+    @model_validator(mode="after")
+    def _remote_has_url(self) -> Self:
+        if self.backend == "remote" and not self.remote_url:
+            raise ValueError("sandbox.remote_url is required with sandbox.backend: remote")
+        return self
+
+
+def build_sandbox(settings: SandboxSettings) -> Sandbox:
+    """The configured backend (not yet probed: call its ``check``).
+
+    Raises:
+        SecurityConfigError: ``remote_token_file`` is unreadable.
+    """
+    if settings.backend == "remote":
+        assert settings.remote_url is not None  # validated
+        token = read_file(settings.remote_token_file, "sandbox.remote_token_file").strip().splitlines()[0] \
+            if settings.remote_token_file else None
+        verify: bool | str = str(settings.remote_ca_file) if settings.remote_ca_file else True
+        return RemoteSandbox(settings.remote_url, token, settings.remote_margin_s, verify=verify)
+    return BubblewrapSandbox(BubblewrapOptions(
+        bwrap=settings.bwrap, python=settings.python, uid=settings.uid, gid=settings.gid,
+        max_processes=settings.max_processes, tmpfs_bytes=settings.tmpfs_bytes, mount_proc=settings.mount_proc,
+        max_concurrent=settings.max_concurrent,
+    ))
