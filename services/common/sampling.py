@@ -11,7 +11,11 @@ from dataclasses import dataclass
 
 from fastexp.sampling import SamplingOptions
 from fastexp.v1 import generation_pb2
-from services.common.errors import InvalidRequest
+from services.common.errors import InvalidRequest, Overloaded
+
+#: Default cap on prompts x n_samples_per_prompt x max_new_tokens of one request (64 Mi tokens: 1024 prompts x 16
+#: samples x 4096 tokens).
+DEFAULT_MAX_TOKENS_PER_REQUEST = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class RequestLimits:
     max_samples_per_prompt: int
     max_new_tokens_limit: int
     default_max_new_tokens: int
+    max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST
 
 
 def sampling_from_pb(
@@ -85,10 +90,12 @@ def sampling_from_pb(
 def validate_batch(
     num_prompts: int, n_samples_per_prompt: int, sampling: generation_pb2.SamplingParams, limits: RequestLimits
 ) -> SamplingOptions:
-    """Check the prompt count and ``n_samples_per_prompt`` against ``limits``, then decode ``sampling``.
+    """Check the prompt count and ``n_samples_per_prompt`` against ``limits``, decode ``sampling``, then check
+    the request's token budget (:func:`check_token_budget`).
 
     Raises:
         InvalidRequest: naming ``prompts``, ``n_samples_per_prompt`` or the ``sampling.*`` field.
+        Overloaded: over ``max_tokens_per_request`` (RESOURCE_EXHAUSTED).
     """
     if num_prompts == 0:
         raise InvalidRequest("prompts", "at least one prompt is required")
@@ -98,8 +105,24 @@ def validate_batch(
         raise InvalidRequest("n_samples_per_prompt", "must be >= 1")
     if n_samples_per_prompt > limits.max_samples_per_prompt:
         raise InvalidRequest("n_samples_per_prompt", f"at most {limits.max_samples_per_prompt} allowed")
-    return sampling_from_pb(
+    options = sampling_from_pb(
         sampling,
         default_max_new_tokens=limits.default_max_new_tokens,
         max_new_tokens_limit=limits.max_new_tokens_limit,
     )
+    check_token_budget(num_prompts, n_samples_per_prompt, options.max_new_tokens, limits.max_tokens_per_request)
+    return options
+
+
+def check_token_budget(num_prompts: int, n_samples_per_prompt: int, max_new_tokens: int, cap: int) -> None:
+    """Refuse a request that may generate more than ``cap`` tokens: prompts x samples x max_new_tokens.
+
+    Raises:
+        Overloaded: naming ``max_tokens_per_request``, the three factors and the cap (RESOURCE_EXHAUSTED).
+    """
+    total = num_prompts * n_samples_per_prompt * max_new_tokens
+    if total > cap:
+        raise Overloaded(
+            f"max_tokens_per_request: {num_prompts} prompts x {n_samples_per_prompt} n_samples_per_prompt x "
+            f"{max_new_tokens} max_new_tokens = {total} tokens, over the cap of {cap}; split the request"
+        )

@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from services.common.media import MediaLimits
-from services.common.sampling import RequestLimits
+from services.common.sampling import DEFAULT_MAX_TOKENS_PER_REQUEST, RequestLimits
 from services.common.security import AuthInterceptor, ServerTLS, read_tokens
 
 _yaml_section: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_yaml_section", default=None)
@@ -124,12 +124,21 @@ class ServiceSettings(BaseSettings):
 
 
 class GenerationLimits(ServiceSettings):
-    """Request limits shared by the services that accept generation requests (generator and experience)."""
+    """Request limits shared by the services that accept generation requests and weight updates (generator and
+    experience)."""
 
     max_prompts_per_request: int = Field(4096, ge=1)
     max_samples_per_prompt: int = Field(256, ge=1)
     max_new_tokens_limit: int = Field(8192, ge=1, description="largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request leaves it 0")
+    max_tokens_per_request: int = Field(
+        DEFAULT_MAX_TOKENS_PER_REQUEST, ge=1,
+        description="cap on prompts x n_samples_per_prompt x max_new_tokens of one request (RESOURCE_EXHAUSTED over it)",
+    )
+    checkpoint_roots: list[Path] = Field(
+        default_factory=list, description="folders an UpdateWeights checkpoint_dir may be under (symlinks and '..' "
+        "resolved); empty: checkpoint_dir updates are refused. JSON in the environment",
+    )
     # multimodal prompts (vision-language policies only)
     max_images_per_prompt: int = Field(8, ge=0, description="images one prompt may carry")
     max_videos_per_prompt: int = Field(2, ge=0, description="videos one prompt may carry")

@@ -105,27 +105,59 @@ def checkpoint_entries(folder: str | Path) -> list[TensorEntry]:
     return entries
 
 
-def check_update(entries: list[TensorEntry], spec: Mapping[str, TensorSpec]) -> None:
-    """Reject the update unless every tensor names a model tensor with its shape and a floating dtype.
+def accepts_dtype(dtype: str, model_dtype: str) -> bool:
+    """Whether a tensor sent as ``dtype`` may replace a model tensor stored as ``model_dtype``: a floating type no
+    wider than the model's, or than float32 (a trainer's master weights, cast down when applied)."""
+    if dtype not in FLOAT_DTYPES:
+        return False
+    model = FLOAT_DTYPES.get(model_dtype)
+    return FLOAT_DTYPES[dtype].itemsize <= max(model.itemsize if model is not None else 0, 4)
+
+
+def max_update_bytes(spec: Mapping[str, TensorSpec]) -> int:
+    """The most tensor bytes an update of this model may carry: every name once, each in the widest dtype
+    :func:`accepts_dtype` takes for it (bytes)."""
+    widest = {name: max(FLOAT_DTYPES[d].itemsize for d in FLOAT_DTYPES if accepts_dtype(d, t.dtype))
+              for name, t in spec.items()}
+    return sum(math.prod(t.shape) * widest[name] for name, t in spec.items())
+
+
+def check_entry(name: str, dtype: str, shape: tuple[int, ...], spec: Mapping[str, TensorSpec]) -> None:
+    """Check one tensor's name, dtype and shape against the model (on its first chunk, before its data is read).
 
     Raises:
-        InvalidRequest: naming the tensor (``tensors[<name>]``): unknown name, wrong shape, non-float dtype, or a
-            name sent twice; or ``tensors`` when the update is empty.
+        InvalidRequest: ``tensors[<name>]``: unknown name, a dtype the model does not take, or a wrong shape.
+    """
+    field = f"tensors[{name}]"
+    model = spec.get(name)
+    if model is None:
+        raise InvalidRequest(field, "the model has no tensor of that name")
+    if dtype not in FLOAT_DTYPES:
+        raise InvalidRequest(field, f"dtype {dtype} is not a floating-point type")
+    if not accepts_dtype(dtype, model.dtype):
+        raise InvalidRequest(field, f"dtype {dtype} is wider than the model's {model.dtype} (and than float32)")
+    if tuple(shape) != model.shape:
+        raise InvalidRequest(field, f"shape {list(shape)} != the model's {list(model.shape)}")
+
+
+def check_update(entries: list[TensorEntry], spec: Mapping[str, TensorSpec]) -> None:
+    """Reject the update unless every tensor passes :func:`check_entry`, once, within :func:`max_update_bytes`.
+
+    Raises:
+        InvalidRequest: naming the tensor (``tensors[<name>]``): unknown name, wrong shape or dtype, or a name sent
+            twice; ``tensors`` when the update is empty or larger than the model.
     """
     if not entries:
         raise InvalidRequest("tensors", "an update needs at least one tensor")
     seen = set()
     for entry in entries:
-        field = f"tensors[{entry.name}]"
         if entry.name in seen:
-            raise InvalidRequest(field, "sent twice")
+            raise InvalidRequest(f"tensors[{entry.name}]", "sent twice")
         seen.add(entry.name)
-        if entry.name not in spec:
-            raise InvalidRequest(field, "the model has no tensor of that name")
-        if entry.dtype not in FLOAT_DTYPES:
-            raise InvalidRequest(field, f"dtype {entry.dtype} is not a floating-point type")
-        if entry.shape != spec[entry.name].shape:
-            raise InvalidRequest(field, f"shape {list(entry.shape)} != the model's {list(spec[entry.name].shape)}")
+        check_entry(entry.name, entry.dtype, entry.shape, spec)
+    total, cap = sum(entry.num_bytes for entry in entries), max_update_bytes(spec)
+    if total > cap:
+        raise InvalidRequest("tensors", f"{total} bytes, more than the model's {cap}")
 
 
 def check_complete(entries: list[TensorEntry], spec: Mapping[str, TensorSpec]) -> None:
@@ -146,51 +178,77 @@ def check_complete(entries: list[TensorEntry], spec: Mapping[str, TensorSpec]) -
 class WeightStager:
     """Receives a streamed update chunk by chunk into a staging folder (one raw file per tensor).
 
-    Call :meth:`add` per chunk, then :meth:`finish`; :meth:`discard` removes the folder (always call it, e.g. in
-    ``finally``). Memory held: one chunk. A tensor whose first chunk carries a CRC-32 is checked against it once
-    its last byte arrived.
+    Call :meth:`expect` with the model's spec once the target is known, :meth:`add` per chunk, then
+    :meth:`finish`; :meth:`discard` removes the folder (always call it, e.g. in ``finally``). Memory held: one
+    chunk. Each tensor's first chunk must carry its CRC-32, checked once its last byte arrived; with a spec, that
+    first chunk is checked against the model (:func:`check_entry`) before anything of it is written, and the
+    update's bytes are capped at :func:`max_update_bytes`.
     """
 
     def __init__(self, root: str | Path | None = None) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="fastexp-weights-", dir=root))
         self._tensors: list[dict] = []
+        self._names: set[str] = set()  # every tensor started: a name sent again is found in O(1)
+        self._spec: Mapping[str, TensorSpec] | None = None
+        self._max_bytes: int | None = None
+        self._total = 0  # bytes received, all tensors
         self._file = None
         self._written = 0
         self._crc32 = 0  # running CRC-32 of the current tensor's bytes
         self._expected_crc32: int | None = None  # the sender's, from the tensor's first chunk
 
+    def expect(self, spec: Mapping[str, TensorSpec]) -> None:
+        """Check every tensor's first chunk against ``spec`` and cap the update at the model's size."""
+        self._spec = spec
+        self._max_bytes = max_update_bytes(spec)
+
     def add(self, name: str, dtype: str, shape: tuple[int, ...], data: bytes, crc32: int | None = None) -> None:
         """Append ``data`` to tensor ``name`` (a new name starts the next tensor); ``crc32``: the sender's
-        CRC-32 of the whole tensor (on its first chunk), checked when the tensor is complete.
+        CRC-32 of the whole tensor, required on its first chunk, checked when the tensor is complete.
 
         Raises:
-            InvalidRequest: unknown dtype, a chunk disagreeing with its tensor's dtype/shape, a tensor sent again
-                after another started, more bytes than its shape holds, or (when the tensor ends) a CRC-32
-                mismatch.
+            InvalidRequest: naming the tensor: a first chunk without ``crc32`` or failing :func:`check_entry`,
+                unknown dtype, a chunk disagreeing with its tensor's dtype/shape, a tensor sent again after
+                another started, more bytes than its shape holds or than the model's size, or (when the tensor
+                ends) a CRC-32 mismatch.
         """
         field = f"tensors[{name}]"
         if dtype not in FLOAT_DTYPES:
             raise InvalidRequest(field, f"dtype {dtype} is not a floating-point type")
         current = self._tensors[-1] if self._tensors else None
         if current is None or current["name"] != name:
-            self._close_current()
-            if any(t["name"] == name for t in self._tensors):
-                raise InvalidRequest(field, "chunks of a tensor must be consecutive")
-            file = f"{len(self._tensors):06d}.bin"
-            current = {"name": name, "dtype": dtype, "shape": list(shape), "file": file}
-            self._tensors.append(current)
-            self._file = open(self.folder / file, "wb")  # noqa: SIM115 - closed in _close_current
-            self._written = 0
-            self._crc32 = 0
-            self._expected_crc32 = crc32
+            current = self._start(name, dtype, shape, crc32)
         elif current["dtype"] != dtype or current["shape"] != list(shape):
             raise InvalidRequest(field, "dtype and shape must be the same on every chunk")
         expected = math.prod(shape) * FLOAT_DTYPES[dtype].itemsize
         if self._written + len(data) > expected:
             raise InvalidRequest(field, f"more than the {expected} bytes its shape {list(shape)} holds")
+        self._total += len(data)
+        if self._max_bytes is not None and self._total > self._max_bytes:
+            raise InvalidRequest(field, f"the update passes {self._max_bytes} bytes, the model's size")
         self._file.write(data)
         self._written += len(data)
         self._crc32 = zlib.crc32(data, self._crc32)
+
+    def _start(self, name: str, dtype: str, shape: tuple[int, ...], crc32: int | None) -> dict:
+        """Close the current tensor and open ``name``'s file, once its first chunk checks out."""
+        self._close_current()
+        field = f"tensors[{name}]"
+        if name in self._names:
+            raise InvalidRequest(field, "sent twice (chunks of a tensor must be consecutive)")
+        if crc32 is None:
+            raise InvalidRequest(field, "the first chunk must carry crc32, the CRC-32 (zlib.crc32) of the tensor's bytes")
+        if self._spec is not None:
+            check_entry(name, dtype, shape, self._spec)
+        file = f"{len(self._tensors):06d}.bin"
+        current = {"name": name, "dtype": dtype, "shape": list(shape), "file": file}
+        self._tensors.append(current)
+        self._names.add(name)
+        self._file = open(self.folder / file, "wb")  # noqa: SIM115 - closed in _close_current
+        self._written = 0
+        self._crc32 = 0
+        self._expected_crc32 = crc32
+        return current
 
     def _close_current(self) -> None:
         if self._file is None:
@@ -202,7 +260,7 @@ class WeightStager:
         field = f"tensors[{current['name']}]"
         if self._written != expected:
             raise InvalidRequest(field, f"{self._written} of {expected} bytes arrived")
-        if self._expected_crc32 is not None and self._crc32 != self._expected_crc32:
+        if self._crc32 != self._expected_crc32:
             raise InvalidRequest(
                 field, f"CRC-32 {self._crc32:#010x} of the received bytes != the sender's {self._expected_crc32:#010x} "
                 "(corrupted in transit); nothing was applied",
@@ -280,31 +338,60 @@ class ReceivedUpdate:
         return sum(entry.num_bytes for entry in self.entries)
 
 
+@dataclass(frozen=True)
+class UpdateBounds:
+    """What a receiving service checks an ``UpdateWeights`` stream against: ``spec_for(target)``, the model's
+    tensors for a target (raises InvalidRequest naming ``header.target`` for one it does not serve), and the
+    folders a ``checkpoint_dir`` may be under (none: checkpoint updates are refused)."""
+
+    spec_for: Callable[[Target], Mapping[str, TensorSpec]]
+    checkpoint_roots: tuple[Path, ...] = ()
+
+
+def allowed_checkpoint_dir(folder: str, roots: Iterable[Path]) -> str:
+    """``folder`` with symlinks and ``..`` resolved, if that lies under one of ``roots`` (resolved too).
+
+    Raises:
+        InvalidRequest: ``header.checkpoint_dir``: a relative path, or not under any root (naming the setting).
+    """
+    if not Path(folder).is_absolute():
+        raise InvalidRequest("header.checkpoint_dir", f"{folder!r} must be an absolute path")
+    resolved = Path(folder).resolve()
+    allowed = [Path(root).resolve() for root in roots]
+    if any(resolved.is_relative_to(root) for root in allowed):
+        return str(resolved)
+    listed = ", ".join(map(str, allowed)) or "none are set: checkpoint_dir updates are off"
+    raise InvalidRequest("header.checkpoint_dir", f"{folder!r} (resolved: {resolved}) is not under the service's "
+                         f"checkpoint_roots ({listed}); send the tensors, or add its folder to checkpoint_roots")
+
+
 @contextlib.asynccontextmanager
 async def staged_update(
-    messages: AsyncIterator[generation_pb2.WeightsChunk], staging_dir: str | None
+    messages: AsyncIterator[generation_pb2.WeightsChunk], staging_dir: str | None, *, bounds: UpdateBounds
 ) -> AsyncIterator[ReceivedUpdate]:
     """Receive an ``UpdateWeights`` stream into a fresh staging folder under ``staging_dir`` (None: the system temp
-    folder); the folder is removed when the block exits, applied or not.
+    folder), checked against ``bounds`` as it arrives; the folder is removed when the block exits, applied or not.
 
     Raises:
         InvalidRequest: as :func:`receive_update`.
     """
     stager = WeightStager(staging_dir)
     try:
-        yield await receive_update(messages, stager)
+        yield await receive_update(messages, stager, bounds)
     finally:
         await asyncio.to_thread(stager.discard)
 
 
 async def receive_update(
-    messages: AsyncIterator[generation_pb2.WeightsChunk], stager: WeightStager
+    messages: AsyncIterator[generation_pb2.WeightsChunk], stager: WeightStager, bounds: UpdateBounds
 ) -> ReceivedUpdate:
-    """Read an ``UpdateWeights`` stream: the header, then tensor chunks staged on disk by ``stager``.
+    """Read an ``UpdateWeights`` stream: the header, then tensor chunks staged on disk by ``stager``, each tensor
+    checked against the target's model on its first chunk (:meth:`WeightStager.add`).
 
     Raises:
         InvalidRequest: no header first, a second header, chunks after a ``checkpoint_dir`` header, an unknown
-            target, a bad chunk (see :meth:`WeightStager.add`), a missing folder, or a count mismatch.
+            target or one the service does not serve, a bad chunk (see :meth:`WeightStager.add`), a
+            ``checkpoint_dir`` outside ``bounds.checkpoint_roots`` or missing, or a count mismatch.
     """
     header = None
     async for message in messages:
@@ -313,28 +400,33 @@ async def receive_update(
             if part != "header":
                 raise InvalidRequest("header", "the first message must carry the header")
             header = message.header
+            if header.target not in TARGETS:
+                raise InvalidRequest("header.target", f"unknown target {header.target}")
+            stager.expect(bounds.spec_for(TARGETS[header.target]))
         elif part == "header":
             raise InvalidRequest("header", "sent twice")
         elif header.checkpoint_dir:
             raise InvalidRequest("tensor", "no tensor chunks may follow a checkpoint_dir header")
         else:
-            chunk = message.tensor
-            if chunk.dtype not in tensor_pb2.DType.values():
-                raise InvalidRequest(f"tensor {chunk.name!r}: dtype", f"unknown DType value {chunk.dtype}")
-            dtype = tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower()  # e.g. "bfloat16"
-            crc32 = chunk.crc32 if chunk.HasField("crc32") else None
-            await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data, crc32)
+            await _stage_chunk(message.tensor, stager)
     if header is None:
         raise InvalidRequest("header", "the stream was empty")
-    if header.target not in TARGETS:
-        raise InvalidRequest("header.target", f"unknown target {header.target}")
     target = TARGETS[header.target]
     version = header.policy_version if header.HasField("policy_version") else None
     if header.checkpoint_dir:
-        entries = await asyncio.to_thread(checkpoint_entries, header.checkpoint_dir)
-        return ReceivedUpdate(target, "checkpoint", header.checkpoint_dir, entries, version)
+        folder = allowed_checkpoint_dir(header.checkpoint_dir, bounds.checkpoint_roots)
+        entries = await asyncio.to_thread(checkpoint_entries, folder)
+        return ReceivedUpdate(target, "checkpoint", folder, entries, version)
     entries = await asyncio.to_thread(stager.finish, header.num_tensors or None)
     return ReceivedUpdate(target, "staged", str(stager.folder), entries, version)
+
+
+async def _stage_chunk(chunk: generation_pb2.TensorChunk, stager: WeightStager) -> None:
+    if chunk.dtype not in tensor_pb2.DType.values():
+        raise InvalidRequest(f"tensor {chunk.name!r}: dtype", f"unknown DType value {chunk.dtype}")
+    dtype = tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower()  # e.g. "bfloat16"
+    crc32 = chunk.crc32 if chunk.HasField("crc32") else None
+    await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data, crc32)
 
 
 def entry_chunks(

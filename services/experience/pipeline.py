@@ -31,7 +31,7 @@ from fastexp.types import Experience
 from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FastexpError, StreamFailed
-from services.common.weights import ReceivedUpdate
+from services.common.weights import ReceivedUpdate, TensorSpec
 from services.experience import batcher
 from services.experience.batcher import Inbox, Step
 from services.experience.batching import split_experience
@@ -116,6 +116,10 @@ class ExperienceMaker:
         (``forwarded``): the ``fastexp_queue_depth`` gauge."""
         field = {"scored": "pending", "forwarded": "forwarded"}[queue]
         return sum(len(getattr(consumer.inbox, field)) for consumer in self._consumers)
+
+    def update_spec(self, target: str) -> dict[str, TensorSpec]:
+        """What an update of ``target`` is checked against (:meth:`services.experience.weight_sync.WeightSync.spec`)."""
+        return self._weights.spec(target)
 
     async def update_weights(self, update: ReceivedUpdate, deadline: Deadline) -> None:
         """Apply a checked weight update (see :meth:`services.experience.weight_sync.WeightSync.update`)."""

@@ -184,6 +184,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     servicer = ExperienceServicer(
         maker, policy.tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,
         settings.max_concurrent_streams, vision=policy.vision, media_limits=settings.media_limits(),
+        checkpoint_roots=tuple(settings.checkpoint_roots),
     )
     running = await start_service(
         settings, SERVICE_NAME, lambda server: experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server)

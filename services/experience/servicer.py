@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,7 +20,7 @@ from services.common.errors import FailedPrecondition, InvalidRequest, Overloade
 from services.common.logs import bind_request_id, current_request_id
 from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits
-from services.common.weights import staged_update
+from services.common.weights import UpdateBounds, staged_update
 from services.experience.events import StreamStats
 from services.experience.pipeline import ExperienceMaker
 from services.experience.prompts import InvalidPrompts
@@ -55,8 +56,10 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         max_concurrent_streams: int = 64,
         vision: VisionProcessor | None = None,
         media_limits: MediaLimits | None = None,
+        checkpoint_roots: tuple[Path, ...] = (),
     ) -> None:
         self._maker = maker
+        self._update_bounds = UpdateBounds(lambda target: self._maker.update_spec(target), checkpoint_roots)
         self._vision = vision
         self._media_limits = media_limits or MediaLimits()
         self._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-request")
@@ -122,7 +125,7 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         if self._updating.locked():
             raise Overloaded("another weight update is in progress")
         async with self._updating:
-            async with staged_update(request_iterator, self._weights_staging_dir) as update:
+            async with staged_update(request_iterator, self._weights_staging_dir, bounds=self._update_bounds) as update:
                 await self._maker.update_weights(update, Deadline.from_remaining(context.time_remaining()))
         return generation_pb2.UpdateWeightsResponse(
             policy_version=self._maker.policy.version, critic_version=self._maker.critic_version,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
-from services.common.weights import ReceivedUpdate, check_update, module_spec
+from services.common.weights import ReceivedUpdate, TensorSpec, check_update, module_spec
 from services.experience.events import Generator
 from services.experience.forwarder import Forwarder
 from services.experience.policy import PolicyState
@@ -40,6 +40,18 @@ class WeightSync:
         self.critic_version = 0
         self._sync_timeout_s = sync_timeout_s
         self._applying = asyncio.Lock()  # a policy update or a replica sync; the actor replica is stable outside it
+
+    def spec(self, target: str) -> dict[str, TensorSpec]:
+        """The tensors an update of ``target`` is checked against as it arrives (the actor replica's, or the
+        critic's).
+
+        Raises:
+            InvalidRequest: ``header.target`` is the critic and this service runs none.
+        """
+        tensors = self._forwarder.critic_tensors() if target == "critic" else self._forwarder.actor_tensors()
+        if tensors is None:
+            raise InvalidRequest("header.target", "this experience service runs no critic (set critic_model)")
+        return module_spec(tensors)
 
     async def update(self, update: ReceivedUpdate, deadline: Deadline) -> None:
         """Apply a received update to its target (``policy``: generator, then actor replica; ``critic``).

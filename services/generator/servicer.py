@@ -18,7 +18,7 @@ from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.media import decode_media
 from services.common.media_wire import media_from_pb
 from services.common.sampling import validate_batch
-from services.common.weights import check_complete, check_update, model_spec, staged_update
+from services.common.weights import UpdateBounds, check_complete, check_update, model_spec, staged_update
 from services.generator.engine import GenerationEngine
 from services.generator.settings import GeneratorSettings
 
@@ -143,12 +143,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise Overloaded("another weight update is in progress")
         self._engine.sleep_state.require_awake("UpdateWeights")
         async with self._updating:
-            async with staged_update(request_iterator, self._settings.weights_staging_dir) as update:
-                if update.target != "policy":
-                    raise InvalidRequest("header.target", "the generator serves the policy only (send critic "
-                                         "updates to the experience service)")
-                if not self._spec:
-                    raise InvalidRequest("tensors", "the served model has no safetensors files to check updates against")
+            bounds = UpdateBounds(self._update_spec, tuple(self._settings.checkpoint_roots))
+            async with staged_update(request_iterator, self._settings.weights_staging_dir, bounds=bounds) as update:
                 check_update(update.entries, self._spec)
                 if self._engine.sleep_state.needs_weights:
                     check_complete(update.entries, self._spec)
@@ -157,6 +153,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return generation_pb2.UpdateWeightsResponse(
             policy_version=version, num_tensors=len(update.entries), num_bytes=update.num_bytes
         )
+
+    def _update_spec(self, target: str) -> dict:
+        """The served model's tensors, which a policy update is checked against as it arrives.
+
+        Raises:
+            InvalidRequest: ``header.target`` is the critic; ``tensors`` when the model has no safetensors files.
+        """
+        if target != "policy":
+            raise InvalidRequest("header.target", "the generator serves the policy only (send critic updates to the "
+                                 "experience service)")
+        if not self._spec:
+            raise InvalidRequest("tensors", "the served model has no safetensors files to check updates against")
+        return self._spec
 
     async def Sleep(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.SleepRequest, context: grpc.aio.ServicerContext

@@ -51,7 +51,8 @@ def critic_path(tiny_model_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 async def stack(tiny_model_path, critic_path):
     engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
-    generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
+    generator = await start_generator(
+        GeneratorSettings(port=0, max_model_len=256, checkpoint_roots=[tiny_model_path]), engine)
     scorer_settings = ScorerSettings(port=0, sources=[
         {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1,
          "fallback_reward": 0.0}])

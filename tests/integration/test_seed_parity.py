@@ -21,7 +21,7 @@ SAY_HI = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
 @pytest.fixture(scope="module")
 async def smollm2_generator(smollm2_path):
     engine = HFEngine.start(smollm2_path, dtype="bfloat16", max_model_len=512, max_batch_size=4)
-    async with serving_generator(engine, 512) as (stub, _):
+    async with serving_generator(engine, 512, checkpoint_roots=[smollm2_path]) as (stub, _):
         yield stub
 
 

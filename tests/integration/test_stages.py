@@ -4,6 +4,7 @@ backpressure, the forwarder's per-group outputs and assembly, and weight sync's 
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 import pytest
 import torch
@@ -145,7 +146,8 @@ async def test_the_forwarder_returns_each_groups_outputs_as_an_independent_forwa
 def _update(tensors: dict[str, torch.Tensor], target: str = "policy") -> ReceivedUpdate:
     stager = WeightStager()
     for name, tensor in tensors.items():
-        stager.add(name, "float32", tuple(tensor.shape), tensor.detach().numpy().tobytes())
+        data = tensor.detach().numpy().tobytes()
+        stager.add(name, "float32", tuple(tensor.shape), data, zlib.crc32(data))
     return ReceivedUpdate(target, "staged", str(stager.folder), stager.finish())
 
 

@@ -4,6 +4,7 @@ exactly as predicted, versions tag completions, and a bad update is rejected as 
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 import grpc
 import pytest
@@ -19,9 +20,10 @@ PROMPT = "Count: one, two,"
 
 
 @pytest.fixture(scope="module")
-async def generator(tiny_model_path):
+async def generator(tiny_model_path, tmp_path_factory):
     engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
-    async with serving_generator(engine, 256) as (stub, address):
+    roots = [tmp_path_factory.getbasetemp()]  # each test's tmp_path is under it
+    async with serving_generator(engine, 256, checkpoint_roots=roots) as (stub, address):
         yield {"stub": stub, "address": address}
 
 
@@ -87,9 +89,10 @@ async def test_streamed_then_folder_updates_change_sampling_as_predicted(generat
     assert info.policy_version == 2
 
 
-def _chunk(name, shape, data, dtype=tensor_pb2.DTYPE_FLOAT32):
-    return generation_pb2.WeightsChunk(tensor=generation_pb2.TensorChunk(name=name, dtype=dtype, shape=shape,
-                                                                         data=data))
+def _chunk(name, shape, data, dtype=tensor_pb2.DTYPE_FLOAT32, crc32=True):
+    """One tensor's (first) chunk; ``crc32``: carry the CRC-32 of ``data``, as every first chunk must."""
+    return generation_pb2.WeightsChunk(tensor=generation_pb2.TensorChunk(
+        name=name, dtype=dtype, shape=shape, data=data, crc32=zlib.crc32(data) if crc32 else None))
 
 
 def _header(**fields):

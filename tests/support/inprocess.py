@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import torch
@@ -42,11 +43,11 @@ class InProcessRuleScorer:
 
 @contextlib.asynccontextmanager
 async def serving_generator(
-    engine: HFEngine, max_model_len: int
+    engine: HFEngine, max_model_len: int, **settings: Any
 ) -> AsyncIterator[tuple[generation_pb2_grpc.GenerationServiceStub, str]]:
-    """The real generator service in process on port 0 over ``engine``: its stub and address; the service and the
-    engine are closed on exit."""
-    running = await start_generator(GeneratorSettings(port=0, max_model_len=max_model_len), engine)
+    """The real generator service in process on port 0 over ``engine`` (further ``GeneratorSettings`` fields in
+    ``settings``): its stub and address; the service and the engine are closed on exit."""
+    running = await start_generator(GeneratorSettings(port=0, max_model_len=max_model_len, **settings), engine)
     address = f"127.0.0.1:{running.port}"
     channel = grpc.aio.insecure_channel(address)
     try:
