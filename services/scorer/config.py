@@ -78,7 +78,12 @@ class RemoteConfig(_SourceConfig):
 
     type: Literal["remote"] = "remote"
     url: str = Field(pattern=r"^https?://", description="full URL, e.g. http://rm:8000/get_reward")
-    timeout_s: float = Field(30.0, gt=0, description="per HTTP request (connect + read)")
+    timeout_s: float = Field(
+        30.0, gt=0, description="total per HTTP request: connect, send and the whole answer (not per read)"
+    )
+    max_response_bytes: int = Field(
+        16 * 1024 * 1024, ge=1, description="largest answer body read; a longer one fails its batch unread"
+    )
     max_attempts: int = Field(4, ge=1, description="tries per batch on timeouts, connection errors and 5xx")
     backoff_initial_s: float = Field(0.5, gt=0, description="first retry wait; doubles per retry, with jitter")
     backoff_max_s: float = Field(8.0, gt=0, description="cap of one retry wait")

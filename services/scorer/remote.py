@@ -8,9 +8,13 @@ string of the encoded file the trainer sent (PNG/JPEG), never a concatenation. R
 "scores": [N numbers]?, "extra_logs": {name: [N numbers] | number}?, "errors": [N str | null]?}``; ``scores``
 and ``extra_logs`` become metrics, ``errors`` (a fastexp extension) explains items whose reward is ``null``.
 
+Bounds, per HTTP request: ``timeout_s`` is the total time for connecting, sending and reading the whole answer (a
+server that trickles bytes is cut off, not just one that stalls a read), and the answer body is read as a stream
+and dropped past ``max_response_bytes``.
+
 Faults, per batch: timeouts, connection errors and HTTP 5xx are retried with capped exponential backoff and jitter
 (stamina) up to ``max_attempts`` tries; HTTP 4xx is not retried; a body that is not JSON, has no ``rewards``
-list, or the wrong number of rewards fails the batch's items; a reward that is null, NaN or ±inf fails that item.
+list, the wrong number of rewards, or more than ``max_response_bytes`` fails the batch's items; a reward that is null, NaN or ±inf fails that item.
 Every error names the source and the URL. At most ``max_concurrency`` requests are in flight per endpoint.
 """
 
@@ -18,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
@@ -42,6 +48,59 @@ def _base64(data: bytes) -> str:
 
 class _ServerError(Exception):
     """HTTP 5xx: worth another try."""
+
+
+class _TotalTimeout(httpx.TimeoutException):
+    """The whole exchange took longer than ``timeout_s`` (retried as httpx's own timeouts are)."""
+
+
+class _TooLarge(Exception):
+    """The answer body passed ``max_response_bytes`` (not retried: it would again)."""
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """An HTTP answer read whole (within the size cap)."""
+
+    status_code: int
+    content: bytes
+
+    @property
+    def is_client_error(self) -> bool:
+        return 400 <= self.status_code < 500
+
+    @property
+    def is_server_error(self) -> bool:
+        return self.status_code >= 500
+
+    @property
+    def is_error(self) -> bool:
+        return self.status_code >= 400
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+    def json(self) -> object:
+        """The body parsed. Raises ValueError: not JSON."""
+        return json.loads(self.content)
+
+
+async def _read_capped(response: httpx.Response, max_bytes: int) -> bytes:
+    """The body of a streamed ``response``, read until it passes ``max_bytes`` at most.
+
+    Raises:
+        _TooLarge: the declared length or the bytes read pass ``max_bytes``.
+    """
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _TooLarge(f"answer of {declared} bytes, over max_response_bytes ({max_bytes})")
+    body = bytearray()
+    async for part in response.aiter_bytes():
+        body += part
+        if len(body) > max_bytes:
+            raise _TooLarge(f"answer passed max_response_bytes ({max_bytes}); the rest was not read")
+    return bytes(body)
 
 
 class RemoteScorer:
@@ -104,6 +163,8 @@ class RemoteScorer:
         except (httpx.TransportError, _ServerError) as error:
             reason = str(error) or type(error).__name__
             return SourceScores.all_failed(n, f"{self._where}: {reason} (after {self._config.max_attempts} tries)")
+        except _TooLarge as error:
+            return SourceScores.all_failed(n, f"{self._where}: {error}")
         if response.is_client_error:
             return SourceScores.all_failed(n, f"{self._where}: HTTP {response.status_code}: {response.text[:200]}")
         try:
@@ -118,7 +179,7 @@ class RemoteScorer:
             errors = [f"{self._where}: {reported[i]}" if errors[i] and reported[i] else errors[i] for i in range(n)]
         return SourceScores(rewards, self._metrics(body, n), tuple(errors))
 
-    async def _post(self, payload: dict, deadline: Deadline) -> httpx.Response:
+    async def _post(self, payload: dict, deadline: Deadline) -> _Reply:
         assert self._client is not None, "start() first"
         config = self._config
         retries = stamina.retry_context(
@@ -135,9 +196,7 @@ class RemoteScorer:
                     REMOTE_REWARD_RETRIES.labels(config.name).inc()
                 try:
                     async with self._slots:
-                        response = await self._client.post(
-                            config.url, json=payload, timeout=deadline.timeout(config.timeout_s)
-                        )
+                        response = await self._exchange(payload, deadline.timeout(config.timeout_s))
                 except httpx.TimeoutException:
                     requests.labels(config.name, "timeout").inc()
                     raise
@@ -149,6 +208,21 @@ class RemoteScorer:
                     logger.warning("%s: HTTP %d (try %d)", self._where, response.status_code, attempt.num)
                     raise _ServerError(f"HTTP {response.status_code}: {response.text[:200]}")
         return response
+
+    async def _exchange(self, payload: dict, timeout_s: float) -> _Reply:
+        """One POST and its whole answer within ``timeout_s`` seconds in total, body capped.
+
+        Raises:
+            _TotalTimeout: past ``timeout_s``. _TooLarge: see :func:`_read_capped`. httpx.TransportError.
+        """
+        assert self._client is not None, "start() first"
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._client.stream("POST", self._config.url, json=payload, timeout=timeout_s) as response:
+                    return _Reply(response.status_code, await _read_capped(response, self._config.max_response_bytes))
+        except TimeoutError:
+            raise _TotalTimeout(f"Timeout: no whole answer within {timeout_s:.2f} s (timeout_s is the total per "
+                                "request)") from None
 
     def _metrics(self, body: dict, n: int) -> dict[str, np.ndarray]:
         """``scores`` as metric ``score`` and each usable ``extra_logs`` entry (N numbers, or one broadcast)."""

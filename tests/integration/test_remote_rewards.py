@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from services.common.deadlines import Deadline
 from services.scorer.composition import build_composer
@@ -86,6 +86,26 @@ def misbehaving_app() -> FastAPI:
     async def hang():
         await asyncio.sleep(30)
         return {"rewards": []}
+
+    @app.post("/trickle")
+    async def trickle():  # a byte every 0.1 s, forever: no single read ever waits long
+        async def drip():
+            yield b'{"rewards": ['
+            while True:
+                await asyncio.sleep(0.1)
+                yield b" "
+
+        return StreamingResponse(drip(), media_type="application/json")
+
+    @app.post("/huge")
+    async def huge():  # 1 MiB chunks, forever, no Content-Length
+        async def flood():
+            chunk = b" " * (1 << 20)
+            while True:
+                yield chunk
+                await asyncio.sleep(0)
+
+        return StreamingResponse(flood(), media_type="application/json")
 
     @app.post("/slow")
     async def slow(request: Request):
@@ -203,7 +223,36 @@ async def test_a_hanging_endpoint_times_out_per_request(endpoint):
         assert time.monotonic() - started < 5
     finally:
         await scorer.close()
-    assert "ReadTimeout" in result.errors[0] and "after 2 tries" in result.errors[0]
+    assert "Timeout" in result.errors[0] and "after 2 tries" in result.errors[0]
+
+
+async def test_an_endpoint_trickling_bytes_is_cut_off_at_the_total_timeout(endpoint):
+    """httpx's timeouts are per read: a byte every 0.1 s never trips them; the total per request does."""
+    base, _ = endpoint
+    scorer = await remote(f"{base}/trickle", timeout_s=1.0, max_attempts=2)
+    try:
+        started = time.monotonic()
+        result = await scorer.score(items("a"))
+        elapsed = time.monotonic() - started
+    finally:
+        await scorer.close()
+    assert elapsed < 4, elapsed  # 2 tries x 1 s and a short backoff, not forever
+    assert "no whole answer within 1.00 s" in result.errors[0] and "after 2 tries" in result.errors[0]
+
+
+async def test_an_endless_answer_is_dropped_past_max_response_bytes_without_retry(endpoint):
+    base, state = endpoint
+    before = state.calls.get("/huge", 0)
+    scorer = await remote(f"{base}/huge", max_response_bytes=4 << 20, timeout_s=30)
+    try:
+        started = time.monotonic()
+        result = await scorer.score(items("a", "b"))
+        elapsed = time.monotonic() - started
+    finally:
+        await scorer.close()
+    assert elapsed < 10, elapsed
+    assert all("passed max_response_bytes (4194304)" in error for error in result.errors)
+    assert state.calls["/huge"] == before + 1  # not retried
 
 
 async def test_the_callers_deadline_caps_timeouts_and_retries(endpoint):
