@@ -1,4 +1,4 @@
-"""The ``fastexp`` command: ``serve generator|scorer|experience|reward-server``, ``health``, ``up``, ``demo``,
+"""The ``fastexp`` command: ``serve generator|scorer|experience|reward-server|sandbox``, ``health``, ``up``, ``demo``,
 ``init-critic``.
 
 Settings come from flags, then ``FASTEXP_<SERVICE>_<FIELD>`` environment variables, then a YAML file
@@ -26,6 +26,7 @@ class Service(StrEnum):
     scorer = "scorer"
     experience = "experience"
     reward_server = "reward-server"
+    sandbox = "sandbox"
 
 
 class Backend(StrEnum):
@@ -55,13 +56,14 @@ def serve(
     """Run one service until SIGTERM/SIGINT.
 
     ``reward-server`` is the reference HTTP reward server (OpenRLHF protocol) over the ``reward_server:`` section's
-    sources. A configuration naming something that does not exist exits with status 2 and lists every such name.
+    sources; ``sandbox`` the tool sandbox over HTTP (SandboxFusion's API; ``sandbox_server:`` section). A configuration naming something that does not exist exits with status 2 and lists every such name.
     """
     from pydantic import ValidationError
 
     from fastexp.security import SecurityConfigError
     from services.generator.server import ParallelismError
     from services.scorer.composition import ConfigError
+    from services.scorer.sandbox import SandboxUnavailable
 
     common = {"host": host, "port": port}
     try:
@@ -85,7 +87,7 @@ def serve(
         logging.getLogger("fastexp").info("metrics on http://%s:%d/metrics", settings.host, bound)
     try:
         run(settings)
-    except (ConfigError, SecurityConfigError, ParallelismError) as error:
+    except (ConfigError, SecurityConfigError, ParallelismError, SandboxUnavailable) as error:
         typer.echo(f"{service.value} refuses to start: {error}", err=True)
         raise typer.Exit(2) from error
 
@@ -119,6 +121,11 @@ def _service_settings(service, config, common, *, model, backend, generator_addr
         from services.scorer.http_server import serve as run
 
         settings = RewardServerSettings.load(config, **common)
+    elif service is Service.sandbox:
+        from services.scorer.sandbox.server import SandboxServerSettings
+        from services.scorer.sandbox.server import serve as run
+
+        settings = SandboxServerSettings.load(config, **common)
     else:
         from services.experience.server import serve as run
 

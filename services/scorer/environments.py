@@ -103,6 +103,13 @@ class EnvironmentContext:
                 self._sandbox_problem = str(error)
         return self._sandbox_problem
 
+    @property
+    def sandbox_description(self) -> str:
+        """What runs tool code (e.g. ``bubblewrap 0.8.0 (...)``), or why nothing does."""
+        if self._sandbox is None or self._sandbox_problem:
+            return f"unavailable: {self._sandbox_problem}"
+        return self._sandbox.description
+
     async def verify(self, response: str, reference: str) -> tuple[float, dict[str, float]]:
         """math-verify's ``(reward, {"correct", "answer_found"})`` for ``response`` against ``reference``
         (:func:`services.scorer.rules.math_verify_reward`), in a worker process.

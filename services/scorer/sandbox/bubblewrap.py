@@ -9,7 +9,8 @@ Each run is ``bwrap`` with, for the tool's process tree:
   interpreter's own prefix when it lies elsewhere; nothing of ``/etc``, ``/home``, ``/root``, the project tree, the
   scorer's mounts or its secrets; a private ``/proc`` (its own processes only) and a minimal ``/dev``;
 - **one writable place**, a fresh tmpfs at ``/tmp`` of ``tmpfs_bytes``, which is also its working directory and
-  vanishes with the run (``/dev/shm`` lies inside the sandbox's own ``/dev`` and vanishes too);
+  vanishes with the run; the sandbox's root and its ``/dev`` are remounted read-only (bwrap makes both as tmpfs
+  without a size limit: writable, they would let a run fill the host's memory), so ``/dev/shm`` is not writable;
 - **an empty environment** (``--clearenv``) but ``PATH``, ``HOME`` and ``LANG``;
 - ``--die-with-parent`` and ``--new-session``; when the run's first process ends, the kernel kills every process
   left in its pid namespace, so nothing outlives the run;
@@ -18,9 +19,11 @@ Each run is ``bwrap`` with, for the tool's process tree:
   ``RLIMIT_CORE`` = 0; a wall-clock timeout kills the whole tree; stdout and stderr are cut to
   ``max_output_bytes`` (the rest is read and dropped).
 
-A scorer running as root starts ``bwrap`` as an unprivileged uid (``uid``, default 65534): the kernel does not
-enforce ``RLIMIT_NPROC`` for processes that are root on the host, and a kernel escape then lands as nobody.
-The tool's code reaches ``bwrap`` through a memory file descriptor: no host file or directory is made for a run.
+A scorer running as root starts ``bwrap`` as an unprivileged uid (``uid``, default 65534) through util-linux's
+``setpriv``: the kernel does not enforce ``RLIMIT_NPROC`` for processes that are root on the host, and a kernel
+escape then lands as nobody. (Not with ``Popen(user=...)``: that forks without vfork, and gRPC's fork handlers
+crash the child of a process serving gRPC.) The tool's code reaches ``bwrap`` through a memory file descriptor:
+no host file or directory is made for a run.
 """
 
 from __future__ import annotations
@@ -145,8 +148,10 @@ class BubblewrapSandbox:
                 *self._command(limits, source, status_write),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(source, status_write), start_new_session=True, env={},
-                **self._identity(),
             )
+        except OSError as error:  # bwrap missing, or the uid/gid cannot be taken
+            os.close(status_read)
+            raise SandboxError(f"cannot start {self._options.bwrap}: {error}") from error
         finally:
             os.close(source)
             os.close(status_write)
@@ -167,21 +172,21 @@ class BubblewrapSandbox:
             o.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--clearenv", "--hostname", "sandbox", "--json-status-fd", str(status),
             "--ro-bind", "/usr", "/usr", *_root_links(), *_prefix_bind(self._python),
-            "--dev", "/dev", *(["--proc", "/proc"] if o.mount_proc else []),
+            "--dev", "/dev", "--remount-ro", "/dev", *(["--proc", "/proc"] if o.mount_proc else []),
             "--size", str(o.tmpfs_bytes), "--tmpfs", _WORKDIR,
-            "--ro-bind-data", str(source), f"{_WORKDIR}/main.py", "--chdir", _WORKDIR,
+            "--ro-bind-data", str(source), f"{_WORKDIR}/main.py", "--remount-ro", "/", "--chdir", _WORKDIR,
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", _WORKDIR,
             "--setenv", "LANG", "C.UTF-8",
         ]
         # The tool's processes plus bwrap's init in its pid namespace.
         nproc = o.max_processes + 1
-        return [*command, self._python, "-I", "-B", "-c", _LAUNCHER,
+        return [*self._drop_privileges(), *command, self._python, "-I", "-B", "-c", _LAUNCHER,
                 str(limits.cpu_s), str(limits.memory_bytes), str(limits.max_file_bytes), str(nproc)]
 
-    def _identity(self) -> dict[str, object]:
+    def _drop_privileges(self) -> list[str]:
         if self._uid is None:
-            return {}
-        return {"user": self._uid, "group": self._gid, "extra_groups": []}
+            return []
+        return ["setpriv", f"--reuid={self._uid}", f"--regid={self._gid}", "--clear-groups", "--"]
 
 
 def _default_python() -> str:

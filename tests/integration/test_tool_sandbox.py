@@ -1,0 +1,411 @@
+"""The tool sandbox against a hostile policy, through the real scorer's ``EnvironmentService`` (``python_tool``, one
+Hermes tool call per episode), on real bubblewrap.
+
+Each attack asserts that the act failed *and* that its side effect is absent when checked from outside (files,
+processes, connections, the scorer's own state). Then: a benign call works, the scorer refuses ``python_tool`` where
+isolation cannot be set up (no ``bwrap``; user namespaces refused), and the remote backend runs through a real
+sandbox server with a total deadline and a response cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grpc
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from fastexp.v1 import environment_pb2, environment_pb2_grpc
+from services.scorer.sandbox import RemoteSandbox, SandboxError, SandboxLimits, SandboxSettings
+from services.scorer.sandbox.bubblewrap import BubblewrapSandbox
+from services.scorer.sandbox.server import SandboxServerSettings, create_app
+from services.scorer.server import build_scorer, start_scorer
+from services.scorer.settings import ScorerSettings
+from tests.support.http_servers import serving
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "fx-secret-" + secrets.token_hex(8)
+MARKER = "fx-marker-" + secrets.token_hex(6)
+TOOL_LIMITS = {"timeout_s": 8.0, "cpu_s": 4}
+
+
+def _call(code: str) -> str:
+    return f'<tool_call>{json.dumps({"name": "python", "arguments": {"code": textwrap.dedent(code)}})}</tool_call>'
+
+
+async def _scorer(settings: ScorerSettings):
+    core = build_scorer(settings)
+    running = await start_scorer(settings, core)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    return core, running, channel, environment_pb2_grpc.EnvironmentServiceStub(channel)
+
+
+async def _stop(core, running, channel) -> None:
+    await channel.close()
+    await running.server.stop(0)
+    await core.close()
+
+
+def _environments():
+    from services.scorer.config import EnvironmentConfig, default_environments
+
+    tool = EnvironmentConfig(name="python_tool", cls="services.scorer.builtin_environments:PythonTool",
+                             options={"limits": TOOL_LIMITS})
+    return [e for e in default_environments() if e.name != "python_tool"] + [tool]
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory) -> Path:
+    """A folder on the host with a token file and a victim file the tool must not touch."""
+    folder = tmp_path_factory.mktemp("host")
+    (folder / "admin-tokens").write_text(SECRET + "\n")
+    (folder / "victim.txt").write_text("original")
+    return folder
+
+
+@pytest.fixture(scope="module")
+async def scorer(host):
+    os.environ["FASTEXP_TEST_SECRET"] = SECRET  # in the scorer's process environment (in-process server)
+    settings = ScorerSettings(port=0, environment_workers=1, admin_tokens_file=host / "admin-tokens",
+                              environments=_environments())
+    core, running, channel, stub = await _scorer(settings)
+    yield stub
+    await _stop(core, running, channel)
+    os.environ.pop("FASTEXP_TEST_SECRET", None)
+
+
+AUTH = (("authorization", f"Bearer {SECRET}"),)
+
+
+async def tool(stub, code: str) -> str:
+    """One episode of ``python_tool`` whose one turn is ``code``; returns the tool's output as the policy sees it."""
+    start = await stub.StartEpisode(environment_pb2.StartEpisodeRequest(
+        environment="python_tool", prompt="p", reference="1", max_turns=4), metadata=AUTH)
+    step = await stub.Step(environment_pb2.StepRequest(session_id=start.session_id, action=_call(code)),
+                           metadata=AUTH)
+    await stub.EndEpisode(environment_pb2.EndEpisodeRequest(session_id=start.session_id), metadata=AUTH)
+    assert step.observation_role == "tool"
+    return step.observation
+
+
+def _host_processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+# --- a benign call --------------------------------------------------------------------------------------------
+
+async def test_a_benign_call_runs_and_can_use_its_work_folder(scorer):
+    out = await tool(scorer, """
+        import math, subprocess, sys
+        open('notes.txt', 'w').write(str(math.factorial(5)))
+        print(open('notes.txt').read(), subprocess.run([sys.executable, '-c', 'print(7)'], capture_output=True,
+              text=True).stdout.strip())
+    """)
+    assert out.strip() == "120 7"
+
+
+# --- files and secrets ----------------------------------------------------------------------------------------
+
+async def test_the_admin_token_file_cannot_be_read_by_its_path(scorer, host):
+    out = await tool(scorer, f"print(open({str(host / 'admin-tokens')!r}).read())")
+    assert SECRET not in out and "No such file" in out
+
+
+async def test_the_host_tree_is_absent(scorer):
+    out = await tool(scorer, f"""
+        import os
+        for path in ['/root', '/home', '/etc/shadow', '/etc/passwd', {str(ROOT)!r}, '/var', '/run']:
+            print(path, os.path.exists(path))
+        print(sorted(os.listdir('/')))
+    """)
+    assert "True" not in out.replace("'", "")
+    assert out.strip().splitlines()[-1] == "['bin', 'dev', 'lib', 'lib64', 'proc', 'sbin', 'tmp', 'usr']"
+
+
+async def test_the_scorers_environment_cannot_be_read_from_proc(scorer):
+    out = await tool(scorer, f"""
+        import os
+        found = []
+        for pid in [p for p in os.listdir('/proc') if p.isdigit()] + [{os.getpid()!r}]:
+            try:
+                found.append(open(f'/proc/{{pid}}/environ', 'rb').read())
+            except OSError as error:
+                print(pid, type(error).__name__)
+        print(b'FASTEXP' in b''.join(found), sorted(p for p in os.listdir('/proc') if p.isdigit()))
+        print(dict(os.environ))
+    """)
+    assert SECRET not in out and "FASTEXP_TEST_SECRET" not in out
+    visible = out.strip().splitlines()[-2]
+    assert visible.startswith("False") and str(os.getpid()) not in visible.split(" ", 1)[1]
+
+
+async def test_a_write_through_a_directory_fd_stays_inside(scorer, host):
+    out = await tool(scorer, f"""
+        import os
+        try:
+            fd = os.open({str(host)!r}, os.O_RDONLY)
+            os.close(os.open('escape.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+            print('written')
+        except OSError as error:
+            print('refused', error)
+    """)
+    assert "refused" in out and not (host / "escape.txt").exists()
+
+
+async def test_a_rename_cannot_replace_a_file_outside(scorer, host):
+    out = await tool(scorer, f"""
+        import os
+        open('mine', 'w').write('replaced')
+        try:
+            os.rename('mine', {str(host / 'victim.txt')!r})
+            print('renamed')
+        except OSError as error:
+            print('refused', error)
+    """)
+    assert "refused" in out and (host / "victim.txt").read_text() == "original"
+
+
+async def test_read_only_root_and_no_device_files(scorer):
+    out = await tool(scorer, """
+        import os
+        for path in ['/usr/lib/fx', '/bin/fx', '/fx', '/dev/sda', '/dev/shm/fx', '/proc/fx']:
+            try:
+                open(path, 'w').write('x'); print('wrote', path)
+            except OSError as error:
+                print('refused', path, error.errno)
+        print(sorted(os.listdir('/dev')))
+    """)
+    assert "wrote" not in out and "sda" not in out.splitlines()[-1]
+
+
+# --- processes, signals, the Python layer ------------------------------------------------------------------------
+
+async def test_a_shell_started_any_way_cannot_reach_the_host(scorer, host):
+    out = await tool(scorer, f"""
+        import os, subprocess
+        target, tokens = {str(host / 'pwned')!r}, {str(host / 'admin-tokens')!r}
+        r = subprocess.run(['/bin/sh', '-c', 'echo pwned > ' + target + '; cat ' + tokens], capture_output=True,
+                           text=True)
+        print('sh', r.returncode, r.stdout)
+        os.system('echo pwned > ' + target)
+        print('done')
+    """)
+    assert "sh 1" in out or "sh 2" in out
+    assert SECRET not in out and not (host / "pwned").exists()
+
+
+async def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing(scorer):
+    out = await tool(scorer, f"""
+        import os, sys
+        n = 0
+        try:
+            for _ in range(200):
+                if os.fork() == 0:
+                    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)', {MARKER + '-bomb'!r}])
+                n += 1
+        except OSError as error:
+            print('stopped after', n, error.errno)
+    """)
+    assert "stopped after" in out and int(out.split("stopped after")[1].split()[0]) < 20
+    await asyncio.sleep(0.5)
+    assert _host_processes_with(MARKER + "-bomb") == []
+
+
+async def test_a_daemon_does_not_outlive_its_run(scorer):
+    out = await tool(scorer, f"""
+        import subprocess, sys
+        subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', {MARKER!r}], start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print('spawned')
+    """)
+    assert "spawned" in out
+    await asyncio.sleep(0.5)
+    assert _host_processes_with(MARKER) == []
+
+
+async def test_signals_cannot_reach_the_scorer(scorer):
+    """Signal 0 (no effect, only the permission and existence check): a failure here must not harm the machine."""
+    out = await tool(scorer, f"""
+        import os
+        for pid in ({os.getpid()}, {os.getppid()}, -1):
+            try:
+                os.kill(pid, 0); print('reachable', pid)
+            except OSError as error:
+                print('refused', pid, error.errno)
+    """)
+    assert out.split() == ["refused", str(os.getpid()), "3", "refused", str(os.getppid()), "3", "refused", "-1", "3"]
+    assert (await tool(scorer, "print('alive')")).strip() == "alive"  # the scorer (this process) still serves
+
+
+async def test_no_namespace_mount_or_capability_from_ctypes(scorer):
+    out = await tool(scorer, """
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print('unshare', libc.unshare(0x10000000), ctypes.get_errno())   # CLONE_NEWUSER
+        print('mount', libc.mount(b'none', b'/usr', b'tmpfs', 0, None), ctypes.get_errno())
+        print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])
+    """)
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("unshare -1") and lines[1].startswith("mount -1") and lines[2] == "0" * 16
+
+
+async def test_files_vanish_with_the_run(scorer):
+    out = await tool(scorer, f"""
+        open('/tmp/{MARKER}', 'w').write('x')
+        print('written')
+    """)
+    assert "written" in out and not Path(f"/tmp/{MARKER}").exists() and not Path(f"/dev/shm/{MARKER}").exists()
+    again = await tool(scorer, f"import os; print(os.path.exists('/tmp/{MARKER}'))")
+    assert again.strip() == "False"
+
+
+# --- network ------------------------------------------------------------------------------------------------------
+
+async def test_no_connection_reaches_a_host_server(scorer):
+    accepted = []
+    server = await asyncio.start_server(lambda r, w: (accepted.append(1), w.close()), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        out = await tool(scorer, f"""
+            import socket
+            for host in ('127.0.0.1', 'localhost', '10.0.0.1'):
+                try:
+                    socket.create_connection((host, {port}), timeout=2); print('connected', host)
+                except OSError as error:
+                    print('refused', host, type(error).__name__)
+        """)
+    finally:
+        server.close()
+    assert "connected" not in out and accepted == []
+
+
+# --- resources ----------------------------------------------------------------------------------------------------
+
+async def test_memory_cpu_and_disk_are_bounded(scorer):
+    memory = await tool(scorer, "x = bytearray(4 * 1024**3)\nprint('allocated')")
+    assert "MemoryError" in memory and "allocated" not in memory
+    cpu = await tool(scorer, "while True:\n    pass")
+    assert "CPU time limit" in cpu
+    disk = await tool(scorer, """
+        written = 0
+        try:
+            for i in range(200):
+                open(f'f{i}', 'wb').write(b'x' * 1024 * 1024); written += 1
+        except OSError as error:
+            print('stopped', written, error.errno)
+    """)
+    assert "stopped" in disk and int(disk.split()[1]) < 80  # the 64 MiB tmpfs
+
+
+# --- fail closed ------------------------------------------------------------------------------------------------
+
+async def test_without_bwrap_python_tool_is_not_offered_and_nothing_runs():
+    settings = ScorerSettings(port=0, environment_workers=1, sandbox=SandboxSettings(bwrap="/nonexistent/bwrap"))
+    core, running, channel, stub = await _scorer(settings)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.StartEpisode(environment_pb2.StartEpisodeRequest(
+                environment="python_tool", prompt="p", reference="1", max_turns=2))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not offered" in refused.value.details() and "apt-get install bubblewrap" in refused.value.details()
+        started = await stub.StartEpisode(environment_pb2.StartEpisodeRequest(
+            environment="math_feedback", prompt="p", reference="1", max_turns=2))
+        assert started.session_id
+    finally:
+        await _stop(core, running, channel)
+
+
+def test_where_user_namespaces_are_refused_the_sandbox_says_so():
+    """The probe run where the kernel refuses new user namespaces (as under Docker's default seccomp profile):
+    inside an outer bubblewrap whose user namespace forbids nested ones, as an ordinary uid."""
+    probe = ("import asyncio\nfrom services.scorer.sandbox import BubblewrapSandbox, SandboxUnavailable\n"
+             "try:\n    asyncio.run(BubblewrapSandbox().check())\n    print('ISOLATED')\n"
+             "except SandboxUnavailable as error:\n    print('UNAVAILABLE', error)\n")
+    result = subprocess.run(
+        ["bwrap", "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000", "--dev-bind", "/", "/",
+         "--chdir", str(ROOT), sys.executable, "-c", probe],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert "UNAVAILABLE" in result.stdout, result.stdout + result.stderr
+    assert "user namespaces" in result.stdout and "ISOLATED" not in result.stdout
+
+
+# --- the remote backend -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+async def sandbox_server():
+    sandbox = BubblewrapSandbox()
+    await sandbox.check()
+    with serving(create_app(sandbox, SandboxServerSettings(cpu_s=2))) as url:
+        yield url
+
+
+async def test_python_tool_runs_on_a_remote_sandbox_server(sandbox_server, host):
+    settings = ScorerSettings(port=0, environment_workers=1, environments=_environments(),
+                              sandbox=SandboxSettings(backend="remote", remote_url=sandbox_server))
+    core, running, channel, stub = await _scorer(settings)
+    try:
+        out = await tool(stub, "import os\nprint(6 * 7, os.getuid(), os.path.exists('/root'))")
+        assert out.strip() == "42 65534 False"
+        out = await tool(stub, f"print(open({str(host / 'admin-tokens')!r}).read())")
+        assert SECRET not in out and "No such file" in out
+        assert "wall-clock" in await tool(stub, "import time\ntime.sleep(60)")
+    finally:
+        await _stop(core, running, channel)
+
+
+async def test_an_unreachable_remote_sandbox_withdraws_python_tool(unused_tcp_port):
+    settings = ScorerSettings(port=0, environment_workers=1, sandbox=SandboxSettings(
+        backend="remote", remote_url=f"http://127.0.0.1:{unused_tcp_port}"))
+    core, running, channel, stub = await _scorer(settings)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError, match="start the sandbox service"):
+            await stub.StartEpisode(environment_pb2.StartEpisodeRequest(
+                environment="python_tool", prompt="p", reference="1", max_turns=2))
+    finally:
+        await _stop(core, running, channel)
+
+
+def _misbehaving_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/slow/run_code")
+    async def slow() -> dict:
+        await asyncio.sleep(3600)
+        return {}
+
+    @app.post("/huge/run_code")
+    async def huge() -> Response:
+        return Response(b"x" * (8 * 1024 * 1024), media_type="application/json")
+
+    return app
+
+
+async def test_a_remote_call_has_one_total_deadline_and_a_response_cap():
+    with serving(_misbehaving_app()) as url:
+        slow = RemoteSandbox(f"{url}/slow", margin_s=0.5)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(SandboxError, match="no answer within"):
+            await slow.run("print(1)", SandboxLimits(timeout_s=1.0))
+        assert asyncio.get_running_loop().time() - started < 5.0
+        huge = RemoteSandbox(f"{url}/huge")
+        with pytest.raises(SandboxError, match="response over"):
+            await huge.run("print(1)", SandboxLimits(timeout_s=5.0))
+        await slow.close()
+        await huge.close()
