@@ -81,3 +81,9 @@ def max_reward_fn(model_reward_list, labels, queries, refs, label_map):
 
 
 not_callable = 3
+
+
+def length_and_reference_reward(response: str, reference: str) -> tuple[float, dict[str, float]]:
+    """len(response) / 10 + len(reference): varies with the response (a learning signal even for a random model)
+    and shows the reference arrived; the response's length in characters as a metric."""
+    return len(response) / 10 + len(reference), {"chars": float(len(response))}
