@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from services.common.errors import InvalidRequest
+from services.common.errors import InvalidRequest, Overloaded
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,15 @@ class EncodedMedia:
 
 @dataclass(frozen=True)
 class MediaLimits:
-    """What one prompt may carry. ``max_image_pixels`` bounds width * height of each image and video frame
-    *before* decoding (Pillow reads the size from the header), so an oversized file is refused unread."""
+    """What one prompt may carry. ``max_image_pixels`` bounds width * height of each image and video frame, and
+    ``max_request_pixels`` their sum over a whole request, both *before* decoding (Pillow reads the size from the
+    header), so an oversized file or request is refused unread."""
 
     max_images_per_prompt: int = 8
     max_videos_per_prompt: int = 2
     max_video_frames: int = 64
     max_image_pixels: int = 4096 * 4096
+    max_request_pixels: int = 64 * 1024 * 1024  # all images and video frames of one request together
 
 
 @dataclass(frozen=True)
@@ -122,3 +124,29 @@ def decode_media(media: EncodedMedia, field: str, limits: MediaLimits) -> Decode
         images=tuple(decode_image(data, f"{field}.images[{k}]", limits.max_image_pixels) for k, data in enumerate(images)),
         videos=tuple(decode_video(frames, f"{field}.videos[{k}]", limits) for k, frames in enumerate(videos)),
     )
+
+
+def header_pixels(data: bytes) -> int:
+    """width * height from an encoded image's header (nothing decoded); 0 when the header is unreadable (the
+    decoder then names the file)."""
+    try:
+        width, height = Image.open(io.BytesIO(data)).size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+        return 0
+    return width * height
+
+
+def check_pixel_budget(media: Sequence[EncodedMedia], max_pixels: int) -> None:
+    """Refuse a request whose images and video frames, all prompts together, hold more than ``max_pixels``
+    pixels (read from their headers, before anything is decoded).
+
+    Raises:
+        Overloaded: naming ``max_request_pixels`` with the request's total and the budget (RESOURCE_EXHAUSTED).
+    """
+    total = 0
+    for item in media:
+        for data in (*item.images, *(frame for video in item.videos for frame in video)):
+            total += header_pixels(data)
+            if total > max_pixels:
+                raise Overloaded(f"max_request_pixels: the request's images and video frames hold more than "
+                                 f"{max_pixels} pixels (width x height, summed); send fewer or smaller ones")

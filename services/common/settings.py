@@ -146,6 +146,10 @@ class GenerationLimits(ServiceSettings):
     max_image_pixels: int = Field(
         4096 * 4096, ge=1, description="pixel budget (width * height) of one image or video frame, checked before decoding"
     )
+    max_request_pixels: int = Field(
+        64 * 1024 * 1024, ge=1, description="pixel budget of one request's images and video frames together, checked "
+        "before decoding (RESOURCE_EXHAUSTED over it)",
+    )
 
     def media_limits(self) -> MediaLimits:
         """The multimodal limits as the plain record the media decoder takes."""

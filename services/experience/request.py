@@ -13,7 +13,8 @@ from typing import Any
 from fastexp.sampling import SamplingOptions
 from fastexp.v1 import experience_pb2
 from services.common.errors import InvalidRequest
-from services.common.media import MediaLimits
+from services.common.media import MediaLimits, check_pixel_budget
+from services.common.media_wire import media_from_pb
 from services.common.sampling import RequestLimits, validate_batch
 from services.experience.advantages import ALIASES, ESTIMATORS, AdvantageEstimator, get_estimator
 from services.experience.kl import KL_ESTIMATORS
@@ -168,9 +169,11 @@ def decode_request(
         InvalidRequest: naming the offending field, e.g. ``sampling.top_p``, ``advantage_estimator``, ``lambd``,
             ``reward_processing.reward_clip``.
         InvalidPrompts: every invalid prompt, named with its index (``prompts[2].images[0]``).
+        Overloaded: over ``max_tokens_per_request`` or ``max_request_pixels`` (RESOURCE_EXHAUSTED).
     """
     sampling = validate_batch(len(message.prompts), message.n_samples_per_prompt, message.sampling, limits)
     config = _decode_config(message, message.n_samples_per_prompt, sampling, has_critic)
+    check_pixel_budget([media_from_pb(p.images, p.videos) for p in message.prompts], media_limits.max_request_pixels)
     rendered = render_prompts(message, tokenizer, max_model_len, vision, media_limits)
     prompts = rendered.prompts
     if any(p.vision is not None for p in prompts):

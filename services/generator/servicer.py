@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
 from services.common.generation import CompletionRecord, GenerationRequest
-from services.common.media import decode_media
+from services.common.media import MediaLimits, check_pixel_budget, decode_media
 from services.common.media_wire import media_from_pb
 from services.common.sampling import validate_batch
 from services.common.weights import UpdateBounds, check_complete, check_update, model_spec, staged_update
@@ -44,15 +45,12 @@ def decode_request(
     )
     limit = engine.description.max_model_len
     vocab_guard = 1 << 31
-    prompts, media, decoded = [], [], []
+    prompts, media = [], []
     for i, prompt in enumerate(message.prompts):
         encoded = media_from_pb(prompt.media.images, prompt.media.videos)
         if not encoded.empty and not engine.description.multimodal:
             raise InvalidRequest(f"prompts[{i}].media", "the model is text-only; it takes no images or videos")
         media.append(None if encoded.empty else encoded)
-        decoded.append(
-            None if encoded.empty else decode_media(encoded, f"prompts[{i}].media", settings.media_limits())
-        )
         kind = prompt.WhichOneof("input")
         ids = engine.tokenize(prompt.text) if kind == "text" else list(prompt.token_ids.ids)
         if not ids:
@@ -68,8 +66,23 @@ def decode_request(
         sampling=sampling,
         n_samples_per_prompt=message.n_samples_per_prompt,
         media=tuple(media) if any(m is not None for m in media) else (),
-        decoded_media=tuple(decoded) if any(m is not None for m in decoded) else (),
     )
+
+
+def decode_request_media(request: GenerationRequest, limits: MediaLimits) -> GenerationRequest:
+    """``request`` with its images and videos decoded (blocking: run it off the event loop), once the request's
+    pixel budget allows.
+
+    Raises:
+        Overloaded: over ``max_request_pixels`` (RESOURCE_EXHAUSTED). InvalidRequest: a bad image or video, named
+            (``prompts[3].media.images[1]``).
+    """
+    if not request.media:
+        return request
+    check_pixel_budget([m for m in request.media if m is not None], limits.max_request_pixels)
+    decoded = tuple(None if m is None else decode_media(m, f"prompts[{i}].media", limits)
+                    for i, m in enumerate(request.media))
+    return dataclasses.replace(request, decoded_media=decoded)
 
 
 def encode_completion(record: CompletionRecord) -> generation_pb2.Completion:
@@ -103,6 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._engine.sleep_state.require_weights("Generate")
         decoded = decode_request(request, self._engine, self._settings)
+        decoded = await asyncio.to_thread(decode_request_media, decoded, self._settings.media_limits())
         unfinished = len(decoded.prompts) * decoded.n_samples_per_prompt
         logger.debug("generate %s: %d prompts x %d samples", decoded.request_id, len(decoded.prompts),
                      decoded.n_samples_per_prompt)

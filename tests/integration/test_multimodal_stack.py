@@ -35,6 +35,9 @@ PHOTOS = sample_photos()
 JPEG, PNG = PHOTOS["grace_hopper.jpg"], PHOTOS["Minduka_Present_Blue_Pack.png"]
 
 
+MAX_REQUEST_PIXELS = 8_000_000  # 22 images of 600 x 600: above every other test's request
+
+
 @pytest.fixture(scope="module")
 def reward_server():
     """An OpenRLHF-style reward endpoint that decodes each base64 image and records what it got."""
@@ -64,7 +67,7 @@ async def stack(tiny_vlm_path, reward_server):
         ExperienceSettings(
             port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
             actor_model=tiny_vlm_path, reference_model=tiny_vlm_path, dtype="float32", forward_micro_batch_size=3,
-            max_images_per_prompt=3, max_image_pixels=600 * 600,
+            max_images_per_prompt=3, max_image_pixels=600 * 600, max_request_pixels=MAX_REQUEST_PIXELS,
         )
     )
     await experience.wait_ready(60)
@@ -224,3 +227,17 @@ async def test_a_video_file_is_sampled_to_frames_and_reaches_the_models(stack, t
     assert a.vision.video_count == (1, 1) and a.vision.video_grid_thw[0, 0] == 2  # 4 frames, 2 per temporal patch
     assert torch.equal(a.vision.pixel_values_videos, b.vision.pixel_values_videos)
     assert torch.equal(a.vision.video_grid_thw, b.vision.video_grid_thw) and torch.equal(a.sequences, b.sequences)
+
+
+async def test_a_request_over_the_pixel_budget_is_resource_exhausted_before_decoding(stack):
+    """24 images of 600 x 600 (each within max_image_pixels) hold 8.64 M pixels, over the request's 8 M."""
+    canvas = io.BytesIO()
+    Image.new("RGB", (600, 600), (10, 20, 30)).save(canvas, format="PNG")
+    request = build_request([[{"role": "user", "content": "Describe the pictures."}]] * 8,
+                            images=[[canvas.getvalue()] * 3] * 8, n_samples_per_prompt=2,
+                            sampling=Sampling(max_new_tokens=2))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        [m async for m in stack.MakeExperiences(request, timeout=120)]
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert caught.value.details().startswith(f"max_request_pixels: the request's images and video frames hold more "
+                                             f"than {MAX_REQUEST_PIXELS} pixels")
