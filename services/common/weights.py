@@ -356,7 +356,10 @@ def allowed_checkpoint_dir(folder: str, roots: Iterable[Path]) -> str:
     """
     if not Path(folder).is_absolute():
         raise InvalidRequest("header.checkpoint_dir", f"{folder!r} must be an absolute path")
-    resolved = Path(folder).resolve()
+    try:
+        resolved = Path(folder).resolve()
+    except (OSError, ValueError, RuntimeError) as error:  # a NUL byte, a symlink loop
+        raise InvalidRequest("header.checkpoint_dir", f"{folder!r} cannot be resolved ({error})") from None
     allowed = [Path(root).resolve() for root in roots]
     if any(resolved.is_relative_to(root) for root in allowed):
         return str(resolved)
