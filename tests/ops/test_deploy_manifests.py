@@ -52,13 +52,14 @@ def test_docker_compose_config_is_valid_and_builds_existing_targets():
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
-    assert {"generator", "scorer", "experience", "reward-server", "prometheus"} <= set(config["services"])
+    assert {"generator", "scorer", "experience", "reward-server", "sandbox", "prometheus"} <= set(config["services"])
     stages = _dockerfile_stages()
     for name, service in config["services"].items():
         if "build" in service:
             assert service["build"]["target"] in stages, name
-            assert any("/cache" in str(v) for v in service["volumes"]), f"{name}: model cache volume"
             assert "healthcheck" in service, name
+            if name != "sandbox":  # the tool sandbox gets no volume at all
+                assert any("/cache" in str(v) for v in service["volumes"]), f"{name}: model cache volume"
     experience = config["services"]["experience"]["environment"]
     assert json.loads(experience["FASTEXP_EXPERIENCE_GENERATOR_ADDRESSES"]) == ["dns:///generator:50051"]
     assert "ports" not in config["services"]["generator"], "a host port would stop `--scale generator=N`"
@@ -73,11 +74,53 @@ def test_docker_compose_config_is_valid_and_builds_existing_targets():
 
 def test_every_service_image_runs_as_non_root_with_a_health_check():
     stages = _dockerfile_stages()
-    for target in ("generator-cpu", "generator-cuda", "scorer", "experience", "experience-cuda", "reward-server"):
+    for target in ("generator-cpu", "generator-cuda", "scorer", "experience", "experience-cuda", "reward-server",
+                   "sandbox"):
         body = "\n".join(stages[target])
         assert "USER fastexp" in body, target
         assert "HEALTHCHECK" in body, target
         assert "ENTRYPOINT" in body, target
+    for target in ("scorer", "sandbox"):  # the tool sandbox's backend
+        assert "bubblewrap=" in "\n".join(stages[target]), target
+
+
+def _compose() -> dict:
+    out = subprocess.run([_tool("docker-compose"), "-f", str(ROOT / "docker-compose.yml"), "config"],
+                         check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    return yaml.safe_load(out)
+
+
+def _secret_names(service: dict) -> set[str]:
+    return {s if isinstance(s, str) else s["source"] for s in service.get("secrets", [])}
+
+
+def test_compose_runs_tool_code_in_a_sandbox_container_with_nothing_to_take():
+    config = _compose()
+    sandbox, scorer = config["services"]["sandbox"], config["services"]["scorer"]
+    assert "volumes" not in sandbox and "ports" not in sandbox
+    assert _secret_names(sandbox) == {"sandbox-token"}
+    assert set(sandbox["networks"]) == {"sandbox"} and config["networks"]["sandbox"]["internal"] is True
+    assert {name for name, service in config["services"].items() if "sandbox" in service.get("networks", {})} == {
+        "sandbox", "scorer"}
+    assert sandbox["read_only"] is True and sandbox["cap_drop"] == ["ALL"]
+    assert "seccomp=unconfined" in sandbox["security_opt"] and "no-new-privileges:true" in sandbox["security_opt"]
+    assert sandbox["environment"]["FASTEXP_SANDBOX_SERVER_AUTH_TOKENS_FILE"] == "/run/secrets/sandbox-token"
+    assert scorer["environment"]["FASTEXP_SCORER_SANDBOX__BACKEND"] == "remote"
+    assert scorer["environment"]["FASTEXP_SCORER_SANDBOX__REMOTE_URL"] == "http://sandbox:8080"
+    assert "security_opt" not in scorer  # the scorer keeps Docker's default profiles
+
+
+def test_compose_ships_with_tokens_on_and_each_service_mounts_only_its_secrets():
+    services = _compose()["services"]
+    expected = {"generator": {"admin-tokens"}, "scorer": {"admin-tokens", "sandbox-token"},
+                "experience": {"call-tokens", "admin-tokens", "upstream-token"}}
+    for name, secrets in expected.items():
+        assert _secret_names(services[name]) == secrets, name
+        files = {v for k, v in services[name]["environment"].items() if k.endswith(("TOKENS_FILE", "TOKEN_FILE"))}
+        assert files == {f"/run/secrets/{secret}" for secret in secrets}, name
+    script = (ROOT / "deploy/make-secrets.sh").read_text()
+    assert all(f"secrets/{name}" in script for name in ("call-tokens", "admin-tokens", "upstream-token",
+                                                         "sandbox-token"))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -104,6 +147,8 @@ def test_deployments_probe_grpc_health_and_drain_before_they_are_killed(overlay)
         spec = document["spec"]["template"]["spec"]
         container = spec["containers"][0]
         service = document["metadata"]["name"].removeprefix("fastexp-")
+        if service == "sandbox":  # HTTP, checked by test_the_sandbox_pod_holds_nothing_and_reaches_nothing
+            continue
         grpc_port = settings[service]["port"]
         # readiness follows the dependencies (the overall "" status); liveness and start-up only that the process
         # serves ("liveness"), so a late or restarting generator never gets the experience pod restarted
@@ -124,20 +169,68 @@ def test_deployments_probe_grpc_health_and_drain_before_they_are_killed(overlay)
         assert spec["securityContext"]["runAsNonRoot"] is True
 
 
-def test_gpu_overlay_turns_on_mtls_and_tokens_from_secrets():
-    for document in _kustomize("gpu"):
-        if document["kind"] != "Deployment":
+GRPC_SERVICES = ("generator", "scorer", "experience")
+#: The token Secret keys each pod mounts (items:), nothing more.
+TOKEN_ITEMS = {"generator": {"admin-tokens"}, "scorer": {"admin-tokens"},
+               "experience": {"call-tokens", "admin-tokens", "upstream-token"}}
+
+
+def _deployments(overlay: str) -> dict[str, dict]:
+    return {d["metadata"]["name"].removeprefix("fastexp-"): d["spec"]["template"]["spec"]
+            for d in _kustomize(overlay) if d["kind"] == "Deployment"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tokens_are_on_and_each_pod_mounts_only_its_own_secret_keys(overlay):
+    for service, spec in _deployments(overlay).items():
+        secret_volumes = [v["secret"] for v in spec["volumes"] if "secret" in v]
+        for secret in secret_volumes:
+            assert secret.get("items"), (service, secret["secretName"], "mounts every key")
+        tokens = [s for s in secret_volumes if s["secretName"] == "fastexp-tokens"]
+        if service == "sandbox":
+            assert tokens == [] and {s["secretName"] for s in secret_volumes} == {"fastexp-sandbox-token"}
             continue
-        spec = document["spec"]["template"]["spec"]
+        assert {item["key"] for item in tokens[0]["items"]} == TOKEN_ITEMS[service], service
         env = {e["name"]: e["value"] for e in spec["containers"][0]["env"]}
-        prefix = "FASTEXP_" + document["metadata"]["name"].removeprefix("fastexp-").upper()
-        for field in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CLIENT_CA_FILE", "AUTH_TOKENS_FILE", "ADMIN_TOKENS_FILE"):
-            assert f"{prefix}_{field}" in env, (prefix, field)
-        secrets = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
-        assert secrets == {"fastexp-tls", "fastexp-tokens"}
+        assert f"FASTEXP_{service.upper()}_ADMIN_TOKENS_FILE" in env, service
         mounted = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
         assert all(path.startswith(tuple(mounted)) for name, path in env.items() if name.endswith("_FILE"))
+
+
+def test_gpu_overlay_turns_on_mtls_with_a_certificate_per_service():
+    deployments = _deployments("gpu")
+    for service in GRPC_SERVICES:
+        spec = deployments[service]
+        env = {e["name"]: e["value"] for e in spec["containers"][0]["env"]}
+        for field in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CLIENT_CA_FILE"):
+            assert f"FASTEXP_{service.upper()}_{field}" in env, (service, field)
+        tls = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} - {
+            "fastexp-tokens", "fastexp-sandbox-token"}
+        assert tls == {f"fastexp-{service}-tls"}, service
     assert not any("TLS" in str(d) for d in _kustomize("cpu-demo") if d["kind"] == "Deployment")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_sandbox_pod_holds_nothing_and_reaches_nothing(overlay):
+    documents = _kustomize(overlay)
+    spec = _deployments(overlay)["sandbox"]
+    container = spec["containers"][0]
+    assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "Unconfined"}  # bubblewrap's namespaces
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}}
+    assert {v["name"] for v in spec["volumes"]} == {"token", "tmp"}
+    scorer_env = {e["name"]: e["value"] for e in _deployments(overlay)["scorer"]["containers"][0]["env"]}
+    assert scorer_env["FASTEXP_SCORER_SANDBOX__BACKEND"] == "remote"
+    assert "seccompProfile" not in _deployments(overlay)["scorer"]["securityContext"]
+    policies = {d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "NetworkPolicy"}
+    sandbox = policies["fastexp-sandbox"]
+    assert "Egress" in sandbox["policyTypes"] and sandbox["egress"] == []
+    assert sandbox["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fastexp-scorer"}}}]
+    for upstream, port in (("generator", 50051), ("scorer", 50052)):
+        rules = policies[f"fastexp-{upstream}"]["ingress"]
+        reach = [rule["from"] for rule in rules if {"port": port} in rule["ports"]]
+        assert reach == [[{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fastexp-experience"}}}]]
 
 
 def test_gpu_overlay_gives_the_generator_a_gpu():
