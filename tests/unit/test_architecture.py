@@ -21,7 +21,8 @@ MAX_FUNCTION_LINES = 60  # docstrings aside
 
 CLI_MODULES = {"cli", "launcher", "demo", "demo_plot", "datasets", "torchvision_cpu"}
 CLIENT_DEPENDENCIES = {"grpc", "grpc_health", "google", "numpy", "torch", "fastexp", "safetensors",
-                       "av"}  # the optional `video` extra (fastexp/video.py imports it when a video file is given)
+                       "av",  # the optional `video` extra (fastexp/video.py imports it when a video file is given)
+                       "trl", "peft"}  # the optional `trl` extra (fastexp/integrations/trl imports them when used)
 CORES = [
     "services/experience/pipeline.py", "services/experience/producer.py", "services/experience/forwarder.py",
     "services/experience/batcher.py", "services/experience/weight_sync.py", "services/experience/events.py",
@@ -29,7 +30,8 @@ CORES = [
     "services/experience/rewards.py", "services/experience/processing.py", "services/experience/upstream.py",
     "services/experience/policy.py", "services/experience/runs.py", "services/experience/fleet.py",
     "services/experience/replicas.py", "services/experience/routing.py", "services/experience/episodes.py",
-    "services/scorer/environments.py", "services/scorer/builtin_environments.py", "services/scorer/sandbox.py",
+    "services/scorer/environments.py", "services/scorer/builtin_environments.py",
+    "services/scorer/sandbox/base.py", "services/scorer/sandbox/bubblewrap.py", "services/scorer/sandbox/remote.py",
     "services/scorer/tool_calls.py", "services/generator/engine.py",
     "services/generator/hf_engine.py", "services/generator/vllm_engine.py", "services/scorer/scorer.py",
     "services/scorer/composition.py", "services/scorer/rules.py", "services/scorer/models.py",
