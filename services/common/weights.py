@@ -3,7 +3,7 @@
 An update is a list of :class:`TensorEntry` (name, dtype, shape, and a loader that reads the tensor when the
 engine applies it), so memory on the receiving side stays bounded by one tensor: streamed chunks are appended to
 one file per tensor in a staging folder (with a ``manifest.json`` that vLLM's worker processes read too), and a
-checkpoint folder's safetensors files are opened lazily. :func:`check_update` rejects the update as a whole,
+checkpoint folder's safetensors files are opened lazily. :func:`~services.common.weight_checks.check_update` rejects the update as a whole,
 before anything is applied, naming the first bad tensor.
 
 Shared by the generator and the experience service (which checks a policy update against its actor replica,
@@ -30,6 +30,7 @@ import torch
 from fastexp.v1 import generation_pb2, tensor_pb2
 from fastexp.weights import FLOAT_DTYPES, TARGETS, Target, weight_chunks
 from services.common.errors import InvalidRequest
+from services.common.weight_checks import TensorSpec, allowed_checkpoint_dir, check_entry, max_update_bytes
 
 MANIFEST = "manifest.json"
 
@@ -51,14 +52,6 @@ class TensorEntry:
     def num_bytes(self) -> int:
         """Bytes of tensor data: prod(shape) * itemsize(dtype)."""
         return math.prod(self.shape) * FLOAT_DTYPES[self.dtype].itemsize
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What the model expects under a checkpoint name."""
-
-    shape: tuple[int, ...]
-    dtype: str
 
 
 def model_spec(model_dir: str | Path) -> dict[str, TensorSpec]:
@@ -103,76 +96,6 @@ def checkpoint_entries(folder: str | Path) -> list[TensorEntry]:
 
                 entries.append(TensorEntry(name, dtype, tuple(sliced.get_shape()), load))
     return entries
-
-
-def accepts_dtype(dtype: str, model_dtype: str) -> bool:
-    """Whether a tensor sent as ``dtype`` may replace a model tensor stored as ``model_dtype``: a floating type no
-    wider than the model's, or than float32 (a trainer's master weights, cast down when applied)."""
-    if dtype not in FLOAT_DTYPES:
-        return False
-    model = FLOAT_DTYPES.get(model_dtype)
-    return FLOAT_DTYPES[dtype].itemsize <= max(model.itemsize if model is not None else 0, 4)
-
-
-def max_update_bytes(spec: Mapping[str, TensorSpec]) -> int:
-    """The most tensor bytes an update of this model may carry: every name once, each in the widest dtype
-    :func:`accepts_dtype` takes for it (bytes)."""
-    widest = {name: max(FLOAT_DTYPES[d].itemsize for d in FLOAT_DTYPES if accepts_dtype(d, t.dtype))
-              for name, t in spec.items()}
-    return sum(math.prod(t.shape) * widest[name] for name, t in spec.items())
-
-
-def check_entry(name: str, dtype: str, shape: tuple[int, ...], spec: Mapping[str, TensorSpec]) -> None:
-    """Check one tensor's name, dtype and shape against the model (on its first chunk, before its data is read).
-
-    Raises:
-        InvalidRequest: ``tensors[<name>]``: unknown name, a dtype the model does not take, or a wrong shape.
-    """
-    field = f"tensors[{name}]"
-    model = spec.get(name)
-    if model is None:
-        raise InvalidRequest(field, "the model has no tensor of that name")
-    if dtype not in FLOAT_DTYPES:
-        raise InvalidRequest(field, f"dtype {dtype} is not a floating-point type")
-    if not accepts_dtype(dtype, model.dtype):
-        raise InvalidRequest(field, f"dtype {dtype} is wider than the model's {model.dtype} (and than float32)")
-    if tuple(shape) != model.shape:
-        raise InvalidRequest(field, f"shape {list(shape)} != the model's {list(model.shape)}")
-
-
-def check_update(entries: list[TensorEntry], spec: Mapping[str, TensorSpec]) -> None:
-    """Reject the update unless every tensor passes :func:`check_entry`, once, within :func:`max_update_bytes`.
-
-    Raises:
-        InvalidRequest: naming the tensor (``tensors[<name>]``): unknown name, wrong shape or dtype, or a name sent
-            twice; ``tensors`` when the update is empty or larger than the model.
-    """
-    if not entries:
-        raise InvalidRequest("tensors", "an update needs at least one tensor")
-    seen = set()
-    for entry in entries:
-        if entry.name in seen:
-            raise InvalidRequest(f"tensors[{entry.name}]", "sent twice")
-        seen.add(entry.name)
-        check_entry(entry.name, entry.dtype, entry.shape, spec)
-    total, cap = sum(entry.num_bytes for entry in entries), max_update_bytes(spec)
-    if total > cap:
-        raise InvalidRequest("tensors", f"{total} bytes, more than the model's {cap}")
-
-
-def check_complete(entries: list[TensorEntry], spec: Mapping[str, TensorSpec]) -> None:
-    """Reject an update that leaves some model tensor out (needed after the engine dropped its weights); tied
-    names (``lm_head.weight`` of ``model.embed_tokens.weight``, see :func:`model_spec`) count once.
-
-    Raises:
-        InvalidRequest: ``tensors``, naming up to five missing tensors and how many there are.
-    """
-    sent = {id(spec[entry.name]) for entry in entries if entry.name in spec}  # tied names share one TensorSpec
-    missing = sorted(name for name, tensor in spec.items() if id(tensor) not in sent)
-    if missing:
-        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise InvalidRequest("tensors", f"Sleep(level 2) dropped the weights: the update must carry every tensor; "
-                                        f"{len(missing)} missing ({shown})")
 
 
 class WeightStager:
@@ -346,26 +269,6 @@ class UpdateBounds:
 
     spec_for: Callable[[Target], Mapping[str, TensorSpec]]
     checkpoint_roots: tuple[Path, ...] = ()
-
-
-def allowed_checkpoint_dir(folder: str, roots: Iterable[Path]) -> str:
-    """``folder`` with symlinks and ``..`` resolved, if that lies under one of ``roots`` (resolved too).
-
-    Raises:
-        InvalidRequest: ``header.checkpoint_dir``: a relative path, or not under any root (naming the setting).
-    """
-    if not Path(folder).is_absolute():
-        raise InvalidRequest("header.checkpoint_dir", f"{folder!r} must be an absolute path")
-    try:
-        resolved = Path(folder).resolve()
-    except (OSError, ValueError, RuntimeError) as error:  # a NUL byte, a symlink loop
-        raise InvalidRequest("header.checkpoint_dir", f"{folder!r} cannot be resolved ({error})") from None
-    allowed = [Path(root).resolve() for root in roots]
-    if any(resolved.is_relative_to(root) for root in allowed):
-        return str(resolved)
-    listed = ", ".join(map(str, allowed)) or "none are set: checkpoint_dir updates are off"
-    raise InvalidRequest("header.checkpoint_dir", f"{folder!r} (resolved: {resolved}) is not under the service's "
-                         f"checkpoint_roots ({listed}); send the tensors, or add its folder to checkpoint_roots")
 
 
 @contextlib.asynccontextmanager

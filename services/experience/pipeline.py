@@ -31,7 +31,8 @@ from fastexp.types import Experience
 from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FastexpError, StreamFailed
-from services.common.weights import ReceivedUpdate, TensorSpec
+from services.common.weight_checks import TensorSpec
+from services.common.weights import ReceivedUpdate
 from services.experience import batcher
 from services.experience.batcher import Inbox, Step
 from services.experience.batching import split_experience

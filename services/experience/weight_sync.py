@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
-from services.common.weights import ReceivedUpdate, TensorSpec, check_update, module_spec
+from services.common.weight_checks import TensorSpec, check_update
+from services.common.weights import ReceivedUpdate, module_spec
 from services.experience.events import Generator
 from services.experience.forwarder import Forwarder
 from services.experience.policy import PolicyState

@@ -15,7 +15,8 @@ import torch
 
 from fastexp import Sampling, build_request, weight_chunks
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc, tensor_pb2
-from services.common.weights import TensorSpec, WeightStager, max_update_bytes
+from services.common.weight_checks import TensorSpec, max_update_bytes
+from services.common.weights import WeightStager
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
 from services.generator.hf_engine import HFEngine
