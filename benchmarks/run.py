@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import episodes, fleet, gae, packing, pipeline, stream_overhead
+from benchmarks import episodes, fleet, gae, packing, pipeline, stream_overhead, trl_step
 from services.common.models import SMOLLM2_ALIAS, resolve_model
 
 #: The issue's targets; a figure without one is informative (a seed's claim, or a precision).
@@ -34,6 +34,7 @@ TARGETS = {
     "stream_vs_generation": "<= 1.3",
     "fleet_two_vs_one_replica": ">= 1.8",
     "episodes_async_vs_turn_synchronous": ">= 1.5",
+    "trl_fastexp_step_vs_trl_alone": "informative (< 1: faster through fastexp)",
 }
 SMALL_WORKLOAD = pipeline.Workload(
     num_prompts=4, n_samples_per_prompt=2, max_new_tokens=16, max_num_seqs=4, kv_cache_memory_bytes=256 * 1024**2,
@@ -66,6 +67,9 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
         results.update(fleet.run(model, SMALL_FLEET_WORKLOAD if small else fleet.FleetWorkload(), out / "logs"))
         episode_workload = SMALL_EPISODE_WORKLOAD if small else episodes.EpisodeWorkload()
         results.update(episodes.run(model, episode_workload, out / "logs"))
+        if not small:  # two trainers and the services: minutes even at tiny sizes (tests/integration/test_trl.py
+            # covers the integration itself)
+            results.update(trl_step.run(model, trl_step.TrlStepWorkload(), out / "logs"))
     results.update(
         packing.run(model, rows=4, max_response=16, micro_batch_size=2, repeats=1) if small else packing.run(model)
     )
