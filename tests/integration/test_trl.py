@@ -28,10 +28,12 @@ from fastexp.integrations.trl import (
     FastexpRollout,
     FastexpRolloutWorker,
     FastexpWeightTransfer,
+    experience_rows,
     fastexp_reward,
     policy_weights,
     prompt_runs,
 )
+from fastexp.types import Experience
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
@@ -104,6 +106,29 @@ def test_prompt_runs_are_the_groups_of_the_slice():
     chat = [{"role": "user", "content": "x"}]
     assert prompt_runs([chat, list(chat), chat, "x"]) == [(0, 3), (3, 1)]
     assert prompt_runs([]) == []
+
+
+def test_experience_rows_are_unpadded_with_the_models_tokens_marked():
+    """Row 0: a two-turn episode (prompt [5, 6] left-padded to 3; response 7 | 8 | 9: 8 an observation); row 1: a
+    one-token single-turn response. P = 3, A = 4."""
+    zeros = torch.zeros(2, 4)
+    experience = Experience(
+        sequences=torch.tensor([[0, 5, 6, 7, 8, 9, 0], [1, 2, 3, 4, 0, 0, 0]]),
+        attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0, 0]]),
+        action_mask=torch.tensor([[True, False, True, False], [True, False, False, False]]),
+        action_log_probs=zeros, base_action_log_probs=None, values=None, returns=zeros,
+        advantages=torch.tensor([[0.5, 0.5, 0.5, 0.0], [-0.5, 0.0, 0.0, 0.0]]), kl=None,
+        reward=torch.tensor([1.0, 0.0]), response_length=torch.tensor([3, 1]), total_length=torch.tensor([5, 4]),
+        prompt_index=(0, 0), sample_index=(0, 1), prompt_texts=("p", "p"), response_texts=("a", "b"),
+        policy_version=(3, 3), reward_metrics={"rule/chars": torch.tensor([1.0, 2.0])}, kl_coef=0.0, batch_index=0,
+        rollout_log_probs=torch.tensor([[-0.1, -9.0, -0.3, 0.0], [-0.4, 0.0, 0.0, 0.0]]), shaped_reward=zeros[:, 0],
+    )
+    first, second = experience_rows(experience)
+    assert (first.prompt_ids, first.completion_ids, first.env_mask) == ([5, 6], [7, 8, 9], [1, 0, 1])
+    assert first.logprobs == pytest.approx([-0.1, 0.0, -0.3])  # 0 on the observation token
+    assert (first.reward, first.advantage, first.policy_version, first.reward_metrics) == (1.0, 0.5, 3, {"rule/chars": 1.0})
+    assert (second.prompt_ids, second.completion_ids, second.env_mask, second.sample_index) == ([1, 2, 3], [4], [1], 1)
+    assert second.logprobs == pytest.approx([-0.4]) and second.advantage == -0.5
 
 
 def test_policy_weights_of_a_lora_model_are_its_merged_layers(tiny_model_path):
