@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 
@@ -218,11 +217,9 @@ class FastexpRolloutWorker:
                                   "rollout/backpressure_s": waited})
                 self._metric({"fastexp/request_s": time.monotonic() - started})
             self._finished = True
-        except grpc.RpcError as error:
-            if not self._stop.is_set():
-                self._failure = error
         except BaseException as error:  # surfaced by check_health on the trainer's side
-            self._failure = error
+            if not self._stop.is_set():  # stopping closes the channel under the stream: not a failure
+                self._failure = error
 
     def _samples(self, experience: Experience, prompts: list[PromptLike], group_ids: dict[int, int]) -> list:
         from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
