@@ -261,8 +261,14 @@ def _parse_status(data: bytes) -> tuple[bool, int | None]:
     return started, exit_code
 
 
-async def _bwrap_version(bwrap: str) -> str:
+async def _bwrap_version(bwrap: str, timeout_s: float = 10.0) -> str:
+    """``bwrap --version``'s number (for logs), or ``"(unknown version)"``."""
     process = await asyncio.create_subprocess_exec(bwrap, "--version", stdout=subprocess.PIPE,
                                                    stderr=subprocess.DEVNULL)
-    out, _ = await process.communicate()
+    try:
+        out, _ = await asyncio.wait_for(process.communicate(), timeout_s)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        return "(unknown version)"
     return out.decode().strip().removeprefix("bubblewrap ") or "(unknown version)"
