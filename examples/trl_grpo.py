@@ -15,7 +15,7 @@ Run (starts the three services itself; about half a minute per step on 2 CPU cor
     .venv/bin/python examples/trl_grpo.py --steps 8 --out out/trl_grpo
 
 Writes ``<out>/metrics.jsonl`` (per step: the reward, the policy version that sampled the step's rows, seconds
-pushing weights, sampling, and training: TRL's ``step_time``, which leaves the rollout out),
+pushing weights and sampling, and the whole step: TRL's ``step_time``, rollout included),
 ``<out>/reward_curve.png`` and the services' logs in ``<out>/logs``; prints the reward curve.
 """
 
@@ -81,16 +81,16 @@ def main(
     curve = [
         {"step": i + 1, "reward_mean": log["reward"], "reward_std": log["reward_std"],
          "completion_length_mean": log["completions/mean_length"], "policy_version_sampled": max(call.policy_versions),
-         "update_s": call.update_s, "rollout_s": call.rollout_s, "train_s": log.get("step_time")}
+         "update_s": call.update_s, "rollout_s": call.rollout_s, "step_s": log.get("step_time")}
         for i, (log, call) in enumerate(zip([h for h in trainer.state.log_history if "reward" in h], rollout.calls,
                                             strict=True))
     ]
     (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in curve))
     plot(curve, out / "reward_curve.png")
-    print("step  reward  policy_version  rollout_s  train_s")  # train_s: TRL's step_time (no rollout in it)
+    print("step  reward  policy_version  rollout_s  step_s")  # step_s: TRL's step_time, the rollout included
     for row in curve:
         print(f"{row['step']:>4}  {row['reward_mean']:.3f}  {row['policy_version_sampled']:>14}  "
-              f"{row['rollout_s']:>9.1f}  {row['train_s'] or 0:>7.1f}")
+              f"{row['rollout_s']:>9.1f}  {row['step_s'] or 0:>6.1f}")
 
 
 def plot(curve: list[dict], path: Path) -> None:
