@@ -27,6 +27,7 @@ from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings
 from services.scorer.server import build_scorer, start_scorer
 from services.scorer.settings import ScorerSettings
+from tests.support.inprocess import Recording
 
 pytestmark = [pytest.mark.smollm2]
 
@@ -36,19 +37,6 @@ OPTIONS = RequestOptions(
     max_turns=3, micro_rollout_batch_size=2, kl_coef=0.0,
 )
 
-
-class Recording:
-    """Wraps the engine's ``generate`` to keep every completion it sampled (what the test compares rows with)."""
-
-    def __init__(self, engine: HFEngine) -> None:
-        self.completions = []
-        self._generate = engine.generate
-        engine.generate = self.generate
-
-    async def generate(self, request):
-        async for record in self._generate(request):
-            self.completions.append(record)
-            yield record
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings
 from services.scorer.server import build_scorer, start_scorer
 from services.scorer.settings import ScorerSettings
+from tests.support.inprocess import Recording
 
 datasets = pytest.importorskip("datasets")
 trl = pytest.importorskip("trl")
@@ -51,19 +52,6 @@ RULE = "tests.support.reward_plugins:length_and_reference_reward"
 PROBLEMS = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b) * (1 + a % 3)}
             for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 9), (4, 4), (6, 1), (8, 3)]]
 
-
-class Recording:
-    """Keeps every completion the engine sampled (what the rows TRL sees are compared with)."""
-
-    def __init__(self, engine: HFEngine) -> None:
-        self.completions = []
-        self._generate = engine.generate
-        engine.generate = self.generate
-
-    async def generate(self, request):
-        async for record in self._generate(request):
-            self.completions.append(record)
-            yield record
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,20 @@ from services.generator.settings import GeneratorSettings
 from services.scorer.rules import math_verify_reward
 
 
+class Recording:
+    """Wraps an engine's ``generate`` to keep every completion it sampled (what tests compare streamed rows with)."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.completions = []
+        self._generate = engine.generate
+        engine.generate = self.generate
+
+    async def generate(self, request):
+        async for record in self._generate(request):
+            self.completions.append(record)
+            yield record
+
+
 class InProcessGenerator:
     """The engine called directly, as the generator service would (the deadline is the service's concern)."""
 
