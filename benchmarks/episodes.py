@@ -5,7 +5,7 @@ Workload: 16 reasoning-gym ``basic_arithmetic`` chat prompts x 4 episodes in the
 environment, up to 3 turns of up to 96 tokens, temperature 1, on SmolLM2 with the generator's vLLM engine running
 at most 16 sequences per step (so the 64 episodes' turns run in waves: the engine is the bottleneck). Every
 model turn is seeded the same way in both runs (``seed + sample_index + turn x n``) and both render observations
-with the same :class:`~services.experience.episodes.ObservationRenderer`, so both sample the same tokens: the
+with the same :class:`~services.experience.pipeline.episodes.ObservationRenderer`, so both sample the same tokens: the
 work is identical and only the scheduling differs.
 
 - ``asynchronous``: ``MakeExperiences`` with ``environment="math_feedback"`` (generation and the environment
@@ -31,9 +31,10 @@ import grpc
 
 from fastexp import ExperienceClient, RequestOptions, Sampling
 from fastexp.channels import message_options
-from fastexp.datasets import task_problems
-from fastexp.launcher import LocalCluster
 from fastexp.v1 import environment_pb2, environment_pb2_grpc, generation_pb2, generation_pb2_grpc
+from fastexp.wire import sampling_to_pb
+from services.demo.datasets import task_problems
+from services.launcher import LocalCluster
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ async def _turn_synchronous(cluster: LocalCluster, model: str, problems, workloa
     """Every running episode's turn t together, then every step, then turn t + 1 (see the module docs)."""
     from transformers import AutoTokenizer
 
-    from services.experience.episodes import ObservationRenderer
+    from services.experience.pipeline.episodes import ObservationRenderer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     renderer = ObservationRenderer(tokenizer)
@@ -136,7 +137,7 @@ async def _turn(generator, episode: dict, turn: int, workload: EpisodeWorkload, 
     budget = min(workload.max_new_tokens, max_model_len - len(episode["ids"]))
     request = generation_pb2.GenerateRequest(
         prompts=[generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=episode["ids"]))],
-        sampling=Sampling(temperature=1.0, max_new_tokens=budget, seed=seed).to_pb(), n_samples_per_prompt=1,
+        sampling=sampling_to_pb(Sampling(temperature=1.0, max_new_tokens=budget, seed=seed)), n_samples_per_prompt=1,
     )
     async for response in generator.Generate(request, timeout=600):
         return response.completions[0]

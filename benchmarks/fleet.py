@@ -10,9 +10,9 @@ batch, a CPU engine batches more sequences almost for free and a second replica 
 Benchmarks). The stream is generation-bound on purpose (``skip_actor_forward`` and ``kl_coef`` 0: no forward
 passes), so what is compared is the fleet's generation throughput.
 
-Set-up, one :class:`~fastexp.launcher.LocalCluster`: two vLLM generator replicas, each confined to its own core
+Set-up, one :class:`~services.launcher.LocalCluster`: two vLLM generator replicas, each confined to its own core
 (CPU affinity of its whole process tree, and ``VLLM_CPU_OMP_THREADS_BIND`` for the model's threads:
-:class:`~fastexp.launcher.CoreSplit` with ``pin_generators``), the scorer, and the experience service routing over
+:class:`~services.launcher.CoreSplit` with ``pin_generators``), the scorer, and the experience service routing over
 both (one forward thread). Without the affinity, vLLM's scheduler process of a lone replica runs on the other core
 (a second core's worth of CPU, measured) and "one replica" is not one core. Runs, in this order:
 
@@ -34,8 +34,8 @@ from pathlib import Path
 
 from benchmarks.stream_overhead import _stream
 from fastexp import RequestOptions, Sampling
-from fastexp.datasets import task_problems
-from fastexp.launcher import CoreSplit, LocalCluster, free_port
+from services.demo.datasets import task_problems
+from services.launcher import CoreSplit, LocalCluster, free_port
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.experience.rewards import compute_reward, gae, gae_loop
+from fastexp.rl.rewards import compute_reward, gae, gae_loop
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -21,9 +21,9 @@ import numpy as np
 import typer
 
 from fastexp import ExperienceClient, Sampling
-from fastexp.datasets import reasoning_gym_problems
-from fastexp.launcher import LocalCluster
 from services.common.models import resolve_model
+from services.demo.datasets import reasoning_gym_problems
+from services.launcher import LocalCluster
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Figures: ``packed_vs_padded`` = median packed time / median padded time for the same rows and the same rows per
 forward pass (below 1: packing is faster); ``shared_prompt_vs_padded`` the same for packed rows whose prompt group
-shares one copy of its prompt (:func:`services.experience.forward.shared_prompt_chunks`); ``packing_padding_fraction`` = share of the padded batch's tokens that are padding;
+shares one copy of its prompt (:func:`services.experience.workers.inputs.shared_prompt_chunks`); ``packing_padding_fraction`` = share of the padded batch's tokens that are padding;
 ``packing_max_abs_logprob_diff`` = max |packed - padded| log-prob over the action tokens (different kernels,
 so float rounding differs: bf16 on the embedded model; in float32 they agree to ~1e-5). Rows mimic a GSM8K
 rollout: groups of ``n`` samples of one prompt, prompt lengths uniform in [40, 160] tokens, response lengths
@@ -19,10 +19,10 @@ import torch
 
 from fastexp.types import Rollout
 from services.common.generation import CompletionRecord
-from services.experience.forward import chunks
-from services.experience.logprobs import LogProbModel
-from services.experience.prompts import PromptSpec
-from services.experience.sequences import build_rollout
+from services.experience.config import PromptSpec
+from services.experience.workers.inputs import chunks
+from services.experience.workers.logprobs import LogProbModel
+from services.experience.workers.sequences import build_rollout
 
 
 def make_rollout(

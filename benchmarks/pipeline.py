@@ -42,11 +42,11 @@ import grpc
 
 from fastexp import ExperienceClient, Sampling
 from fastexp.channels import message_options
-from fastexp.datasets import reasoning_gym_problems
-from fastexp.launcher import LocalCluster
 from fastexp.types import Experience
 from fastexp.v1 import experience_pb2, generation_pb2, generation_pb2_grpc
-from fastexp.wire import experience_from_pb, experience_to_pb
+from fastexp.wire import experience_from_pb, experience_to_pb, sampling_to_pb
+from services.demo.datasets import reasoning_gym_problems
+from services.launcher import LocalCluster
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -141,7 +141,7 @@ def generate_once(address: str, prompt_ids: Sequence[Sequence[int]], n: int, sam
     """One ``Generate`` stream read to the end: tokens sampled, wall seconds from the call to the last message."""
     request = generation_pb2.GenerateRequest(
         prompts=[generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=ids)) for ids in prompt_ids],
-        sampling=sampling.to_pb(), n_samples_per_prompt=n,
+        sampling=sampling_to_pb(sampling), n_samples_per_prompt=n,
     )
     with grpc.insecure_channel(address, options=message_options(MAX_MESSAGE_BYTES)) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)

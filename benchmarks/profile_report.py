@@ -36,8 +36,8 @@ def _process_name(headers: list[str]) -> str:
     names = []
     for header in headers:
         command = header.split(":", 1)[-1].strip('"')
-        if "fastexp.cli serve" in command:
-            names.append("service " + command.split("fastexp.cli serve", 1)[1].split()[0])
+        if "services.cli serve" in command:
+            names.append("service " + command.split("services.cli serve", 1)[1].split()[0])
         elif "multiprocessing" in command or "spawn_main" in command:
             names.append("child process")
         else:

@@ -2,7 +2,7 @@
 
 Workload: the demo's sizes — 16 reasoning-gym ``gsm_symbolic`` chat prompts x 4 samples at temperature 1, up to
 256 new tokens (GSM-style answers run long, so the forwards are as heavy as they get here) — on the generator's
-vLLM engine with the launcher's default core split (:class:`fastexp.launcher.CoreSplit`). Every run is seeded
+vLLM engine with the launcher's default core split (:class:`services.launcher.CoreSplit`). Every run is seeded
 (vLLM seeds each sample with ``seed + sample_index``), so all runs sample the same tokens and their times compare
 the same work. Runs, on one set of services, in this order:
 
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from benchmarks.pipeline import generate_once
 from fastexp import ExperienceClient, RequestOptions, Sampling
-from fastexp.datasets import task_problems
-from fastexp.launcher import LocalCluster
+from services.demo.datasets import task_problems
+from services.launcher import LocalCluster
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ class TrlStepWorkload:
 def run(model: str, workload: TrlStepWorkload, log_dir: Path) -> dict:
     """Train ``workload.steps`` steps each way on ``model`` (a local folder); returns the figure and its inputs."""
     from fastexp.integrations.trl import FastexpRollout, fastexp_reward
-    from fastexp.launcher import LocalCluster
+    from services.launcher import LocalCluster
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     alone = _train(model, workload, log_dir / "trl_alone", reward_funcs=[_math_verify_reward])
@@ -69,7 +69,7 @@ def run(model: str, workload: TrlStepWorkload, log_dir: Path) -> dict:
 def _dataset(workload: TrlStepWorkload):
     import datasets
 
-    from fastexp.datasets import task_problems
+    from services.demo.datasets import task_problems
 
     problems = task_problems(workload.task, workload.steps * workload.num_prompts, seed=workload.seed)
     return datasets.Dataset.from_list([{"prompt": list(p.messages), "answer": p.reference} for p in problems])

@@ -35,14 +35,14 @@ import typer
 from tqdm import tqdm
 
 from fastexp import Experience, ExperienceClient, Sampling
-from fastexp.datasets import Problem, task_problems
-from fastexp.launcher import LocalCluster
 from services.common.models import resolve_model
+from services.demo.datasets import Problem, task_problems
+from services.launcher import LocalCluster
 
 logger = logging.getLogger("grpo_arithmetic")
 
 #: Two 1-2 digit terms, + and -: the base model answers a third right greedily and 12-20 % when sampling at T = 1
-#: (measured; see fastexp.datasets.TASK_PRESETS), so groups of 8 samples carry signal.
+#: (measured; see services.demo.datasets.TASK_PRESETS), so groups of 8 samples carry signal.
 TASK = "basic_arithmetic_2digit"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 

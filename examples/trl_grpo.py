@@ -28,10 +28,10 @@ from pathlib import Path
 
 import typer
 
-from fastexp.datasets import task_problems
 from fastexp.integrations.trl import FastexpRollout, fastexp_reward
-from fastexp.launcher import LocalCluster
 from services.common.models import resolve_model
+from services.demo.datasets import task_problems
+from services.launcher import LocalCluster
 
 logger = logging.getLogger("trl_grpo")
 TASK = "basic_arithmetic"

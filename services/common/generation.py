@@ -59,7 +59,7 @@ class CompletionRecord:
     finish_reason: FinishReason
     text: str
     policy_version: int
-    # Multi-turn episodes (services.experience.episodes): output_token_ids are the whole episode after the prompt,
+    # Multi-turn episodes (services.experience.pipeline.episodes): output_token_ids are the whole episode after the prompt,
     # model turns and the environment's observations; action_mask is 1 on the model's sampled tokens, 0 on
     # observation tokens (output_log_probs 0 there). None: every output token is the model's (one turn).
     action_mask: tuple[int, ...] | None = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastexp.weights import FLOAT_DTYPES
+from fastexp.types import FLOAT_DTYPES
 from services.common.errors import InvalidRequest
 
 if TYPE_CHECKING:

@@ -15,18 +15,18 @@ from fastexp.v1 import experience_pb2, experience_pb2_grpc
 from services.common import metrics
 from services.common.models import resolve_model
 from services.common.server import RunningServer, run_service, start_service
-from services.experience.clients import EnvironmentClient, GeneratorClient, ScorerClient, open_channel
-from services.experience.episodes import EpisodeRunner, ObservationRenderer
-from services.experience.fleet import GeneratorFleet
-from services.experience.forwarder import ForwardModels
-from services.experience.logprobs import LogProbModel
-from services.experience.pipeline import ExperienceMaker
-from services.experience.runs import RunStore
-from services.experience.servicer import ExperienceServicer
+from services.experience.api.servicer import ExperienceServicer
+from services.experience.fleet.clients import EnvironmentClient, GeneratorClient, ScorerClient, open_channel
+from services.experience.fleet.generator_fleet import GeneratorFleet
+from services.experience.fleet.readiness import GeneratorInfo, UpstreamMonitor
+from services.experience.pipeline.episodes import EpisodeRunner, ObservationRenderer
+from services.experience.pipeline.forwarder import ForwardModels
+from services.experience.pipeline.maker import ExperienceMaker
+from services.experience.pipeline.run_store import RunStore
 from services.experience.settings import ExperienceSettings
-from services.experience.upstream import GeneratorInfo, UpstreamMonitor
-from services.experience.value_model import ValueModel
-from services.experience.vision import VisionProcessor
+from services.experience.workers.critic import ValueModel
+from services.experience.workers.logprobs import LogProbModel
+from services.experience.workers.vision import VisionProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
 
     Returns once the server is bound: health is NOT_SERVING (and ``MakeExperiences`` answers UNAVAILABLE naming
     what it waits for) until the generator and the scorer have answered, however long that takes; see
-    :mod:`services.experience.upstream`. ``await service.wait_ready()`` waits for that.
+    :mod:`services.experience.fleet.readiness`. ``await service.wait_ready()`` waits for that.
     """
     import torch
 

@@ -12,8 +12,8 @@ from fastexp.security import ClientTLS
 from services.common.models import SMOLLM2_ALIAS
 from services.common.security import read_tokens
 from services.common.settings import GenerationLimits
-from services.experience.replicas import FleetSettings
-from services.experience.upstream import ProbeSettings
+from services.experience.fleet.readiness import ProbeSettings
+from services.experience.fleet.replicas import FleetSettings
 
 
 class ExperienceSettings(GenerationLimits):
@@ -80,7 +80,7 @@ class ExperienceSettings(GenerationLimits):
     environment_step_timeout_s: float = Field(
         120.0, gt=0, description="deadline of one call to the scorer's environments (an episode's start or step)"
     )
-    # The generator and scorer are waited for as long as the service runs (services.experience.upstream).
+    # The generator and scorer are waited for as long as the service runs (services.experience.fleet.readiness).
     upstream_probe_timeout_s: float = Field(5.0, gt=0, description="deadline of one readiness probe of the generator or scorer")
     upstream_probe_interval_s: float = Field(2.0, gt=0, description="time between probes of the generator while ready")
     upstream_backoff_max_s: float = Field(

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from fastexp import ExperienceClient, Sampling, undelivered_prompt_indices
-from fastexp.launcher import LocalCluster
+from services.launcher import LocalCluster
 
 pytestmark = [pytest.mark.smollm2]
 

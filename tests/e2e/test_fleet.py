@@ -16,9 +16,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from fastexp import ExperienceClient, Sampling
-from fastexp.launcher import LocalCluster, free_port
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc
 from fastexp.weights import weight_chunks
+from services.launcher import LocalCluster, free_port
 
 pytestmark = [pytest.mark.smollm2]
 

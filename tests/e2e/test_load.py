@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.load import LoadConfig, jain_index, percentile, run
-from fastexp.launcher import LocalCluster
+from services.launcher import LocalCluster
 
 pytestmark = [pytest.mark.smollm2]
 

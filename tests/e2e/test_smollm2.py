@@ -10,9 +10,10 @@ import grpc
 import pytest
 
 from fastexp import ExperienceClient, Sampling
-from fastexp.datasets import reasoning_gym_problems
-from fastexp.launcher import LocalCluster
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
+from fastexp.wire import sampling_to_pb
+from services.demo.datasets import reasoning_gym_problems
+from services.launcher import LocalCluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm2]
 
@@ -51,7 +52,7 @@ def _greedy(address: str, ignore_eos: bool) -> generation_pb2.Completion:
     prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
     request = generation_pb2.GenerateRequest(
         prompts=[generation_pb2.GenerationPrompt(text=prompt)], n_samples_per_prompt=1,
-        sampling=Sampling(temperature=0.0, max_new_tokens=40, ignore_eos=ignore_eos).to_pb())
+        sampling=sampling_to_pb(Sampling(temperature=0.0, max_new_tokens=40, ignore_eos=ignore_eos)))
     with grpc.insecure_channel(address) as channel:
         responses = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=300)
         return [c for r in responses for c in r.completions][0]
@@ -61,7 +62,7 @@ def test_demo_cli_writes_summary(tmp_path):
     """`fastexp demo` as a user runs it, on SmolLM2 with the HF fallback backend (small and quick)."""
     out = tmp_path / "demo"
     result = subprocess.run(
-        [sys.executable, "-m", "fastexp.cli", "demo", "--num-prompts", "2", "--n-samples-per-prompt", "2",
+        [sys.executable, "-m", "services.cli", "demo", "--num-prompts", "2", "--n-samples-per-prompt", "2",
          "--max-new-tokens", "8", "--backend", "hf", "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )

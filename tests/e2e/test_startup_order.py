@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from fastexp import ExperienceClient, Sampling
-from fastexp.launcher import LocalCluster, health_status
+from services.launcher import LocalCluster, health_status
 
 pytestmark = [pytest.mark.smollm2]
 
@@ -92,7 +92,7 @@ def test_a_generator_restarted_while_idle_is_picked_up_without_restarting_the_ex
 def test_the_launcher_gives_up_once_naming_the_service_not_ready_with_its_log_tail(tiny_model_path, tmp_path):
     """One overall timeout; the error names the experience service, its health, and what its log says it waits
     for (here: a generator that never comes)."""
-    from fastexp.launcher import ServicesNotReady
+    from services.launcher import ServicesNotReady
 
     overrides = {"experience": {"actor_model": tiny_model_path, "reference_model": tiny_model_path,
                                 "dtype": "float32", "torch_threads": 1}}

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from fastexp import ExperienceClient, Sampling, invalid_prompt_indices
-from fastexp.launcher import LocalCluster, free_port
+from services.launcher import LocalCluster, free_port
 from tests.support.vlm import sample_photos, video_frames
 
 pytestmark = pytest.mark.vllm

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fastexp import ExperienceClient, Sampling, build_request, sleep_generator
-from fastexp.launcher import LocalCluster, free_port
 from fastexp.v1 import experience_pb2_grpc
+from services.launcher import LocalCluster, free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -15,11 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fastexp import Sampling
-from fastexp.datasets import task_problems
 from fastexp.request import RequestOptions, build_request
 from fastexp.types import turn_spans
 from fastexp.v1 import experience_pb2_grpc
 from fastexp.wire import experience_from_pb
+from services.demo.datasets import task_problems
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
 from services.generator.hf_engine import HFEngine

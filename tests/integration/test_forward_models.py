@@ -11,11 +11,11 @@ from fastexp.critic import save_value_model
 from fastexp.packing import pack_experience, unpack_experience
 from fastexp.types import Experience
 from services.common.generation import CompletionRecord
-from services.experience.forward import chunks
-from services.experience.logprobs import LogProbModel
-from services.experience.prompts import PromptSpec
-from services.experience.sequences import build_rollout
-from services.experience.value_model import ValueModel, init_critic
+from services.experience.config import PromptSpec
+from services.experience.workers.critic import ValueModel, init_critic
+from services.experience.workers.inputs import chunks
+from services.experience.workers.logprobs import LogProbModel
+from services.experience.workers.sequences import build_rollout
 
 PAD = 2
 

@@ -13,15 +13,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
 from fastexp import Sampling, build_request, save_value_model, unpack_experience, weight_chunks
+from fastexp.rl.advantages import ESTIMATORS, get_estimator
+from fastexp.rl.estimate import estimate_experience
+from fastexp.rl.options import AdvantageOptions, KLOptions, RewardOptions
+from fastexp.rl.rollout_correction import RolloutCorrectionOptions
+from fastexp.rl.running import KLController, RunningMoments, RunState
 from fastexp.tensor_codec import to_numpy
 from fastexp.types import ForwardOutputs, Rollout
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
 from fastexp.wire import experience_from_pb
-from services.experience.advantages import ESTIMATORS, get_estimator
-from services.experience.estimate import estimate_experience
-from services.experience.request import AdvantageOptions, ExperienceConfig, KLOptions, RewardOptions
-from services.experience.rollout_correction import RolloutCorrectionOptions
-from services.experience.runs import KLController, RunningMoments, RunState
+from services.experience.config import ExperienceConfig
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
 from services.generator.hf_engine import HFEngine

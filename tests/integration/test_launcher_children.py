@@ -11,7 +11,7 @@ import time
 
 LAUNCHER = """
 import time
-from fastexp.launcher import LocalCluster
+from services.launcher import LocalCluster
 cluster = LocalCluster(services=("scorer",), core_split=None)
 cluster.start()
 print(cluster.processes["scorer"].pid, flush=True)

@@ -22,7 +22,7 @@ from services.common.media import MediaLimits, decode_media
 from services.common.media_wire import media_from_pb
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
-from services.experience.vision import VisionProcessor
+from services.experience.workers.vision import VisionProcessor
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings
@@ -147,7 +147,7 @@ async def test_mixed_text_image_video_request_streams_aligned_experiences(stack,
 def _assert_log_probs_reproduce(e, path):
     from transformers import AutoModelForImageTextToText
 
-    from services.experience.vision import VisionTokens
+    from services.experience.workers.vision import VisionTokens
 
     model = _MODELS.get(path) or _MODELS.setdefault(path, AutoModelForImageTextToText.from_pretrained(path).eval())
     tokens = VisionTokens(model.config.image_token_id, model.config.video_token_id, 2)

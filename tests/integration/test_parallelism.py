@@ -40,7 +40,7 @@ def test_engine_options_carry_the_parallel_sizes_only_when_set():
 def test_the_generator_refuses_to_start_with_more_gpus_than_the_machine_has():
     env = dict(os.environ, FASTEXP_GENERATOR_TENSOR_PARALLEL_SIZE="2", FASTEXP_GENERATOR_BACKEND="vllm",
                CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "fastexp.cli", "serve", "generator", "--port", "0"],
+    done = subprocess.run([sys.executable, "-m", "services.cli", "serve", "generator", "--port", "0"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "generator refuses to start" in done.stderr

@@ -9,21 +9,16 @@ import grpc
 import pytest
 import torch
 
+from fastexp.rl.advantages import get_estimator
+from fastexp.rl.options import AdvantageOptions
 from fastexp.sampling import SamplingOptions
 from fastexp.types import Rollout
 from services.common.deadlines import Deadline
 from services.common.errors import NotReady, StreamFailed
 from services.common.status import status_of
-from services.experience.advantages import get_estimator
-from services.experience.logprobs import LogProbModel
-from services.experience.pipeline import ExperienceMaker, ForwardModels, Scores, StreamStats
-from services.experience.prompts import PromptSpec
-from services.experience.request import (
-    AdvantageOptions,
-    DynamicSamplingOptions,
-    ExperienceConfig,
-    ExperienceRequest,
-)
+from services.experience.config import DynamicSamplingOptions, ExperienceConfig, ExperienceRequest, PromptSpec
+from services.experience.pipeline.maker import ExperienceMaker, ForwardModels, Scores, StreamStats
+from services.experience.workers.logprobs import LogProbModel
 from services.generator.hf_engine import HFEngine
 from tests.support.inprocess import InProcessGenerator, InProcessRuleScorer
 
@@ -236,7 +231,7 @@ class CountingModel:
 async def test_forwards_a_request_does_not_need_are_not_run(engine, tiny_model_path):
     """skip_actor_forward: action_log_probs are the generator's own; kl_coef 0 (no kl_target, no use_kl_loss):
     no reference forward, and base_action_log_probs and kl are absent. Both: generation and scoring only."""
-    from services.experience.request import KLOptions
+    from fastexp.rl.options import KLOptions
 
     model = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
     actor, reference = CountingModel(model), CountingModel(model)
@@ -302,10 +297,10 @@ async def test_samples_are_forwarded_before_their_group_completes_and_never_twic
     a group of 4 finishes in two halves; the fleet announces the first half (SamplePreview) while it holds the
     group, the consumer forwards those rows while the rest decode, and the group's forward computes only the others.
     Every row is forwarded once, with the same log-probs as one forward of the whole batch."""
-    from services.experience.clients import GeneratorClient, open_channel
-    from services.experience.fleet import GeneratorFleet
-    from services.experience.forward import chunks
-    from services.experience.replicas import FleetSettings
+    from services.experience.fleet.clients import GeneratorClient, open_channel
+    from services.experience.fleet.generator_fleet import GeneratorFleet
+    from services.experience.fleet.replicas import FleetSettings
+    from services.experience.workers.inputs import chunks
     from services.generator.server import start_generator
     from services.generator.settings import GeneratorSettings
 

@@ -1,4 +1,4 @@
-"""Generator replicas found by name (services.experience.replicas) on real generator servers over the HF engine:
+"""Generator replicas found by name (services.experience.fleet.replicas) on real generator servers over the HF engine:
 a replica that appears in the name's answer joins and gets work; one that disappears is drained (no new work,
 closed once idle) and may come back; a failed resolution keeps the known replicas; ``dns:///`` names resolve."""
 
@@ -12,10 +12,10 @@ import pytest
 from fastexp.sampling import SamplingOptions
 from services.common.deadlines import Deadline
 from services.common.generation import CompletionRecord, GenerationRequest
-from services.experience.clients import GeneratorClient, open_channel
-from services.experience.fleet import GeneratorFleet
-from services.experience.replicas import FleetSettings, ReplicaState, resolve_targets
-from services.experience.upstream import ProbeSettings
+from services.experience.fleet.clients import GeneratorClient, open_channel
+from services.experience.fleet.generator_fleet import GeneratorFleet
+from services.experience.fleet.readiness import ProbeSettings
+from services.experience.fleet.replicas import FleetSettings, ReplicaState, resolve_targets
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings

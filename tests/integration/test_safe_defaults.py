@@ -67,7 +67,7 @@ async def test_tokens_or_loopback_start_without_insecure(tmp_path):
 
 def test_the_cli_refuses_an_exposed_unsecured_generator_before_loading_its_model(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "fastexp.cli", "serve", "generator", "--host", "0.0.0.0", "--port", "0"],  # noqa: S104
+        [sys.executable, "-m", "services.cli", "serve", "generator", "--host", "0.0.0.0", "--port", "0"],  # noqa: S104
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 2, done.stderr[-2000:]

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-FASTEXP = [sys.executable, "-m", "fastexp.cli"]
+FASTEXP = [sys.executable, "-m", "services.cli"]
 
 
 def _free_port() -> int:

@@ -10,8 +10,8 @@ from fastexp.tensor_codec import from_numpy
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest, NotReady
-from services.experience.clients import ScorerClient, open_channel
-from services.experience.events import ScoreBatch
+from services.experience.fleet.clients import ScorerClient, open_channel
+from services.experience.pipeline.events import ScoreBatch
 
 
 class FlakyScoring(scoring_pb2_grpc.ScoringServiceServicer):

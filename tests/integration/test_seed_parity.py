@@ -10,6 +10,7 @@ import pytest
 
 from fastexp import Sampling, weight_chunks
 from fastexp.v1 import generation_pb2
+from fastexp.wire import sampling_to_pb
 from services.generator.hf_engine import HFEngine
 from tests.support.inprocess import serving_generator
 
@@ -27,7 +28,7 @@ async def smollm2_generator(smollm2_path):
 
 async def _generate(stub, sampling: Sampling) -> list[generation_pb2.Completion]:
     request = generation_pb2.GenerateRequest(
-        prompts=[generation_pb2.GenerationPrompt(text=SAY_HI)], sampling=sampling.to_pb(), n_samples_per_prompt=2)
+        prompts=[generation_pb2.GenerationPrompt(text=SAY_HI)], sampling=sampling_to_pb(sampling), n_samples_per_prompt=2)
     return [c async for r in stub.Generate(request, timeout=120) for c in r.completions]
 
 

@@ -9,21 +9,20 @@ import zlib
 import pytest
 import torch
 
+from fastexp.rl.advantages import get_estimator
 from fastexp.sampling import SamplingOptions
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest
 from services.common.weights import ReceivedUpdate, WeightStager
-from services.experience.advantages import get_estimator
-from services.experience.events import Done, RoundStarted, SampleFinished, SamplePreview, ScoredGroup
-from services.experience.forward import chunks
-from services.experience.forwarder import Forwarder, ForwardModels
-from services.experience.logprobs import LogProbModel
-from services.experience.policy import PolicyState
-from services.experience.producer import Producer
-from services.experience.prompts import PromptSpec
-from services.experience.request import ExperienceConfig, ExperienceRequest
-from services.experience.sequences import build_rollout
-from services.experience.weight_sync import WeightSync
+from services.experience.config import ExperienceConfig, ExperienceRequest, PromptSpec
+from services.experience.pipeline.events import Done, RoundStarted, SampleFinished, SamplePreview, ScoredGroup
+from services.experience.pipeline.forwarder import Forwarder, ForwardModels
+from services.experience.pipeline.producer import Producer
+from services.experience.pipeline.versions import PolicyState
+from services.experience.pipeline.weight_sync import WeightSync
+from services.experience.workers.inputs import chunks
+from services.experience.workers.logprobs import LogProbModel
+from services.experience.workers.sequences import build_rollout
 from services.generator.hf_engine import HFEngine
 from tests.support.inprocess import InProcessGenerator, InProcessRuleScorer
 

@@ -1,4 +1,4 @@
-"""TRL trains on fastexp's rollouts (fastexp/integrations/trl.py), against the real services in process (HF
+"""TRL trains on fastexp's rollouts (client/fastexp/integrations/trl.py), against the real services in process (HF
 backend, the tiny Llama in float32) and TRL 1.16.0's own trainer, sampler, queue and sample types.
 
 - ``GRPOTrainer(rollout_func=FastexpRollout(...), reward_funcs=[fastexp_reward])`` runs real optimizer steps on

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from fastexp import ExperienceClient, Sampling
-from fastexp.datasets import reasoning_gym_problems
-from fastexp.launcher import SERVICES, LocalCluster, free_port
+from services.demo.datasets import reasoning_gym_problems
+from services.launcher import SERVICES, LocalCluster, free_port
 
 pytestmark = [pytest.mark.smollm2]
 

@@ -12,7 +12,7 @@ import torch
 
 from fastexp.v1 import generation_pb2_grpc
 from services.common.weights import ReceivedUpdate
-from services.experience.events import ScoreBatch, Scores
+from services.experience.pipeline.events import ScoreBatch, Scores
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from services.experience.vision import QWEN2_VL_CHAT_TEMPLATE
+from services.experience.workers.vision import QWEN2_VL_CHAT_TEMPLATE
 
 TOKENIZER_DIR = Path(os.environ.get("FASTEXP_QWEN_TOKENIZER", ".venv/share/qwen3-tokenizer/package/models"))
 IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS = 56 * 56, 224 * 224

@@ -1,35 +1,48 @@
-"""The code's boundaries, checked on its source: module and function sizes, and which layer may import which.
+"""The code's boundaries, checked on its source: module and function sizes, and which package may import which.
 
-Layers, bottom up: the client package (``fastexp`` minus its command-line modules: the contract, records, wire
-codec, SDK), ``services/common``, the three services (none imports another), and the command line on top
-(``fastexp.cli``, ``launcher``, ``demo``, ...). The client package needs only grpcio, protobuf, numpy and torch.
-Cores (the pipeline's stages, the math, the engines and reward sources) import neither gRPC nor generated
-protobuf classes: servicers and clients translate at the edge.
+Distributions and layers, bottom up: the client package ``fastexp`` (``client/``: the contract, records, wire
+codec, the trainer's client, the experience math ``fastexp.rl``), ``services.common``, the three services (none
+imports another), and the command line on top (``services.cli``, ``services.launcher``, ``services.demo``). The
+client package needs only grpcio, protobuf, numpy and torch; its math (``fastexp.rl``) only torch and numpy.
+
+Inside the experience service, packages by role: ``api`` (the gRPC edge: decoding, prompts, the servicer),
+``pipeline`` (the stages and their records), ``workers`` (the models: forwards, log-probs, critic, offload,
+vision), ``fleet`` (generator replicas, routing, clients, readiness), and ``config`` (the decoded request as plain
+values). Imports are followed transitively; imports under ``if TYPE_CHECKING:`` are annotations, not dependencies.
+Each check reports every violation at once (one test per rule, not one per file).
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from functools import cache
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60  # docstrings aside
 
-CLI_MODULES = {"cli", "launcher", "demo", "demo_plot", "datasets", "torchvision_cpu"}
+CLI_PACKAGES = {"cli", "launcher", "demo"}
 CLIENT_DEPENDENCIES = {"grpc", "grpc_health", "google", "numpy", "torch", "fastexp", "safetensors",
                        "av",  # the optional `video` extra (fastexp/video.py imports it when a video file is given)
                        "trl", "peft"}  # the optional `trl` extra (fastexp/integrations/trl imports them when used)
+MATH_DEPENDENCIES = {"torch", "numpy"}
+WIRE = ("grpc", "google.protobuf", "fastexp.v1")
+#: Experience-service package -> the experience packages it may import (at run time, transitively bounded below).
+EXPERIENCE_ALLOWED = {
+    "config": {"config"},
+    "workers": {"config", "workers"},
+    "pipeline": {"config", "workers", "pipeline"},
+    "fleet": {"config", "fleet", "pipeline.events"},
+    "api": {"config", "workers", "pipeline", "fleet", "api"},
+    "settings": {"fleet", "settings"},
+    "server": {"config", "workers", "pipeline", "fleet", "api", "settings", "server"},
+}
+#: Packages whose whole import closure is free of gRPC and generated protobuf classes.
+WIRE_FREE = ("fastexp.rl", "services.experience.config", "services.experience.pipeline", "services.experience.workers")
+#: Other cores (engines, reward sources, sandboxes): no gRPC or generated classes in their own imports.
 CORES = [
-    "services/experience/pipeline.py", "services/experience/producer.py", "services/experience/forwarder.py",
-    "services/experience/batcher.py", "services/experience/weight_sync.py", "services/experience/events.py",
-    "services/experience/estimate.py", "services/experience/advantages.py", "services/experience/kl.py",
-    "services/experience/rewards.py", "services/experience/processing.py", "services/experience/upstream.py",
-    "services/experience/policy.py", "services/experience/runs.py", "services/experience/fleet.py",
-    "services/experience/replicas.py", "services/experience/routing.py", "services/experience/episodes.py",
     "services/scorer/environments.py", "services/scorer/builtin_environments.py",
     "services/scorer/sandbox/base.py", "services/scorer/sandbox/bubblewrap.py", "services/scorer/sandbox/remote.py",
     "services/scorer/tool_calls.py", "services/generator/engine.py",
@@ -40,66 +53,143 @@ CORES = [
 ]
 
 
-def _sources() -> list[Path]:
-    return sorted(
-        path for folder in ("services", "fastexp") for path in (ROOT / folder).rglob("*.py") if "v1" not in path.parts
-    )
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(ROOT)
+    if relative.parts[0] == "client":
+        relative = relative.relative_to("client")
+    return ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, at any depth (function-level imports included)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-    return names
+@cache
+def _modules() -> dict[str, Path]:
+    """Every module of both distributions (generated code aside), by dotted name."""
+    paths = [*(ROOT / "services").rglob("*.py"), *(ROOT / "client" / "fastexp").rglob("*.py")]
+    return {_module_name(path): path for path in sorted(paths) if "v1" not in path.relative_to(ROOT).parts}
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+@cache
+def _imports(module: str) -> frozenset[str]:
+    """The modules ``module`` imports at run time, at any depth (function-level imports included)."""
+    names: set[str] = set()
+    pending = [ast.parse(_modules()[module].read_text())]
+    while pending:
+        for node in ast.iter_child_nodes(pending.pop()):
+            if _is_type_checking(node):
+                continue
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names
+                             if f"{node.module}.{alias.name}" in _modules())
+            pending.append(node)
+    return frozenset(names)
+
+
+@cache
+def _closure(module: str) -> frozenset[str]:
+    """Everything importing ``module`` loads: its imports and, for fastexp's own modules, theirs."""
+    seen, pending = set(), [module]
+    while pending:
+        for imported in _imports(pending.pop()):
+            if imported not in seen:
+                seen.add(imported)
+                if imported in _modules():
+                    pending.append(imported)
+    return frozenset(seen)
 
 
 def _layer(module: str) -> int | None:
     """0 client package, 1 services.common, 2 a service, 3 command line; None: not fastexp's."""
     parts = module.split(".")
     if parts[0] == "fastexp":
-        return 3 if len(parts) > 1 and parts[1] in CLI_MODULES else 0
+        return 0
     if parts[0] == "services":
+        if len(parts) > 1 and parts[1] in CLI_PACKAGES:
+            return 3
         return 1 if len(parts) > 1 and parts[1] == "common" else 2
     return None
 
 
-def _module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+def _experience_package(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["services", "experience"] or len(parts) < 3:
+        return None
+    return "pipeline.events" if parts[2:4] == ["pipeline", "events"] else parts[2]
 
 
-@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_modules_and_functions_stay_small(path):
-    text = path.read_text()
-    assert len(text.splitlines()) <= MAX_MODULE_LINES
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            length = node.end_lineno - node.lineno + 1
-            if ast.get_docstring(node, clean=False) is not None:
-                length -= node.body[0].end_lineno - node.body[0].lineno + 1
-            assert length <= MAX_FUNCTION_LINES, f"{node.name}: {length} lines"
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
 
 
-@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_module_imports_a_higher_layer_or_another_service(path):
-    module = _module_name(path)
-    layer = _layer(module)
-    for imported in _imports(path):
-        other = _layer(imported)
-        if other is None:
-            if layer == 0:  # the client package installs light
+def test_modules_and_functions_stay_small():
+    too_long = []
+    for module, path in _modules().items():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{module}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if ast.get_docstring(node, clean=False) is not None:
+                    length -= node.body[0].end_lineno - node.body[0].lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{module}.{node.name}: {length} lines")
+    assert not too_long, too_long
+
+
+def test_no_module_imports_a_higher_layer_or_another_service():
+    wrong = []
+    for module in _modules():
+        layer = _layer(module)
+        for imported in _imports(module):
+            other = _layer(imported)
+            if other is None:
                 top = imported.split(".")[0]
-                assert top in CLIENT_DEPENDENCIES or top in sys.stdlib_module_names, f"{module} imports {imported}"
+                if layer == 0 and top not in CLIENT_DEPENDENCIES and top not in sys.stdlib_module_names:
+                    wrong.append(f"{module} imports {imported} (the client installs light)")
+            elif other > layer:
+                wrong.append(f"{module} (layer {layer}) imports {imported} (layer {other})")
+            elif layer == other == 2 and imported.split(".")[1] != module.split(".")[1]:
+                wrong.append(f"{module} imports another service: {imported}")
+    assert not wrong, wrong
+
+
+def test_the_rl_math_needs_only_torch_and_numpy():
+    wrong = [
+        f"{module} loads {imported}"
+        for module in _modules() if _under(module, ("fastexp.rl",))
+        for imported in _closure(module)
+        if not (_under(imported, ("fastexp",)) and not _under(imported, ("fastexp.v1",)))
+        and imported.split(".")[0] not in MATH_DEPENDENCIES | set(sys.stdlib_module_names)
+    ]
+    assert not wrong, wrong
+
+
+def test_the_experience_packages_import_only_what_their_role_allows():
+    wrong = []
+    for module in _modules():
+        package = _experience_package(module)
+        if package is None:
             continue
-        assert other <= layer, f"{module} (layer {layer}) imports {imported} (layer {other})"
-        if layer == other == 2:
-            assert imported.split(".")[1] == module.split(".")[1], f"{module} imports another service: {imported}"
+        allowed = EXPERIENCE_ALLOWED["pipeline" if package == "pipeline.events" else package]
+        for imported in _imports(module):
+            other = _experience_package(imported)
+            if other is not None and other not in allowed and not (other == "pipeline.events" and "pipeline" in allowed):
+                wrong.append(f"{module} ({package}) imports {imported} ({other})")
+    assert not wrong, wrong
 
 
-@pytest.mark.parametrize("path", CORES)
-def test_cores_take_domain_types_not_grpc_or_generated_classes(path):
-    for imported in _imports(ROOT / path):
-        assert not imported.startswith(("grpc", "fastexp.v1")), f"{path} imports {imported}"
+def test_cores_take_domain_types_not_grpc_or_generated_classes():
+    wrong = [
+        f"{module} loads {imported}"
+        for module in _modules() if _under(module, WIRE_FREE)
+        for imported in _closure(module) if _under(imported, WIRE)
+    ]
+    wrong += [f"{path} imports {imported}" for path in CORES
+              for imported in _imports(_module_name(ROOT / path)) if _under(imported, WIRE)]
+    assert not wrong, wrong

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from fastexp.rl.advantages import get_estimator
 from fastexp.types import ForwardOutputs
 from services.common.generation import CompletionRecord
-from services.experience import batcher
-from services.experience.advantages import get_estimator
-from services.experience.batcher import Inbox, Step
-from services.experience.events import (
+from services.experience.config import ExperienceConfig
+from services.experience.pipeline import batcher
+from services.experience.pipeline.batcher import Inbox, Step
+from services.experience.pipeline.events import (
     Done,
     Dropped,
     Failed,
@@ -21,7 +22,6 @@ from services.experience.events import (
     ScoredGroup,
     Scores,
 )
-from services.experience.request import ExperienceConfig
 
 N = 2
 
@@ -132,7 +132,7 @@ def test_reported_drops_go_with_one_batch():
 def test_finished_samples_are_forwarded_early_only_when_nothing_else_is_to_do():
     """A sample of a group still generating waits for an early forward; its group arriving (or being dropped)
     takes it back, and scored groups always go first."""
-    from services.experience.events import GroupFailed, SampleFinished
+    from services.experience.pipeline.events import GroupFailed, SampleFinished
 
     first, second = _scored(0).completions[0], _scored(1).completions[0]
     inbox = batcher.receive(batcher.receive(Inbox(), SampleFinished(first)), SampleFinished(second))

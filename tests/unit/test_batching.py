@@ -7,15 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastexp.rl.advantages import get_estimator
+from fastexp.rl.estimate import estimate_experience
+from fastexp.rl.options import AdvantageOptions
+from fastexp.rl.running import KLController, RunningMoments, RunState
 from fastexp.types import ForwardOutputs
 from services.common.generation import CompletionRecord
-from services.experience.advantages import get_estimator
-from services.experience.batching import concat_forward, split_experience, split_forward
-from services.experience.estimate import estimate_experience
-from services.experience.prompts import PromptSpec
-from services.experience.request import AdvantageOptions, ExperienceConfig
-from services.experience.runs import KLController, RunningMoments, RunState
-from services.experience.sequences import build_rollout
+from services.experience.config import ExperienceConfig, PromptSpec
+from services.experience.pipeline.assembly import concat_forward, split_experience, split_forward
+from services.experience.workers.sequences import build_rollout
 
 settings.register_profile("fastexp", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("fastexp")

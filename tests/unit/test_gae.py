@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from benchmarks import gae as gae_benchmark
-from services.experience.rewards import (
+from fastexp.rl.rewards import (
     discounted_reverse_cumsum,
     discounted_reverse_cumsum_loop,
     gae,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastexp.launcher import CoreSplit
+from services.launcher import CoreSplit
 
 
 @pytest.mark.parametrize(("cores", "engine", "threads"), [(1, (0,), 1), (2, (0,), 1), (3, (0,), 2), (16, tuple(range(8)), 8)])
@@ -31,7 +31,7 @@ def test_generator_replicas_get_equal_blocks_of_the_engine_cores(engine, replica
 def test_ports_for_services_come_from_below_the_ephemeral_range():
     """Ports the kernel hands out to other processes meanwhile (vLLM's engine opens several while it starts) come
     from the ephemeral range; a service's port from below it cannot be taken by them before the service binds."""
-    from fastexp.launcher import _ephemeral_range_start, free_port
+    from services.launcher import _ephemeral_range_start, free_port
 
     low = _ephemeral_range_start()
     ports = {free_port() for _ in range(20)}

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from fastexp.types import ForwardOutputs, Rollout
-from services.experience.advantages import (
+from fastexp.rl.advantages import (
     TokenInputs,
     cpgd_advantages,
     get_estimator,
@@ -15,9 +14,10 @@ from services.experience.advantages import (
     leave_one_out,
     mean_baseline,
 )
-from services.experience.estimate import estimate_experience
-from services.experience.kl import compute_approx_kl
-from services.experience.processing import (
+from fastexp.rl.estimate import estimate_experience
+from fastexp.rl.kl import compute_approx_kl
+from fastexp.rl.options import AdvantageOptions, KLOptions, RewardOptions
+from fastexp.rl.processing import (
     clip_with_fraction,
     overlong_penalty,
     running_normalize,
@@ -25,14 +25,16 @@ from services.experience.processing import (
     whiten,
     zero_variance_groups,
 )
-from services.experience.request import AdvantageOptions, ExperienceConfig, KLOptions, RewardOptions
-from services.experience.rewards import (
+from fastexp.rl.rewards import (
     compute_reward,
     discounted_returns,
     discounted_reverse_cumsum_loop,
     last_action_index,
 )
-from services.experience.runs import KLController, RunningMoments, RunState, RunStore
+from fastexp.rl.running import KLController, RunningMoments, RunState
+from fastexp.types import ForwardOutputs, Rollout
+from services.experience.config import ExperienceConfig
+from services.experience.pipeline.run_store import RunStore
 
 MASK = torch.tensor([[True, True, False]])
 

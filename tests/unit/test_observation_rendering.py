@@ -1,4 +1,4 @@
-"""Observations appended token-exactly (services.experience.episodes.ObservationRenderer): a prompt, the model's
+"""Observations appended token-exactly (services.experience.pipeline.episodes.ObservationRenderer): a prompt, the model's
 sampled turn, the template's end-of-turn separator and the rendered observation are exactly the tokens of the
 whole conversation rendered by the chat template, for SmolLM2's (ChatML) and Qwen3's templates, ``user`` and
 ``tool`` roles."""
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from services.experience.episodes import ObservationRenderer
+from services.experience.pipeline.episodes import ObservationRenderer
 
 QWEN3 = Path(".venv/share/qwen3-tokenizer/package/models")
 

@@ -7,9 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastexp.packing import pack_experience, unpack_experience
-from fastexp.types import ForwardOutputs, Rollout
-from fastexp.wire import experience_from_pb, experience_to_pb
-from services.experience.advantages import (
+from fastexp.rl.advantages import (
     ESTIMATORS,
     TokenInputs,
     cpgd_advantages,
@@ -17,11 +15,14 @@ from services.experience.advantages import (
     group_normalize,
     leave_one_out,
 )
-from services.experience.estimate import estimate_experience
-from services.experience.processing import whiten
-from services.experience.request import AdvantageOptions, ExperienceConfig, KLOptions, RewardOptions
-from services.experience.rewards import discounted_returns, discounted_reverse_cumsum_loop, gae, gae_loop
-from services.experience.runs import KLController, RunningMoments, RunState
+from fastexp.rl.estimate import estimate_experience
+from fastexp.rl.options import AdvantageOptions, KLOptions, RewardOptions
+from fastexp.rl.processing import whiten
+from fastexp.rl.rewards import discounted_returns, discounted_reverse_cumsum_loop, gae, gae_loop
+from fastexp.rl.running import KLController, RunningMoments, RunState
+from fastexp.types import ForwardOutputs, Rollout
+from fastexp.wire import experience_from_pb, experience_to_pb
+from services.experience.config import ExperienceConfig
 
 settings.register_profile("fastexp", deadline=None, max_examples=60, derandomize=True)
 settings.load_profile("fastexp")

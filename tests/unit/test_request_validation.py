@@ -7,7 +7,7 @@ from fastexp import Sampling, build_request
 from fastexp.v1 import experience_pb2, generation_pb2
 from services.common.errors import InvalidRequest
 from services.common.sampling import RequestLimits
-from services.experience.request import decode_request
+from services.experience.api.request import decode_request
 
 LIMITS = RequestLimits(max_prompts_per_request=8, max_samples_per_prompt=16, max_new_tokens_limit=512,
                        default_max_new_tokens=32)
@@ -174,10 +174,10 @@ async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(toke
     import asyncio
 
     from services.common.errors import Overloaded
-    from services.experience.servicer import ExperienceServicer
+    from services.experience.api.servicer import ExperienceServicer
 
     maker = _HeldMaker()
-    from services.experience.upstream import GeneratorInfo
+    from services.experience.fleet.readiness import GeneratorInfo
 
     info = GeneratorInfo("tiny", "hf", MAX_MODEL_LEN, policy_version=0)
     servicer = ExperienceServicer(maker, tokenizer, LIMITS, lambda: info, max_concurrent_streams=2)

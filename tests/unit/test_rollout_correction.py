@@ -1,5 +1,5 @@
 """Truncated importance weights and the rollout/trainer mismatch metrics, on hand-computed tensors and as
-properties (services/experience/rollout_correction.py; Yao et al. 2025 TIS)."""
+properties (client/fastexp/rl/rollout_correction.py; Yao et al. 2025 TIS)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.experience.rollout_correction import RolloutCorrectionOptions, rollout_correction
+from fastexp.rl.rollout_correction import RolloutCorrectionOptions, rollout_correction
 
 # two rows; row 0 has 3 action tokens, row 1 has 2 (then padding)
 MASK = torch.tensor([[True, True, True], [True, True, False]])

@@ -1,4 +1,4 @@
-"""The fleet's routing policy (services.experience.routing): least outstanding work, prefix affinity where it pays."""
+"""The fleet's routing policy (services.experience.fleet.routing): least outstanding work, prefix affinity where it pays."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.experience.routing import (
+from services.experience.fleet.routing import (
     GroupWork,
     assign_groups,
     choose_replica,

@@ -2,8 +2,8 @@ import numpy as np
 import torch
 
 from services.common.generation import CompletionRecord
-from services.experience.prompts import PromptSpec
-from services.experience.sequences import build_rollout
+from services.experience.config import PromptSpec
+from services.experience.workers.sequences import build_rollout
 
 PAD = 2  # SmolLM2: pad == eos == 2
 

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from services.common.errors import NotReady, UpstreamTimeout
-from services.experience.upstream import GeneratorInfo, ProbeSettings, UpstreamMonitor
+from services.experience.fleet.readiness import GeneratorInfo, ProbeSettings, UpstreamMonitor
 
 FAST = ProbeSettings(timeout_s=0.5, interval_s=0.01, backoff_initial_s=0.01, backoff_max_s=0.05, backoff_jitter_s=0.0)
 

@@ -1,4 +1,4 @@
-"""Video files in prompts (fastexp/video.py): real mp4/webm files made here with PyAV, sampled to frames by the
+"""Video files in prompts (client/fastexp/video.py): real mp4/webm files made here with PyAV, sampled to frames by the
 documented rule; a path string is a file, never a sequence of characters."""
 
 from __future__ import annotations

@@ -12,9 +12,14 @@ from hypothesis import strategies as st
 from services.common.errors import InvalidRequest
 from services.common.generation import CompletionRecord
 from services.common.media import EncodedMedia, MediaLimits, decode_media
-from services.experience.prompts import PromptSpec
-from services.experience.sequences import build_rollout
-from services.experience.vision import PromptVision, VisionProcessor, VisionTokens, repair_placeholders, stack_rows
+from services.experience.config import PromptSpec, PromptVision
+from services.experience.workers.sequences import build_rollout
+from services.experience.workers.vision import (
+    VisionProcessor,
+    VisionTokens,
+    repair_placeholders,
+    stack_rows,
+)
 
 settings.register_profile("fastexp-vision", deadline=None, max_examples=80, derandomize=True)
 settings.load_profile("fastexp-vision")

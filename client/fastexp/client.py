@@ -1,0 +1,271 @@
+"""The trainer SDK's client: stream Experiences (torch tensors, the seed's field names) from the experience service.
+
+Example::
+
+    from fastexp import ExperienceClient, RequestOptions
+
+    options = RequestOptions(n_samples_per_prompt=4, advantage_estimator="rloo")
+    with ExperienceClient("127.0.0.1:50053") as client:
+        for exp in client.make_experiences([[{"role": "user", "content": "What is 2 + 3?"}]], options, references=["5"]):
+            loss = -(exp.advantages * ratio(exp)).sum() / exp.action_mask.sum()  # exp.action_log_probs, ...
+
+Multimodal prompts (a vision-language policy) give each prompt its images and/or videos::
+
+    client.make_experiences(
+        [[{"role": "user", "content": "What is in this picture?"}], "Plain text prompt"],
+        images=[["photo.jpg"], []],  # per prompt: file paths, encoded bytes or PIL images
+        n_samples_per_prompt=4,
+    )
+
+Errors arrive as ``grpc.RpcError`` with the service's status code (INVALID_ARGUMENT names the field; when prompts
+are the cause, :func:`invalid_prompt_indices` lists every invalid one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fastexp.channels import RECONNECT_BACKOFF_OPTIONS, message_options
+from fastexp.critic import save_value_model
+from fastexp.packing import unpack_experience
+from fastexp.request import DEFAULT_SAMPLING, PromptLike, RequestOptions, Sampling, build_request, encode_image
+from fastexp.security import ClientTLS, bearer_metadata
+from fastexp.types import Experience, Target
+from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc
+from fastexp.weights import weight_chunks
+from fastexp.wire import experience_from_pb
+
+SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].full_name
+
+__all__ = [
+    "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "RequestOptions", "Sampling", "build_request",
+    "encode_image", "invalid_prompt_indices", "save_value_model", "undelivered_prompt_indices", "unpack_experience",
+    "update_generator_weights", "weight_chunks",
+]
+
+class ExperienceClient:
+    """A blocking client of ``fastexp.v1.ExperienceService``; use as a context manager or call :meth:`close`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 3600.0,
+        max_message_bytes: int = 256 * 1024 * 1024,
+        tls: ClientTLS | None = None,
+        token: str | None = None,
+    ):
+        """``tls``: connect with TLS (``ClientTLS(ca_file, cert_file, key_file)``, mTLS with the last two);
+        ``token``: the bearer token the service's operator issued (an admin token for :meth:`update_weights`).
+
+        Raises:
+            fastexp.security.SecurityConfigError: a TLS file is missing or empty.
+        """
+        self._channel = _channel(address, message_options(max_message_bytes), tls)
+        self._metadata = bearer_metadata(token)
+        self._stub = experience_pb2_grpc.ExperienceServiceStub(self._channel)
+        self._timeout_s = timeout_s
+        #: ``fastexp-*`` trailing metadata of the last finished stream as ints, e.g. ``dropped-groups``,
+        #: ``generation-rounds`` (dynamic sampling drops after the last batch are only counted here).
+        self.last_stream_stats: dict[str, int] = {}
+        #: Multi-turn groups the last stream could not deliver (an episode failed in its environment): send again.
+        self.last_failed_prompt_indices: list[int] = []
+
+    def make_experiences(
+        self, prompts: Sequence[PromptLike], options: RequestOptions | None = None, **columns_and_overrides: Any
+    ) -> Iterator[Experience]:
+        """Stream Experiences for ``prompts`` with ``options``; keyword arguments are :func:`build_request`'s
+        (per-prompt ``references``, ``labels``, ``images``, ``videos``, and any :class:`RequestOptions` field).
+
+        Each yielded Experience holds whole prompt groups; every prompt's group arrives exactly once. Stopping
+        the iteration (or ``close``) cancels the stream, which aborts the remaining generation.
+
+        Raises:
+            grpc.RpcError: the call failed (INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+        """
+        stream = self._stub.MakeExperiences(
+            build_request(prompts, options, **columns_and_overrides), timeout=self._timeout_s, metadata=self._metadata
+        )
+        self.last_stream_stats, self.last_failed_prompt_indices = {}, []
+        try:
+            for message in stream:
+                yield experience_from_pb(message)
+            trailers = dict(stream.trailing_metadata() or ())
+            self.last_stream_stats = {
+                key.removeprefix("fastexp-"): int(value)
+                for key, value in trailers.items() if key.startswith("fastexp-") and value.isdigit()
+            }
+            failed = trailers.get("fastexp-failed-prompt-indices", "")
+            self.last_failed_prompt_indices = [int(i) for i in failed.split(",")] if failed else []
+        finally:
+            stream.cancel()
+
+    def update_weights(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]] = (),
+        *,
+        target: Target = "policy",
+        checkpoint_dir: str | None = None,
+        chunk_bytes: int = 4 * 1024 * 1024,
+        timeout_s: float = 600.0,
+    ) -> generation_pb2.UpdateWeightsResponse:
+        """Replace the policy's (generator and actor replica) or the critic's weights; returns once they are live.
+
+        Args:
+            tensors: ``(name, tensor)`` pairs in checkpoint names, e.g. ``model.state_dict().items()`` or the
+                tensors a step changed; sent one at a time in ``chunk_bytes`` pieces, in their own float dtype.
+            target: ``"policy"`` or ``"critic"`` (names as :func:`save_value_model` writes them).
+            checkpoint_dir: instead of tensors, a safetensors folder both services can read (shared storage).
+
+        Returns:
+            The response: ``policy_version`` (every experience sampled after a policy update carries it),
+            ``critic_version``, ``num_tensors``, ``num_bytes``.
+
+        Raises:
+            grpc.RpcError: INVALID_ARGUMENT naming a bad tensor (nothing was applied anywhere),
+                RESOURCE_EXHAUSTED while another update runs, UNAVAILABLE, DEADLINE_EXCEEDED.
+        """
+        return self._stub.UpdateWeights(
+            weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target),
+            timeout=timeout_s, metadata=self._metadata,
+        )
+
+    def offload_models(self, timeout_s: float = 600.0) -> experience_pb2.ModelPlacementResponse:
+        """Move the service's actor, reference and critic to host memory (a trainer sharing the accelerator; the
+        seed's ``offload_model``); ``MakeExperiences`` is refused until :meth:`reload_models`.
+
+        Raises:
+            grpc.RpcError: FAILED_PRECONDITION (streams open, already offloaded, models already in host memory).
+        """
+        return self._stub.OffloadModels(experience_pb2.OffloadModelsRequest(), timeout=timeout_s,
+                                        metadata=self._metadata)
+
+    def reload_models(self, timeout_s: float = 600.0) -> experience_pb2.ModelPlacementResponse:
+        """Move offloaded models back to their devices. Raises grpc.RpcError FAILED_PRECONDITION when not offloaded."""
+        return self._stub.ReloadModels(experience_pb2.ReloadModelsRequest(), timeout=timeout_s, metadata=self._metadata)
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        """Block until the service reports SERVING over gRPC health: it has reached its generator and scorer
+        (before that, and while the generator is unreachable, ``MakeExperiences`` answers UNAVAILABLE).
+
+        Raises:
+            TimeoutError: not SERVING within ``timeout_s`` (the message has the last health answer).
+        """
+        health = health_pb2_grpc.HealthStub(self._channel)
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                reply = health.Check(request, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as error:
+                last = f"{error.code().name}: {error.details()}"
+            time.sleep(0.25)
+        raise TimeoutError(f"the experience service was not SERVING within {timeout_s:.0f} s (last: {last})")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ExperienceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def undelivered_prompt_indices(error: grpc.RpcError) -> list[int] | None:
+    """The prompt indices a failed ``make_experiences`` stream did not deliver (what to send again), from the
+    error's trailing metadata; ``None`` when the service did not say (e.g. the request was rejected outright)."""
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == "fastexp-undelivered-prompt-indices":
+            return [int(i) for i in value.split(",") if i]
+    return None
+
+
+def invalid_prompt_indices(error: grpc.RpcError) -> list[int] | None:
+    """The indices of every invalid prompt of a request refused with INVALID_ARGUMENT because of its prompts
+    (trailing metadata ``fastexp-invalid-prompt-indices``); None when the error says nothing about prompts.
+    Nothing of such a request was generated: send it again without these prompts."""
+    for key, value in error.trailing_metadata() or ():
+        if key == "fastexp-invalid-prompt-indices":
+            return [int(i) for i in value.split(",") if i]
+    return None
+
+
+def _channel(address: str, options: list[tuple[str, int | str]], tls: ClientTLS | None) -> grpc.Channel:
+    options = [*options, *RECONNECT_BACKOFF_OPTIONS]  # a service that comes up late is used within 2 s
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
+
+
+def update_generator_weights(
+    generator_address: str,
+    tensors: Iterable[tuple[str, torch.Tensor]] = (),
+    *,
+    checkpoint_dir: str | None = None,
+    chunk_bytes: int = 4 * 1024 * 1024,
+    timeout_s: float = 600.0,
+    tls: ClientTLS | None = None,
+    token: str | None = None,
+) -> int:
+    """Send new policy weights straight to a generator (generator-only deployments); returns the new version.
+
+    With an experience service, call :meth:`ExperienceClient.update_weights` instead: it also updates the actor
+    replica, so ``action_log_probs`` follow the new policy.
+
+    Args:
+        tensors: ``(name, tensor)`` pairs, e.g. ``model.state_dict().items()`` or a subset of it.
+        checkpoint_dir: instead of tensors, a safetensors folder the generator can read.
+        tls, token: as :class:`ExperienceClient` (the token must be an admin token).
+
+    Raises:
+        grpc.RpcError: INVALID_ARGUMENT naming a bad tensor (nothing was applied), RESOURCE_EXHAUSTED while
+            another update runs, UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    options = [("grpc.max_send_message_length", chunk_bytes + (1 << 20))]
+    with _channel(generator_address, options, tls) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        response = stub.UpdateWeights(
+            weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir), timeout=timeout_s,
+            metadata=bearer_metadata(token),
+        )
+    return response.policy_version
+
+
+def sleep_generator(generator_address: str, level: int = 1, *, timeout_s: float = 600.0,
+                    tls: ClientTLS | None = None, token: str | None = None) -> int:
+    """Put a generator's engine to sleep (see ``fastexp.v1.SleepRequest``: level 1 keeps the weights in host
+    memory, level 2 drops them); returns the bytes it freed.
+
+    Raises:
+        grpc.RpcError: FAILED_PRECONDITION (streams open, already asleep, no sleep mode on the platform: the
+            message says which), INVALID_ARGUMENT (level).
+    """
+    with _channel(generator_address, [], tls) as channel:
+        response = generation_pb2_grpc.GenerationServiceStub(channel).Sleep(
+            generation_pb2.SleepRequest(level=level), timeout=timeout_s, metadata=bearer_metadata(token))
+    return response.freed_bytes
+
+
+def wake_up_generator(generator_address: str, *, timeout_s: float = 600.0, tls: ClientTLS | None = None,
+                      token: str | None = None) -> generation_pb2.WakeUpResponse:
+    """Wake a sleeping generator; after level 2 (``needs_weights``) send every tensor with
+    :func:`update_generator_weights` (or :meth:`ExperienceClient.update_weights`) before generating.
+
+    Raises:
+        grpc.RpcError: FAILED_PRECONDITION (not asleep).
+    """
+    with _channel(generator_address, [], tls) as channel:
+        return generation_pb2_grpc.GenerationServiceStub(channel).WakeUp(
+            generation_pb2.WakeUpRequest(), timeout=timeout_s, metadata=bearer_metadata(token))

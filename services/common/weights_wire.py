@@ -1,0 +1,95 @@
+"""``UpdateWeights`` streams on the receiving side: read into staged tensors, and re-sent to a generator.
+
+The wire half of :mod:`services.common.weights` (which holds the records and the staging itself, free of
+protobuf): servicers and the fleet's clients use these; the pipeline sees only :class:`ReceivedUpdate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+from fastexp.v1 import generation_pb2, tensor_pb2
+from fastexp.weights import TARGETS, weight_chunks
+from services.common.errors import InvalidRequest
+from services.common.weight_checks import allowed_checkpoint_dir
+from services.common.weights import ReceivedUpdate, UpdateBounds, WeightStager, checkpoint_entries
+
+
+@contextlib.asynccontextmanager
+async def staged_update(
+    messages: AsyncIterator[generation_pb2.WeightsChunk], staging_dir: str | None, *, bounds: UpdateBounds
+) -> AsyncIterator[ReceivedUpdate]:
+    """Receive an ``UpdateWeights`` stream into a fresh staging folder under ``staging_dir`` (None: the system temp
+    folder), checked against ``bounds`` as it arrives; the folder is removed when the block exits, applied or not.
+
+    Raises:
+        InvalidRequest: as :func:`receive_update`.
+    """
+    stager = WeightStager(staging_dir)
+    try:
+        yield await receive_update(messages, stager, bounds)
+    finally:
+        await asyncio.to_thread(stager.discard)
+
+
+async def receive_update(
+    messages: AsyncIterator[generation_pb2.WeightsChunk], stager: WeightStager, bounds: UpdateBounds
+) -> ReceivedUpdate:
+    """Read an ``UpdateWeights`` stream: the header, then tensor chunks staged on disk by ``stager``, each tensor
+    checked against the target's model on its first chunk (:meth:`WeightStager.add`).
+
+    Raises:
+        InvalidRequest: no header first, a second header, chunks after a ``checkpoint_dir`` header, an unknown
+            target or one the service does not serve, a bad chunk (see :meth:`WeightStager.add`), a
+            ``checkpoint_dir`` outside ``bounds.checkpoint_roots`` or missing, or a count mismatch.
+    """
+    header = None
+    async for message in messages:
+        part = message.WhichOneof("kind")
+        if header is None:
+            if part != "header":
+                raise InvalidRequest("header", "the first message must carry the header")
+            header = message.header
+            if header.target not in TARGETS:
+                raise InvalidRequest("header.target", f"unknown target {header.target}")
+            stager.expect(bounds.spec_for(TARGETS[header.target]))
+        elif part == "header":
+            raise InvalidRequest("header", "sent twice")
+        elif header.checkpoint_dir:
+            raise InvalidRequest("tensor", "no tensor chunks may follow a checkpoint_dir header")
+        else:
+            await _stage_chunk(message.tensor, stager)
+    if header is None:
+        raise InvalidRequest("header", "the stream was empty")
+    target = TARGETS[header.target]
+    version = header.policy_version if header.HasField("policy_version") else None
+    if header.checkpoint_dir:
+        folder = allowed_checkpoint_dir(header.checkpoint_dir, bounds.checkpoint_roots)
+        entries = await asyncio.to_thread(checkpoint_entries, folder)
+        return ReceivedUpdate(target, "checkpoint", folder, entries, version)
+    entries = await asyncio.to_thread(stager.finish, header.num_tensors or None)
+    return ReceivedUpdate(target, "staged", str(stager.folder), entries, version)
+
+
+async def _stage_chunk(chunk: generation_pb2.TensorChunk, stager: WeightStager) -> None:
+    if chunk.dtype not in tensor_pb2.DType.values():
+        raise InvalidRequest(f"tensor {chunk.name!r}: dtype", f"unknown DType value {chunk.dtype}")
+    dtype = tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower()  # e.g. "bfloat16"
+    crc32 = chunk.crc32 if chunk.HasField("crc32") else None
+    await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data, crc32)
+
+
+def entry_chunks(
+    update: ReceivedUpdate, *, chunk_bytes: int = 4 * 1024 * 1024, policy_version: int | None = None
+) -> Iterator[generation_pb2.WeightsChunk]:
+    """Re-send a received update (e.g. to a generator): the folder's name for a checkpoint, else its staged
+    tensors read one at a time from disk (each with its CRC-32); ``policy_version``: the version it makes live
+    there (``None``: the receiver's previous + 1)."""
+    if update.kind == "checkpoint":
+        return weight_chunks((), checkpoint_dir=update.folder, target=update.target, policy_version=policy_version)
+    return weight_chunks(
+        ((e.name, e.load()) for e in update.entries), chunk_bytes=chunk_bytes, target=update.target,
+        num_tensors=len(update.entries), policy_version=policy_version,
+    )

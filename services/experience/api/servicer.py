@@ -1,0 +1,149 @@
+"""gRPC adapter of the experience service: decode the request, run the pipeline, encode each batch."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
+from fastexp.wire import experience_to_pb
+from services.common.deadlines import Deadline
+from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
+from services.common.logs import bind_request_id, current_request_id
+from services.common.media import MediaLimits
+from services.common.sampling import RequestLimits
+from services.common.weights import UpdateBounds
+from services.common.weights_wire import staged_update
+from services.experience.api.prompts import InvalidPrompts
+from services.experience.api.request import decode_request
+from services.experience.fleet.readiness import GeneratorInfo
+from services.experience.pipeline.events import StreamStats
+from services.experience.pipeline.maker import ExperienceMaker
+from services.experience.workers.vision import VisionProcessor
+
+#: Trailing metadata of a failed stream: the prompt indices not delivered, comma-separated (SDK:
+#: :func:`fastexp.undelivered_prompt_indices`).
+UNDELIVERED_KEY = "fastexp-undelivered-prompt-indices"
+#: Trailing metadata of an INVALID_ARGUMENT answer caused by prompts: every invalid prompt index,
+#: comma-separated (SDK: :func:`fastexp.invalid_prompt_indices`).
+INVALID_PROMPTS_KEY = "fastexp-invalid-prompt-indices"
+#: Trailing metadata of a stream that completed without some multi-turn groups (an episode failed in its
+#: environment): their prompt indices, comma-separated; send them again.
+FAILED_KEY = "fastexp-failed-prompt-indices"
+
+
+class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
+    """``fastexp.v1.ExperienceService`` over an :class:`ExperienceMaker`.
+
+    ``generator_info()`` returns what the generator serves, or raises NotReady (UNAVAILABLE, naming what the
+    service waits for) while the generator or scorer cannot be reached (``UpstreamMonitor.require_ready``).
+    """
+
+    def __init__(
+        self,
+        maker: ExperienceMaker,
+        tokenizer: Any,
+        limits: RequestLimits,
+        generator_info: Callable[[], GeneratorInfo],
+        weights_staging_dir: str | None = None,
+        max_concurrent_streams: int = 64,
+        vision: VisionProcessor | None = None,
+        media_limits: MediaLimits | None = None,
+        checkpoint_roots: tuple[Path, ...] = (),
+    ) -> None:
+        self._maker = maker
+        self._update_bounds = UpdateBounds(lambda target: self._maker.update_spec(target), checkpoint_roots)
+        self._vision = vision
+        self._media_limits = media_limits or MediaLimits()
+        self._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-request")
+        self._max_concurrent_streams = max_concurrent_streams
+        self._streams = 0
+        self._tokenizer = tokenizer
+        self._limits = limits
+        self._generator_info = generator_info
+        self._weights_staging_dir = weights_staging_dir
+        self._updating = asyncio.Lock()
+
+    async def MakeExperiences(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
+        if self._streams >= self._max_concurrent_streams:
+            raise Overloaded(f"max_concurrent_streams: {self._streams} streams are being served; retry later")
+        self._maker.require_models_loaded("MakeExperiences")
+        info = self._generator_info()  # NotReady (UNAVAILABLE) naming what the service waits for
+        try:
+            # images are decoded and patchified here: off the event loop, one request at a time (the tokenizer
+            # and processor are not safe to share between threads)
+            decoded = await asyncio.get_running_loop().run_in_executor(self._decoder, functools.partial(
+                decode_request, request, self._tokenizer, self._limits, info.max_model_len,
+                has_critic=self._maker.has_critic, vision=self._vision, media_limits=self._media_limits,
+            ))
+        except InvalidPrompts as error:
+            context.set_trailing_metadata(((INVALID_PROMPTS_KEY, ",".join(map(str, error.prompt_indices))),))
+            raise
+        if decoded.config.episodes is not None and not self._maker.runs_episodes:
+            raise InvalidRequest("environment", "this experience service runs no multi-turn episodes")
+        if not request.request_id and current_request_id():  # the trainer's x-request-id names the stream
+            decoded = dataclasses.replace(decoded, request_id=current_request_id())
+        bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
+        deadline = Deadline.from_remaining(context.time_remaining())
+        stats = StreamStats()
+        self._streams += 1
+        try:
+            async with contextlib.aclosing(self._maker.make_experiences(decoded, deadline, stats)) as experiences:
+                async for experience in experiences:
+                    yield experience_to_pb(experience)
+        finally:
+            self._streams -= 1
+            trailers = [
+                ("fastexp-dropped-groups", str(stats.dropped_groups)),
+                ("fastexp-generation-rounds", str(stats.generation_rounds)),
+                ("fastexp-resampled-groups", str(stats.resampled_groups)),
+                ("fastexp-rerouted-groups", str(stats.rerouted_groups)),
+                ("fastexp-failed-groups", str(len(stats.failed_groups))),
+                ("fastexp-truncated-prompts", str(len(decoded.truncated_prompt_indices))),
+                ("fastexp-skipped-prompts", str(len(decoded.skipped_prompt_indices))),
+            ]
+            if stats.failed_groups:
+                trailers.append((FAILED_KEY, ",".join(map(str, sorted(stats.failed_groups)))))
+            if stats.undelivered_prompt_indices is not None:
+                undelivered = ",".join(map(str, stats.undelivered_prompt_indices))
+                trailers.append((UNDELIVERED_KEY, undelivered))
+            context.set_trailing_metadata(tuple(trailers))
+
+    async def UpdateWeights(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext
+    ) -> generation_pb2.UpdateWeightsResponse:
+        self._generator_info()  # NotReady: the update could not reach the generator
+        if self._updating.locked():
+            raise Overloaded("another weight update is in progress")
+        async with self._updating:
+            async with staged_update(request_iterator, self._weights_staging_dir, bounds=self._update_bounds) as update:
+                await self._maker.update_weights(update, Deadline.from_remaining(context.time_remaining()))
+        return generation_pb2.UpdateWeightsResponse(
+            policy_version=self._maker.policy.version, critic_version=self._maker.critic_version,
+            num_tensors=len(update.entries), num_bytes=update.num_bytes,
+        )
+
+    async def OffloadModels(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.OffloadModelsRequest, context: grpc.aio.ServicerContext
+    ) -> experience_pb2.ModelPlacementResponse:
+        if self._streams:
+            raise FailedPrecondition(f"OffloadModels: {self._streams} MakeExperiences streams open; offload once "
+                                     "they end")
+        moved, names = await self._maker.offload_models()
+        return experience_pb2.ModelPlacementResponse(moved_bytes=moved, models=names)
+
+    async def ReloadModels(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.ReloadModelsRequest, context: grpc.aio.ServicerContext
+    ) -> experience_pb2.ModelPlacementResponse:
+        moved, names = await self._maker.reload_models()
+        return experience_pb2.ModelPlacementResponse(moved_bytes=moved, models=names)

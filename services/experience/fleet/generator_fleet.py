@@ -1,0 +1,384 @@
+"""The generator fleet: prompt groups routed over the replicas, failover without losing a group, weight updates.
+
+:class:`GeneratorFleet` implements the pipeline's :class:`~services.experience.pipeline.events.Generator` over the replicas
+of a :class:`~services.experience.fleet.replicas.ReplicaSet` (one replica is today's deployment, unchanged):
+
+- **Routing.** Each prompt group goes whole to one replica, by least outstanding work with prefix affinity as the
+  tie-breaker (:mod:`~services.experience.fleet.routing`). Backpressure stays the producer's: its window bounds the
+  groups of a stream across the whole fleet.
+- **Failover.** Samples are held per group and handed on only once the group's n samples came from one replica,
+  so a group whose replica fails (its stream errs, or the set takes the replica out) is generated again, whole,
+  on another, and every group reaches the pipeline exactly once; the stream says so with a
+  :class:`~services.experience.pipeline.events.Rerouted` notice. With no replica left it fails (NotReady), and the
+  pipeline reports the undelivered prompt indices as before. Each held sample is announced as it arrives
+  (:class:`~services.experience.pipeline.events.SamplePreview`), so its forward passes can start before its group is whole.
+- **Weights.** An update goes to every serving replica in parallel with the version it makes live
+  (``WeightsHeader.policy_version``); the version becomes the fleet's once all replicas that stay have it. A
+  replica that fails it is taken out (its work rerouted) and brought back by the set's resync.
+
+Nothing here imports grpc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.common import metrics
+from services.common.deadlines import Deadline
+from services.common.errors import (
+    FailedPrecondition,
+    FastexpError,
+    InvalidRequest,
+    NotReady,
+    Overloaded,
+    UpstreamTimeout,
+)
+from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.weights import ReceivedUpdate
+from services.experience.fleet.readiness import GeneratorInfo
+from services.experience.fleet.replicas import (
+    FleetSettings,
+    Replica,
+    ReplicaClient,
+    ReplicaSet,
+    ReplicaState,
+    WeightSource,
+    resolve_targets,
+)
+from services.experience.fleet.routing import GroupWork, group_work, place_groups
+from services.experience.pipeline.events import Rerouted, SamplePreview
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _SubStream:
+    """The part of one ``generate`` call sent to one replica."""
+
+    replica: Replica
+    indices: tuple[int, ...]  # the call's prompt indices, in the order sent
+    reserved_tokens: int
+    max_tokens: int
+    samples_left: int
+    task: asyncio.Task[None] | None = None
+    taken_out: str | None = None  # why its replica was taken out (then its groups are rerouted)
+    released_tokens: int = 0
+
+    def stop(self, reason: str) -> None:
+        """Its replica was taken out: stop reading; its unfinished groups are rerouted."""
+        if self.taken_out is None and self.task is not None:
+            self.taken_out = reason
+            self.task.cancel()
+
+
+@dataclass(frozen=True)
+class _Record:
+    stream: _SubStream
+    record: CompletionRecord
+
+
+@dataclass(frozen=True)
+class _Ended:
+    stream: _SubStream
+    error: BaseException | None
+
+
+#: How often groups waiting for room (``max_samples_in_flight``) held by other streams look again (seconds).
+PLACE_RETRY_S = 0.1
+
+
+@dataclass(eq=False)
+class _Call:
+    """One ``generate`` call's groups: pending (not placed), on a replica, whole (yielded)."""
+
+    request: GenerationRequest
+    deadline: Deadline
+    works: list[GroupWork]
+    events: asyncio.Queue[_Record | _Ended] = field(default_factory=asyncio.Queue)
+    streams: set[_SubStream] = field(default_factory=set)
+    groups: dict[int, list[CompletionRecord]] = field(default_factory=dict)  # samples so far, by prompt index
+    excluded: set[str] = field(default_factory=set)  # replicas that failed this call
+    pending: list[int] = field(default_factory=list)
+    unfinished: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.pending = list(range(len(self.request.prompts)))
+        self.unfinished = set(self.pending)
+
+    def receive(self, record: CompletionRecord) -> list[CompletionRecord]:
+        """Hold ``record``; the group's n completions in sample order once it is whole, else []."""
+        group = self.groups.setdefault(record.prompt_index, [])
+        group.append(record)
+        if len(group) < self.request.n_samples_per_prompt:
+            return []
+        del self.groups[record.prompt_index]
+        self.unfinished.discard(record.prompt_index)
+        return sorted(group, key=lambda c: c.sample_index)
+
+    def reroute(self, lost: Sequence[int], failed: str) -> None:
+        """``lost`` groups' replica failed: drop their samples so far, place them again elsewhere first."""
+        for index in lost:
+            self.groups.pop(index, None)
+        self.pending = [*lost, *self.pending]
+        self.excluded.add(failed)
+
+
+class GeneratorFleet:
+    """Generator replicas behind one :class:`~services.experience.pipeline.events.Generator` (module docs).
+
+    ``connect(address)`` opens a replica's client; :meth:`run` keeps discovery and health going until cancelled.
+    Set :attr:`weight_source` before :meth:`run` so that replicas at another version can be brought up to date.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[str],
+        connect: Callable[[str], ReplicaClient],
+        settings: FleetSettings | None = None,
+        resolve: Callable[[Sequence[str]], Awaitable[list[str]]] = resolve_targets,
+    ) -> None:
+        self.members = ReplicaSet(targets, connect, settings, resolve)
+        self._stream_ids = itertools.count()
+
+    @property
+    def weight_source(self) -> WeightSource | None:
+        """What sends a replica the live weights (set it before :meth:`run`)."""
+        return self.members.weight_source
+
+    @weight_source.setter
+    def weight_source(self, source: WeightSource | None) -> None:
+        self.members.weight_source = source
+
+    @property
+    def version(self) -> int | None:
+        """The policy version the fleet serves (``None`` before a replica was reached)."""
+        return self.members.version
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """The replicas known now (any state), by address."""
+        return self.members.replicas
+
+    def samples_in_flight(self) -> int:
+        """Samples this service has submitted to its replicas and not yet received (every stream's)."""
+        return sum(replica.in_flight_samples for replica in self.members.replicas)
+
+    async def run(self) -> None:
+        """Discover and watch the replicas until cancelled."""
+        await self.members.run()
+
+    async def close(self) -> None:
+        """Stop watching and close every replica's channel."""
+        await self.members.close()
+
+    async def model_info(self, timeout_s: float) -> GeneratorInfo:
+        """The fleet's model info (a serving replica's, at the fleet's version); the readiness probe.
+
+        Raises:
+            NotReady: no replica serves at the fleet's version; the message lists each replica's state.
+        """
+        for replica in self.replicas:
+            if self.members.routable(replica) and replica.info is not None:
+                assert self.version is not None
+                return dataclasses.replace(replica.info, policy_version=self.version)
+        raise NotReady(f"no generator replica serves: {self.members.describe()}")
+
+    async def generate(
+        self, request: GenerationRequest, deadline: Deadline
+    ) -> AsyncIterator[CompletionRecord | Rerouted | SamplePreview]:
+        """Route ``request``'s prompt groups over the replicas; yield each group's n completions together (sample
+        order) once all arrived from one replica, and a :class:`Rerouted` notice when a replica's unfinished
+        groups were sent elsewhere. Closing the iterator cancels every replica's stream (their engines abort).
+
+        Raises:
+            NotReady: no replica left to send unfinished groups to (the message lists the replicas).
+            InvalidRequest: a replica rejected the request (every replica would).
+            UpstreamTimeout: the request's deadline passed.
+        """
+        works = [group_work(p, request.n_samples_per_prompt, request.sampling.max_new_tokens) for p in request.prompts]
+        if request.affinity_key is not None:  # e.g. an episode's turns: one key, so they stay where their KV is
+            works = [dataclasses.replace(w, prefix_key=f"{request.affinity_key}/{i}") for i, w in enumerate(works)]
+        call = _Call(request, deadline, works)
+        try:
+            self._dispatch(call)
+            while call.unfinished:
+                try:
+                    event = await asyncio.wait_for(call.events.get(), None if not call.pending else PLACE_RETRY_S)
+                except TimeoutError:  # groups wait for room that other streams hold: look again
+                    self._dispatch(call)
+                    continue
+                if isinstance(event, _Record):
+                    self._account(event.stream, event.record)
+                    whole = call.receive(event.record)
+                    if not whole:  # held until its group is whole; its forwards may start now
+                        yield SamplePreview(event.record)
+                    for completion in whole:
+                        yield completion
+                    if call.pending and event.record.prompt_index not in call.groups:  # a group done: room
+                        self._dispatch(call)
+                    continue
+                stream = event.stream
+                self._end(stream, call.streams)
+                lost = [i for i in stream.indices if i in call.unfinished]
+                if event.error is None and not lost:
+                    self._dispatch(call)
+                    continue
+                error = event.error or NotReady(f"generator {stream.replica.address}: its stream ended early")
+                if not self._reroutable(error, deadline):
+                    raise error
+                if stream.taken_out is None and not isinstance(error, Overloaded):
+                    self.members.take_out(stream.replica, ReplicaState.DOWN, f"Generate failed: {error}")
+                call.reroute(lost, stream.replica.address)
+                metrics.REROUTED_GROUPS.labels(stream.replica.address).inc(len(lost))
+                logger.warning("%s: %d groups rerouted from generator %s (%s)", request.request_id, len(lost),
+                               stream.replica.address, stream.taken_out or error)
+                yield Rerouted(len(lost), stream.replica.address, str(stream.taken_out or error))
+                self._dispatch(call)
+        finally:
+            for stream in call.streams:
+                if stream.task is not None:
+                    stream.task.cancel()
+            await asyncio.gather(*(s.task for s in call.streams if s.task is not None), return_exceptions=True)
+            for stream in list(call.streams):
+                self._end(stream, call.streams)
+
+    def _dispatch(self, call: _Call) -> None:
+        """Place the call's pending groups on replicas with room and start one stream per replica used.
+
+        Raises:
+            NotReady: no routable replica (besides those that failed this call) while groups are pending.
+        """
+        if not call.pending:
+            return
+        candidates = {r.address: r for r in self.replicas
+                      if self.members.routable(r) and r.address not in call.excluded}
+        if not candidates:
+            raise NotReady(
+                f"no generator replica left for {len(call.pending)} prompt groups: {self.members.describe()}"
+            )
+        request, n = call.request, call.request.n_samples_per_prompt
+        chosen = place_groups(
+            {a: r.outstanding_tokens for a, r in candidates.items()},
+            {a: r.in_flight_samples for a, r in candidates.items()},
+            [call.works[i] for i in call.pending], n, self.members.settings.max_samples_in_flight,
+            lambda group: [a for a, r in candidates.items() if r.warm(group.prefix_key)],
+        )
+        per_replica: dict[str, list[int]] = {}
+        for index, address in zip(call.pending, chosen, strict=True):
+            if address is not None:
+                per_replica.setdefault(address, []).append(index)
+        call.pending = [i for i, address in zip(call.pending, chosen, strict=True) if address is None]
+        for address, part in per_replica.items():
+            replica = candidates[address]
+            stream = _SubStream(replica, tuple(part), sum(call.works[i].tokens for i in part),
+                                request.sampling.max_new_tokens, len(part) * n)
+            sub = dataclasses.replace(
+                request,
+                request_id=f"{request.request_id}-s{next(self._stream_ids)}",
+                prompts=tuple(request.prompts[i] for i in part),
+                media=tuple(request.media[i] for i in part) if request.media else (),
+            )
+            for i in part:
+                replica.remember(call.works[i].prefix_key, self.members.settings.affinity_entries)
+            replica.outstanding_tokens += stream.reserved_tokens
+            replica.in_flight_samples += stream.samples_left
+            replica.streams.add(stream)
+            call.streams.add(stream)
+            stream.task = asyncio.create_task(self._stream(stream, sub, call.events, call.deadline),
+                                              name=sub.request_id)
+
+    async def _stream(
+        self, stream: _SubStream, sub: GenerationRequest, events: asyncio.Queue[_Record | _Ended], deadline: Deadline
+    ) -> None:
+        """Read one replica's stream into ``events`` (prompt indices mapped back), then its end or error."""
+        error: BaseException | None = None
+        try:
+            async with contextlib.aclosing(stream.replica.client.generate(sub, deadline)) as records:
+                async for record in records:
+                    original = stream.indices[record.prompt_index]
+                    events.put_nowait(_Record(stream, dataclasses.replace(record, prompt_index=original)))
+        except asyncio.CancelledError:
+            if stream.taken_out is None:
+                raise  # the caller closed the generate call
+            error = NotReady(f"generator {stream.replica.address} taken out: {stream.taken_out}")
+        except Exception as exc:  # noqa: BLE001 - every stream must end with _Ended, or generate() waits forever
+            error = exc  # a FastexpError is the replica's failure; anything else is raised by generate()
+        events.put_nowait(_Ended(stream, error))
+
+    def _account(self, stream: _SubStream, record: CompletionRecord) -> None:
+        """One sample arrived from ``stream``'s replica: its reserved decode budget is done."""
+        replica = stream.replica
+        replica.in_flight_samples -= 1
+        stream.samples_left -= 1
+        release = min(stream.max_tokens, stream.reserved_tokens - stream.released_tokens)
+        stream.released_tokens += release
+        replica.outstanding_tokens -= release
+        metrics.GENERATOR_REPLICA_TOKENS.labels(replica.address).inc(len(record.output_token_ids))
+
+    def _end(self, stream: _SubStream, streams: set[_SubStream]) -> None:
+        """``stream`` is over: give back what it still held of its replica's load (once)."""
+        if stream not in streams:
+            return
+        streams.discard(stream)
+        replica = stream.replica
+        replica.streams.discard(stream)
+        replica.outstanding_tokens -= stream.reserved_tokens - stream.released_tokens
+        stream.released_tokens = stream.reserved_tokens
+        replica.in_flight_samples -= stream.samples_left
+        stream.samples_left = 0
+
+    def _reroutable(self, error: BaseException, deadline: Deadline) -> bool:
+        """Whether ``error`` from one replica's stream is that replica's failure (send its groups elsewhere) and
+        not the request's (raise it)."""
+        if isinstance(error, InvalidRequest | FailedPrecondition) or not isinstance(error, FastexpError):
+            return False  # the request's, or the trainer's doing (a generator it put to sleep): raised as it is
+        remaining = deadline.remaining()
+        expired = remaining is not None and remaining <= 0
+        return not (isinstance(error, UpstreamTimeout) and expired)
+
+    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline, version: int | None = None) -> int:
+        """Apply a checked policy update on every serving replica in parallel; ``version`` (default, and
+        at least: the fleet's + 1) is the fleet's once every replica that stays has it. Replicas that fail it are taken out (their work
+        rerouted) and brought back by a resync.
+
+        Raises:
+            NotReady: no replica serves (nothing applied).
+            InvalidRequest: every replica rejected it (nothing applied anywhere).
+            UpstreamTimeout, Overloaded, NotReady: no replica applied it; replicas whose outcome is unknown are
+                probed again and resynced before they get work.
+        """
+        targets = [r for r in self.replicas if self.members.routable(r)]
+        if not targets or self.version is None:
+            raise NotReady(f"no generator replica serves to apply the update: {self.members.describe()}")
+        if version is None or version <= self.version:  # after a lone generator's direct update, numbers go on
+            version = self.version + 1
+        self.members.pending_version = version
+        try:
+            results = await asyncio.gather(
+                *(r.client.update_weights(update, deadline, version) for r in targets), return_exceptions=True
+            )
+        finally:
+            self.members.pending_version = None
+        applied = [r for r, result in zip(targets, results, strict=True) if not isinstance(result, BaseException)]
+        failed = [(r, result) for r, result in zip(targets, results, strict=True) if isinstance(result, BaseException)]
+        if not applied:
+            errors = [error for _, error in failed]
+            if all(isinstance(error, InvalidRequest) for error in errors):
+                raise errors[0]
+            for replica, error in failed:  # it may or may not have applied it: its next probe tells
+                replica.version = None
+                self.members.take_out(replica, ReplicaState.CONNECTING, f"weight update failed: {error}")
+            raise next((e for e in errors if isinstance(e, FastexpError)), errors[0])
+        for replica in applied:
+            replica.version = version
+        self.members.version = version
+        for replica, error in failed:
+            replica.version = None
+            self.members.take_out(replica, ReplicaState.CONNECTING, f"weight update to version {version} failed: {error}")
+        return version

@@ -1,0 +1,237 @@
+"""Readiness of the experience service: the generator and scorer it depends on, watched for as long as it runs.
+
+The service starts serving at once and reports NOT_SERVING over gRPC health until it has reached the generator
+(its model info: the model length and policy version requests are validated against) and the scorer. It never
+gives up: a dependency that is late (a vLLM engine on a cold page cache, a GPU node still pulling its image,
+containers started in any order) is probed again with capped exponential backoff and jitter for as long as
+the service runs (the watch loop is a loop, not a retried call: it never ends). Once both have answered it turns
+SERVING; while no generator replica serves (the generator is the fleet of
+:mod:`~services.experience.fleet.generator_fleet`, which watches each replica) it turns NOT_SERVING again and new streams get
+UNAVAILABLE naming what they wait for, and it turns SERVING as soon as one replica (the same process restarted,
+or a replacement) serves again.
+
+The scorer gates readiness only until it was first reached: reward teams swap scorer containers while training
+runs, and a Score call that finds the scorer gone is retried by :class:`~services.experience.fleet.clients.ScorerClient`,
+so a swap does not take the experience service out of its Service's endpoints.
+
+Nothing here imports grpc: the probes are the clients' methods, raising domain errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from services.common import metrics
+from services.common.errors import FastexpError, NotReady
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+WAITING_LOG_INTERVAL_S = 30.0  # while not ready, what it waits for is logged this often
+
+
+@dataclass(frozen=True)
+class GeneratorInfo:
+    """What the generator serves (its ``ModelInfo`` as a domain record).
+
+    ``max_model_len``: most prompt + response tokens per sequence; ``policy_version``: the version of the
+    weights it samples with now.
+    """
+
+    model_name: str
+    backend: str
+    max_model_len: int
+    policy_version: int
+    multimodal: bool = False
+
+
+class GeneratorProbe(Protocol):
+    async def model_info(self, timeout_s: float) -> GeneratorInfo:
+        """The generator's model info within ``timeout_s``; raises a :class:`FastexpError` otherwise."""
+        ...
+
+
+class ScorerProbe(Protocol):
+    async def check_serving(self, timeout_s: float) -> None:
+        """Return if the scorer reports SERVING within ``timeout_s``; raise a :class:`FastexpError` otherwise."""
+        ...
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How the dependencies are watched (seconds).
+
+    ``timeout_s``: deadline of one probe call; ``interval_s``: time between probes while ready;
+    ``backoff_initial_s`` / ``backoff_max_s``: first and largest wait between probes while not ready (doubling,
+    plus up to ``backoff_jitter_s`` of random jitter), so a dependency that turns SERVING is seen within
+    ``backoff_max_s + backoff_jitter_s + timeout_s``.
+    """
+
+    timeout_s: float = 5.0
+    interval_s: float = 2.0
+    backoff_initial_s: float = 0.25
+    backoff_max_s: float = 5.0
+    backoff_jitter_s: float = 1.0
+
+
+def backoff_s(attempt: int, settings: ProbeSettings) -> float:
+    """Wait before probe ``attempt + 1`` (0-based): ``min(backoff_max_s, backoff_initial_s * 2**attempt)`` plus a
+    uniform jitter in ``[0, backoff_jitter_s)``, so replicas restarted together do not probe in step."""
+    base = min(settings.backoff_max_s, settings.backoff_initial_s * 2.0 ** min(attempt, 32))
+    return base + random.uniform(0.0, settings.backoff_jitter_s)
+
+
+class UpstreamMonitor:
+    """Probes the generator and scorer until the service stops (:meth:`run`).
+
+    ``on_generator_info(info, first)`` runs each time the generator answers after having been unreachable
+    (``first``: the first time since the service started), before readiness turns True.
+    """
+
+    def __init__(
+        self,
+        generator: GeneratorProbe,
+        scorer: ScorerProbe,
+        *,
+        generator_address: str,
+        scorer_address: str,
+        on_generator_info: Callable[[GeneratorInfo, bool], None] | None = None,
+        settings: ProbeSettings | None = None,
+    ) -> None:
+        self._generator = generator
+        self._scorer = scorer
+        self._addresses = {"generator": generator_address, "scorer": scorer_address}
+        self._on_readiness: Callable[[bool], Awaitable[None]] | None = None
+        self.on_generator_info = on_generator_info
+        self._settings = settings or ProbeSettings()
+        self._info: GeneratorInfo | None = None  # the last answer of the generator
+        self._generator_up = False
+        self._scorer_reached = False
+        self._problems: dict[str, str] = {"generator": "not reached yet", "scorer": "not reached yet"}
+        self._since = time.monotonic()  # when readiness last changed
+        self._ready = asyncio.Event()
+
+    @property
+    def ready(self) -> bool:
+        """The generator answers now and the scorer has answered once."""
+        return self._ready.is_set()
+
+    @property
+    def generator_info(self) -> GeneratorInfo | None:
+        """The generator's last model info (``None`` before it was first reached)."""
+        return self._info
+
+    def require_ready(self) -> GeneratorInfo:
+        """The generator's model info, when the service can take a stream now.
+
+        Raises:
+            NotReady: naming each dependency waited for, its address, for how long and its last error.
+        """
+        if self.ready and self._info is not None:
+            return self._info
+        raise NotReady(self.waiting_for())
+
+    def waiting_for(self) -> str:
+        """What readiness waits for, in words ("" when ready)."""
+        if self.ready:
+            return ""
+        waited = time.monotonic() - self._since
+        parts = [
+            f"the {name} at {self._addresses[name]} ({problem})"
+            for name, problem in self._problems.items()
+            if problem
+        ]
+        return f"waiting {waited:.0f} s for " + " and ".join(parts)
+
+    async def wait_ready(self, timeout_s: float | None = None) -> GeneratorInfo:
+        """Return the generator's info once ready.
+
+        Raises:
+            TimeoutError: not ready within ``timeout_s``; the message says what it waits for.
+        """
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(self.waiting_for()) from None
+        return self.require_ready()
+
+    async def run(self, on_readiness: Callable[[bool], Awaitable[None]] | None = None) -> None:
+        """Probe for as long as the service runs (cancel the task to stop); ``on_readiness(ready)`` is awaited
+        each time readiness changes (the server's health)."""
+        self._on_readiness = on_readiness
+        settings = self._settings
+        while True:
+            try:
+                await self._until_reachable()
+                while await self._probe():
+                    await asyncio.sleep(settings.interval_s)
+                await self._set_ready(False)
+                logger.warning("experience service NOT_SERVING: %s", self.waiting_for())
+            except Exception:  # noqa: BLE001 - a bug must not freeze readiness: report it, NOT_SERVING, go on
+                logger.exception("readiness probe failed; NOT_SERVING until the next probe succeeds")
+                await self._set_ready(False)
+                await asyncio.sleep(settings.backoff_max_s)
+
+    async def _until_reachable(self) -> None:
+        """Probe with capped exponential backoff and jitter until both dependencies answer, then turn ready."""
+        settings = self._settings
+        logged_at = -math.inf
+        for attempt in itertools.count():
+            if await self._probe():
+                break
+            if time.monotonic() - logged_at >= WAITING_LOG_INTERVAL_S:  # what a log tail should say
+                logger.info("NOT_SERVING: %s", self.waiting_for())
+                logged_at = time.monotonic()
+            await asyncio.sleep(backoff_s(attempt, settings))
+        await self._set_ready(True)
+        assert self._info is not None
+        logger.info("experience service SERVING: generator %s (%s, %s backend, policy version %d), scorer %s",
+                    self._addresses["generator"], self._info.model_name, self._info.backend,
+                    self._info.policy_version, self._addresses["scorer"])
+
+    async def _probe(self) -> bool:
+        """One round of probes; True when the generator answers and the scorer has answered once."""
+        timeout = self._settings.timeout_s
+        was_up = self._generator_up
+        info = await self._call("generator", self._generator.model_info(timeout))
+        self._generator_up = info is not None
+        if info is not None:
+            if not was_up and self.on_generator_info is not None:
+                self.on_generator_info(info, self._info is None)
+            self._info = info
+        if not self._scorer_reached:
+            self._scorer_reached = await self._call("scorer", self._scorer.check_serving(timeout)) is not None
+        return self._generator_up and self._scorer_reached
+
+    async def _call(self, name: str, probe: Awaitable[T]) -> T | None:
+        """Run one probe of dependency ``name``: its answer (``True`` for one without an answer), or ``None``
+        when it failed, its error kept for :meth:`waiting_for` and the ``fastexp_dependency_up`` gauge set."""
+        try:
+            answer = await probe
+        except FastexpError as error:
+            self._problems[name] = str(error)
+            metrics.DEPENDENCY_UP.labels(name).set(0)
+            return None
+        self._problems[name] = ""
+        metrics.DEPENDENCY_UP.labels(name).set(1)
+        return True if answer is None else answer
+
+    async def _set_ready(self, ready: bool) -> None:
+        if ready == self.ready:
+            return
+        self._since = time.monotonic()
+        if ready:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        if self._on_readiness is not None:
+            await self._on_readiness(ready)

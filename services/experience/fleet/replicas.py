@@ -1,0 +1,377 @@
+"""The generator replicas an experience service knows: discovery, health, and bringing each to the live weights.
+
+:class:`ReplicaSet` keeps one :class:`Replica` record per generator service, each reached through its own
+:class:`ReplicaClient` (``GeneratorClient``, its own channel):
+
+- **Discovery.** Targets are ``host:port`` (used as given) or ``dns:///name:port``, resolved to every address the
+  name has (a Kubernetes headless Service, a Compose service scaled with ``--scale``) and resolved again every
+  ``discovery_interval_s``. A replica that appears is probed and used once it serves the current policy version; a
+  replica that disappears is drained (no new work; what it runs finishes or, if it dies, is rerouted) and closed.
+- **Health.** Each replica is probed (``GetModelInfo``) every ``probe.interval_s`` while up, with capped
+  exponential backoff and jitter while down. ``down_after_failures`` failed probes in a row take a serving
+  replica out: the streams running on it are stopped, and the fleet sends their groups elsewhere.
+- **Version.** The set serves one policy version (adopted from the first replica reached, then each update's). A
+  replica at any other version (it restarted, joined late, or an update to it failed or was cancelled) is first
+  sent the live weights by :attr:`ReplicaSet.weight_source` (the experience service's actor replica, which holds
+  exactly the live version's weights) and gets work only then, so every completion's ``policy_version`` is true.
+
+Routing, failover and updates over the set: :mod:`~services.experience.fleet.generator_fleet`. Nothing here imports grpc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from services.common import metrics
+from services.common.deadlines import Deadline
+from services.common.errors import FastexpError
+from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.weights import ReceivedUpdate
+from services.experience.fleet.readiness import GeneratorInfo, ProbeSettings, backoff_s
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+DNS_SCHEME = "dns:///"
+
+
+class Stream(Protocol):
+    """A fleet stream running on a replica: taking the replica out stops it (:meth:`stop`)."""
+
+    def stop(self, reason: str) -> None: ...
+
+
+class ReplicaClient(Protocol):
+    """One generator replica, as :class:`~services.experience.fleet.clients.GeneratorClient` reaches it."""
+
+    async def model_info(self, timeout_s: float) -> GeneratorInfo: ...
+
+    def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]: ...
+
+    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline, version: int | None = None) -> int: ...
+
+    async def load_tensors(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], num_tensors: int, version: int, deadline: Deadline
+    ) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+#: Sends the live policy's weights to a replica: ``source(client, version)`` with ``version()`` the version to
+#: label them with (read once no update is being applied); returns the version the replica serves afterwards.
+WeightSource = Callable[[ReplicaClient, Callable[[], int]], Awaitable[int]]
+
+
+class ReplicaState(enum.StrEnum):
+    CONNECTING = "connecting"  # not reached yet, or its version is unknown
+    SYNCING = "syncing"  # reached at another policy version: being sent the current weights
+    SERVING = "serving"  # reached at the fleet's version: gets work
+    DOWN = "down"  # stopped answering or failed: its work went elsewhere
+    DRAINING = "draining"  # left discovery: no new work, closed once idle
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """How the fleet watches and routes (seconds, counts).
+
+    ``probe``: probe deadline, interval while up, backoff while down; ``down_after_failures``: failed probes in a
+    row that take a serving replica out; ``discovery_interval_s``: how often ``dns:///`` targets are resolved
+    again; ``affinity_entries``: prompts remembered per replica for prefix affinity; ``sync_timeout_s``: deadline
+    of sending the current weights to a replica; ``max_samples_in_flight``: most samples one replica runs for this
+    service at once (its engine's batch capacity, e.g. vLLM's ``max_num_seqs``), so groups wait in the fleet and
+    go to whichever replica frees up first (``None``: every group is placed at once).
+    """
+
+    probe: ProbeSettings = ProbeSettings()
+    down_after_failures: int = 2
+    discovery_interval_s: float = 10.0
+    affinity_entries: int = 4096
+    sync_timeout_s: float = 600.0
+    max_samples_in_flight: int | None = None
+
+
+@dataclass(eq=False)
+class Replica:
+    """One replica's state as the fleet sees it (mutated only on the event loop)."""
+
+    address: str
+    client: ReplicaClient
+    state: ReplicaState = ReplicaState.CONNECTING
+    version: int | None = None  # the policy version it reported last (None: unknown)
+    info: GeneratorInfo | None = None
+    problem: str = "not reached yet"
+    failures: int = 0  # failed probes in a row
+    outstanding_tokens: int = 0  # routing's work estimate of what it runs for us
+    in_flight_samples: int = 0
+    streams: set[Stream] = field(default_factory=set)  # the fleet's streams running on it
+    prefixes: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
+    watcher: asyncio.Task[None] | None = None
+
+    def warm(self, key: str) -> bool:
+        return key in self.prefixes
+
+    def remember(self, key: str, limit: int) -> None:
+        self.prefixes[key] = None
+        self.prefixes.move_to_end(key)
+        while len(self.prefixes) > limit:
+            self.prefixes.popitem(last=False)
+
+    def describe(self) -> str:
+        version = "?" if self.version is None else self.version
+        detail = f": {self.problem}" if self.problem and self.state is not ReplicaState.SERVING else ""
+        return f"{self.address} ({self.state}, version {version}{detail})"
+
+
+async def resolve_targets(targets: Sequence[str]) -> list[str]:
+    """The replica addresses of ``targets``: ``host:port`` as given; ``dns:///name:port`` as every address the name
+    resolves to (``ip:port``, ``[ipv6]:port``), sorted.
+
+    Raises:
+        OSError: a ``dns:///`` name did not resolve (``socket.gaierror``).
+        ValueError: a target without a port.
+    """
+    loop = asyncio.get_running_loop()
+    addresses: set[str] = set()
+    for target in targets:
+        if not target.startswith(DNS_SCHEME):
+            addresses.add(target)
+            continue
+        host, sep, port = target.removeprefix(DNS_SCHEME).rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"{target!r}: expected dns:///name:port")
+        infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        for family, _, _, _, sockaddr in infos:
+            ip = sockaddr[0]
+            addresses.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return sorted(addresses)
+
+
+class ReplicaSet:
+    """The known replicas and the version they serve (module docs).
+
+    ``connect(address)`` opens a replica's client; :meth:`run` keeps discovery and health going until cancelled.
+    Set :attr:`weight_source` before :meth:`run` so that replicas at another version can be brought up to date.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[str],
+        connect: Callable[[str], ReplicaClient],
+        settings: FleetSettings | None = None,
+        resolve: Callable[[Sequence[str]], Awaitable[list[str]]] = resolve_targets,
+    ) -> None:
+        if not targets:
+            raise ValueError("a generator fleet needs at least one target address")
+        self.targets = tuple(targets)
+        self.weight_source: WeightSource | None = None
+        self.version: int | None = None  # the policy version the set serves (None: no replica reached yet)
+        self.pending_version: int | None = None  # set while an update is being applied
+        self._connect = connect
+        self.settings = settings or FleetSettings()
+        self._resolve = resolve
+        self._replicas: dict[str, Replica] = {}
+        self._discovery_problem = ""
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """The replicas known now (any state), by address."""
+        return tuple(self._replicas[a] for a in sorted(self._replicas))
+
+    def routable(self, replica: Replica) -> bool:
+        """Whether ``replica`` gets new work: serving, not draining, at the fleet's version (or, while an update
+        is applied, at the version it makes live)."""
+        return (
+            replica.state is ReplicaState.SERVING
+            and self.version is not None
+            and replica.version in (self.version, self.pending_version)
+        )
+
+    def describe(self) -> str:
+        """Each replica's address, state and version, in words (what readiness errors say)."""
+        if not self._replicas:
+            problem = f": {self._discovery_problem}" if self._discovery_problem else ""
+            return f"no generator replica found at {', '.join(self.targets)}{problem}"
+        return ", ".join(replica.describe() for replica in self.replicas)
+
+    # --- discovery and health -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Discover replicas and watch each until cancelled (the service's lifetime)."""
+        try:
+            while True:
+                await self.discover()
+                if not any(t.startswith(DNS_SCHEME) for t in self.targets):
+                    await asyncio.Event().wait()  # fixed addresses: nothing to resolve again
+                await asyncio.sleep(self.settings.discovery_interval_s)
+        finally:
+            await self._stop_watching()
+
+    async def discover(self) -> None:
+        """Resolve the targets once: start watching new replicas, drain the ones that are gone. A failed resolution
+        keeps the replicas known so far (a DNS hiccup must not empty the fleet)."""
+        try:
+            addresses = set(await self._resolve(self.targets))
+        except (OSError, ValueError) as error:
+            self._discovery_problem = f"resolving {', '.join(self.targets)}: {error}"
+            logger.warning("generator discovery failed (keeping %d known replicas): %s", len(self._replicas), error)
+            return
+        self._discovery_problem = "" if addresses else f"{', '.join(self.targets)} resolved to no address"
+        for address in sorted(addresses):
+            replica = self._replicas.get(address)
+            if replica is None:
+                self._add(address)
+            elif replica.state is ReplicaState.DRAINING:  # back before it was closed: watch it again
+                replica.state = ReplicaState.CONNECTING
+                replica.watcher = asyncio.create_task(self._watch(replica), name=f"generator-replica-{address}")
+        for address in sorted(self._replicas.keys() - addresses):
+            if self._replicas[address].state is not ReplicaState.DRAINING:
+                self._drain(self._replicas[address])
+
+    def _add(self, address: str) -> None:
+        replica = Replica(address, self._connect(address))
+        self._replicas[address] = replica
+        metrics.GENERATOR_REPLICA_UP.labels(address).set_function(lambda: float(self.routable(replica)))
+        metrics.GENERATOR_REPLICA_IN_FLIGHT.labels(address).set_function(lambda: replica.in_flight_samples)
+        metrics.GENERATOR_REPLICA_VERSION.labels(address).set_function(
+            lambda: -1 if replica.version is None else replica.version
+        )
+        replica.watcher = asyncio.create_task(self._watch(replica), name=f"generator-replica-{address}")
+        logger.info("generator replica %s joined the fleet", address)
+
+    def _drain(self, replica: Replica) -> None:
+        logger.info("generator replica %s left discovery: draining %d streams", replica.address, len(replica.streams))
+        replica.state = ReplicaState.DRAINING
+        if replica.watcher is not None:
+            replica.watcher.cancel()
+        asyncio.create_task(self._close_when_idle(replica), name=f"drain-{replica.address}")
+
+    async def _close_when_idle(self, replica: Replica) -> None:
+        while replica.streams and replica.state is ReplicaState.DRAINING:
+            await asyncio.sleep(0.5)
+        if replica.state is not ReplicaState.DRAINING:
+            return  # discovered again meanwhile: it stays
+        del self._replicas[replica.address]
+        for gauge in (metrics.GENERATOR_REPLICA_UP, metrics.GENERATOR_REPLICA_IN_FLIGHT,
+                      metrics.GENERATOR_REPLICA_VERSION):
+            with contextlib.suppress(KeyError):
+                gauge.remove(replica.address)
+        await replica.client.close()
+        logger.info("generator replica %s drained and closed", replica.address)
+
+    async def _stop_watching(self) -> None:
+        watchers = [r.watcher for r in self._replicas.values() if r.watcher is not None]
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop watching and close every replica's channel."""
+        await self._stop_watching()
+        for replica in list(self._replicas.values()):
+            await replica.client.close()
+
+    async def _watch(self, replica: Replica) -> None:
+        """Probe ``replica`` for as long as it is in the fleet; bring it to the fleet's version before it serves."""
+        settings = self.settings
+        attempt = 0
+        while True:
+            try:
+                up = await self._probe(replica)
+            except Exception:  # noqa: BLE001 - a bug must not stop the watch: report it, try again
+                logger.exception("probing generator replica %s failed", replica.address)
+                up = False
+            if up:
+                attempt = 0
+                await asyncio.sleep(settings.probe.interval_s)
+            else:
+                await asyncio.sleep(backoff_s(attempt, settings.probe))
+                attempt += 1
+
+    async def _probe(self, replica: Replica) -> bool:
+        """One probe (and, when needed, a weight sync); True when the replica answered."""
+        try:
+            info = await replica.client.model_info(self.settings.probe.timeout_s)
+        except FastexpError as error:
+            replica.problem = str(error)
+            replica.failures += 1
+            serving = replica.state is ReplicaState.SERVING
+            if replica.state is not ReplicaState.DOWN and (not serving or replica.failures >= self.settings.down_after_failures):
+                self.take_out(replica, ReplicaState.DOWN, f"{replica.failures} probes failed: {error}")
+            return False
+        replica.failures, replica.problem, replica.info = 0, "", info
+        replica.version = info.policy_version
+        if self.version is None:
+            self.version = info.policy_version
+            logger.info("generator fleet serves policy version %d (first replica reached: %s)",
+                        self.version, replica.address)
+        if replica.version not in (self.version, self.pending_version) and self._updated_directly(replica):
+            logger.warning(
+                "generator %s serves policy version %d, ahead of the %d live here: it was updated directly, not "
+                "through this experience service; following it (the actor replica keeps its weights, so "
+                "action_log_probs follow those until the next update through this service)",
+                replica.address, replica.version, self.version,
+            )
+            self.version = replica.version
+        if replica.version not in (self.version, self.pending_version):
+            await self._sync(replica)
+        elif replica.state is not ReplicaState.SERVING:
+            self._serve(replica)
+        return True
+
+    def _updated_directly(self, replica: Replica) -> bool:
+        """A lone generator ahead of the live version (a generator-only update): the single-generator deployment
+        follows it, as it always did. In a fleet of several, the experience service's version is the authority and
+        such a replica is brought back to it."""
+        others = [r for r in self._replicas.values() if r is not replica and r.state is not ReplicaState.DRAINING]
+        ahead = self.version is not None and replica.version is not None and replica.version > self.version
+        return ahead and not others and self.pending_version is None
+
+    async def _sync(self, replica: Replica) -> None:
+        """Send ``replica`` the fleet's current weights; it serves once it has them."""
+        if self.weight_source is None:
+            replica.state = ReplicaState.SYNCING
+            replica.problem = f"serves policy version {replica.version}, the fleet {self.version}; no weight source"
+            return
+        replica.state = ReplicaState.SYNCING
+        logger.info("generator replica %s serves policy version %s, the fleet %s: sending it the current weights",
+                    replica.address, replica.version, self.version)
+        try:
+            replica.version = await self.weight_source(replica.client, lambda: self.version)
+        except FastexpError as error:
+            replica.problem = f"weight sync failed: {error}"
+            replica.state = ReplicaState.CONNECTING
+            logger.warning("weight sync of generator replica %s failed: %s", replica.address, error)
+            return
+        if replica.version == self.version:
+            self._serve(replica)
+
+    def _serve(self, replica: Replica) -> None:
+        replica.state = ReplicaState.SERVING
+        replica.problem = ""
+        logger.info("generator replica %s serving at policy version %s", replica.address, replica.version)
+
+    def take_out(self, replica: Replica, state: ReplicaState, reason: str) -> None:
+        """No new work for ``replica``; its running streams stop and their groups go to the others."""
+        if replica.state is ReplicaState.DRAINING:
+            state = ReplicaState.DRAINING
+        was_serving = replica.state is ReplicaState.SERVING
+        replica.state = state
+        replica.problem = reason
+        if was_serving or replica.streams:
+            logger.warning("generator replica %s taken out (%s): %s; %d streams rerouted",
+                           replica.address, state, reason, len(replica.streams))
+        else:  # not reached yet, or already out: what it waits for is in readiness's message
+            logger.debug("generator replica %s %s: %s", replica.address, state, reason)
+        for stream in list(replica.streams):
+            stream.stop(reason)
+

@@ -1,0 +1,356 @@
+"""The experience pipeline: generate -> score each group -> forward ready groups -> batch -> estimate -> stream.
+
+:class:`ExperienceMaker` only wires the stages; each lives in its own module and passes immutable records:
+
+- **producer** (:mod:`~services.experience.pipeline.producer`): generation rounds, off-policy admission, resampling, and
+  scoring of each group as its samples finish → events (:mod:`~services.experience.pipeline.events`) on a queue.
+- **forwarder** (:mod:`~services.experience.pipeline.forwarder`): actor/reference/critic forwards over ready groups in a
+  worker thread, and batch assembly.
+- **batcher** (:mod:`~services.experience.pipeline.batcher`): pure functions over the consumer's inbox: what to do next,
+  which groups make the next batch, which are too stale.
+- **weight sync** (:mod:`~services.experience.pipeline.weight_sync`): policy and critic updates, the live version.
+- **estimate** (:mod:`~fastexp.rl.estimate`): KL, reward shaping, returns and advantages (pure).
+
+The consumer of one stream (:class:`_Consumer`) folds events into its inbox, forwards what is ready, and streams
+batches as soon as they are complete, so the first batch streams long before the last sample is generated.
+Backpressure: at most ``max_groups_ahead`` groups are generated or generating and not yet streamed; a slow
+trainer slows generation instead of growing memory. Cancelling the stream cancels the producer's tasks, which
+closes the generator streams (the generator aborts their engine requests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastexp.packing import pack_experience
+from fastexp.rl.estimate import estimate_experience
+from fastexp.rl.running import KLController, RunningMoments, RunState
+from fastexp.types import Experience
+from services.common import metrics
+from services.common.deadlines import Deadline
+from services.common.errors import FastexpError, StreamFailed
+from services.common.weight_checks import TensorSpec
+from services.common.weights import ReceivedUpdate
+from services.experience.config import ExperienceConfig, ExperienceRequest
+from services.experience.pipeline import batcher
+from services.experience.pipeline.assembly import split_experience
+from services.experience.pipeline.batcher import Inbox, Step
+from services.experience.pipeline.episodes import EpisodeRunner
+from services.experience.pipeline.events import (
+    Dropped,
+    Event,
+    ForwardedGroup,
+    Generator,
+    GroupFailed,
+    GroupsRerouted,
+    GroupsResampled,
+    RoundStarted,
+    SampleFinished,
+    Scorer,
+    Scores,
+    StreamStats,
+)
+from services.experience.pipeline.forwarder import EarlyForwards, Forwarder, ForwardModels
+from services.experience.pipeline.producer import Producer, ProducerRun
+from services.experience.pipeline.run_store import RunStore
+from services.experience.pipeline.versions import PolicyState
+from services.experience.pipeline.weight_sync import WeightSync
+
+if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
+    from services.experience.fleet.replicas import ReplicaClient
+
+__all__ = ["ExperienceMaker", "ForwardModels", "Generator", "Scorer", "Scores", "StreamStats"]
+
+logger = logging.getLogger(__name__)
+
+
+class ExperienceMaker:
+    """Makes experiences; calls may run concurrently (forward passes are serialized, they share the device).
+
+    Also applies weight updates to the models it runs (:meth:`update_weights`), in step with the generator.
+    ``max_groups_ahead``: the most prompt groups of one stream generated or generating and not yet streamed
+    (raised to a batch's groups; the whole request with ``normalization_scope = rollout``).
+    """
+
+    def __init__(
+        self,
+        generator: Generator,
+        scorer: Scorer,
+        models: ForwardModels,
+        pad_token_id: int,
+        runs: RunStore | None = None,
+        policy: PolicyState | None = None,
+        max_groups_ahead: int = 64,
+        sync_timeout_s: float = 600.0,
+        episodes: EpisodeRunner | None = None,
+        forward_threads: Callable[[], int | None] | None = None,
+    ) -> None:
+        self.policy = policy if policy is not None else PolicyState()
+        self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version, threads=forward_threads)
+        self._weights = WeightSync(generator, self._forwarder, self.policy, sync_timeout_s)
+        self._stages = _Stages(
+            Producer(generator, scorer, self.policy, max_groups_ahead, episodes), self._forwarder, self.policy,
+            runs if runs is not None else RunStore(),
+        )
+        self._consumers: set[_Consumer] = set()
+        self.runs_episodes = episodes is not None  # multi-turn requests are accepted
+
+    def adopt_policy_version(self, version: int) -> None:
+        """At start-up, before any stream or update: the generator serves ``version``; the actor replica is
+        counted at it too (the service warns when that is not 0: the replica holds the weights it loaded)."""
+        self.policy.version = version
+        self._forwarder.actor_version = version
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether a value model runs here (requests for ``gae`` are validated against it)."""
+        return self._forwarder.has_critic
+
+    @property
+    def critic_version(self) -> int:
+        """Critic updates applied since start (0, 1, ...)."""
+        return self._weights.critic_version
+
+    def queue_depth(self, queue: str) -> int:
+        """Groups of the streams being served that wait for a forward pass (``scored``) or a batch
+        (``forwarded``): the ``fastexp_queue_depth`` gauge."""
+        field = {"scored": "pending", "forwarded": "forwarded"}[queue]
+        return sum(len(getattr(consumer.inbox, field)) for consumer in self._consumers)
+
+    def update_spec(self, target: str) -> dict[str, TensorSpec]:
+        """What an update of ``target`` is checked against (:meth:`services.experience.pipeline.weight_sync.WeightSync.spec`)."""
+        return self._weights.spec(target)
+
+    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline) -> None:
+        """Apply a checked weight update (see :meth:`services.experience.pipeline.weight_sync.WeightSync.update`)."""
+        await self._weights.update(update, deadline)
+
+    async def offload_models(self) -> tuple[int, tuple[str, ...]]:
+        """Move the models to host memory (:meth:`services.experience.pipeline.forwarder.Forwarder.offload`)."""
+        return await self._forwarder.offload()
+
+    async def reload_models(self) -> tuple[int, tuple[str, ...]]:
+        """Move offloaded models back (:meth:`services.experience.pipeline.forwarder.Forwarder.reload`)."""
+        return await self._forwarder.reload()
+
+    def require_models_loaded(self, what: str) -> None:
+        """Raises FailedPrecondition naming ``what`` while the models are offloaded."""
+        self._forwarder.require_loaded(what)
+
+    async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
+        """Send a generator replica the live policy's weights (the fleet's weight source; see
+        :meth:`services.experience.pipeline.weight_sync.WeightSync.sync_replica`)."""
+        return await self._weights.sync_replica(replica, version)
+
+    async def make_experiences(
+        self, request: ExperienceRequest, deadline: Deadline, stats: StreamStats | None = None
+    ) -> AsyncIterator[Experience]:
+        """Yield Experiences of whole prompt groups, each delivered group exactly once, as groups finish.
+
+        Groups scored before a generation failure are still delivered, then the failure is raised as
+        :class:`StreamFailed` listing the prompt indices neither delivered nor reported dropped. ``stats``
+        (optional) is filled in as the stream runs: generation rounds, dynamic-sampling drops, resamples, and on
+        failure the undelivered prompt indices.
+
+        With ``max_staleness`` s, batch b waits for policy version v0 + b - s and holds only groups sampled at that
+        version or later; older groups go back for resampling (see ``MakeExperiencesRequest.max_staleness``).
+        With ``normalization_scope = rollout`` the whole request is estimated at once, then streamed in batches.
+
+        Raises:
+            StreamFailed: with the status code of its cause: NotReady, UpstreamTimeout or InvalidRequest from the
+                generator or scorer clients (UpstreamTimeout also when the deadline passes while waiting for the
+                trainer's policy update); RewardFailed when a reward source could not score a group (the
+                message names the prompt and source).
+        """
+        consumer = _Consumer(self._stages, request, deadline, stats if stats is not None else StreamStats())
+        self._consumers.add(consumer)
+        metrics.ACTIVE_STREAMS.inc()
+        try:
+            async with contextlib.aclosing(consumer.run()) as experiences:
+                async for experience in experiences:
+                    yield experience
+        finally:
+            metrics.ACTIVE_STREAMS.dec()
+            self._consumers.discard(consumer)
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """What every stream's consumer works with (shared by the streams of one service)."""
+
+    producer: Producer
+    forwarder: Forwarder
+    policy: PolicyState
+    runs: RunStore
+
+
+class _Consumer:
+    """One stream's consumer: receives events, forwards ready groups, estimates and streams batches."""
+
+    def __init__(self, stages: _Stages, request: ExperienceRequest, deadline: Deadline, stats: StreamStats):
+        self._stages, self._request, self._deadline, self._stats = stages, request, deadline, stats
+        self._config: ExperienceConfig = request.config
+        self.inbox = Inbox()
+        self._handled: set[int] = set()  # prompt indices delivered to the trainer or reported dropped
+        self._batch_index = 0
+        self._resampled_reported = 0
+        self._local_state = _initial_state(self._config)
+        # prompt_overflow SKIP: reported like dynamic-sampling drops, with the first batch
+        self._skipped_unreported = request.skipped_prompt_indices
+        stats.dropped_groups += len(request.skipped_prompt_indices)
+        # forwards of samples whose groups are still generating (not with dynamic sampling: most groups may drop)
+        self._early = EarlyForwards() if request.config.dynamic_sampling is None else None
+
+    async def run(self) -> AsyncIterator[Experience]:
+        run = self._stages.producer.start(self._request, self._deadline)
+        try:
+            while True:
+                while not run.events.empty():
+                    self._receive(run.events.get_nowait(), run)
+                step = batcher.next_step(self.inbox, self._config)
+                if step is Step.DELIVER:
+                    groups = await self._take_batch(run)
+                    for part in self._estimate(groups) if groups else ():
+                        outward = self._in_request_indices(part)
+                        with metrics.stage_timer("stream"):  # how long the trainer takes to take it
+                            yield pack_experience(outward) if self._config.return_packed else outward
+                        self._delivered(part, run)
+                elif step is Step.FORWARD:
+                    await self._forward()
+                elif step is Step.FORWARD_EARLY:
+                    await self._forward_early()
+                elif step is Step.FINISH:
+                    break
+                else:
+                    self._receive(await run.events.get(), run)
+            if self.inbox.failure is not None:
+                raise self.inbox.failure
+        except FastexpError as error:  # a failed stream says which prompts to send again
+            request = self._request
+            undelivered = [request.source_index(i) for i in range(len(request.prompts)) if i not in self._handled]
+            self._stats.undelivered_prompt_indices = undelivered
+            raise StreamFailed(error, undelivered) from error
+        finally:
+            await run.close()
+
+    def _receive(self, event: Event, run: ProducerRun) -> None:
+        if isinstance(event, SampleFinished) and self._early is None:
+            return
+        self.inbox = batcher.receive(self.inbox, event)
+        if isinstance(event, Dropped | GroupFailed) and self._early is not None:
+            self._early.discard(event.prompt_index)
+        if isinstance(event, Dropped):
+            self._stats.dropped_groups += 1
+            run.release(1)
+        elif isinstance(event, RoundStarted):
+            self._stats.generation_rounds += 1
+        elif isinstance(event, GroupsResampled):
+            self._stats.resampled_groups += event.count
+        elif isinstance(event, GroupsRerouted):
+            self._stats.rerouted_groups += event.count
+        elif isinstance(event, GroupFailed):
+            self._stats.failed_groups.append(self._request.source_index(event.prompt_index))
+            run.release(1)
+            logger.warning("%s: prompt %d not delivered: %s", self._request.request_id, event.prompt_index, event.reason)
+
+    async def _forward(self) -> None:
+        forwarder, n = self._stages.forwarder, self._config.n_samples_per_prompt
+        groups, self.inbox = batcher.take_pending(self.inbox, forwarder.rows_per_pass(self._config), n)
+        forwarded = await forwarder.forward(groups, self._request, self._early)
+        if self._early is not None:
+            for group in groups:
+                self._early.discard(group.prompt_index)
+        self.inbox = batcher.add_forwarded(self.inbox, forwarded)
+
+    async def _forward_early(self) -> None:
+        """Forward finished samples of groups still generating (the engine is still decoding their siblings)."""
+        assert self._early is not None, "no SampleFinished events are kept without early forwards"
+        forwarder = self._stages.forwarder
+        samples, self.inbox = batcher.take_finished_samples(self.inbox, forwarder.rows_per_pass(self._config))
+        await forwarder.forward_samples(samples, self._request, self._early)
+
+    async def _take_batch(self, run: ProducerRun) -> tuple[ForwardedGroup, ...]:
+        """The next batch's groups; () when stale groups went back for resampling (or were given up after a
+        failure). With ``max_staleness`` s, waits for policy version v0 + b - s first (the trainer's update)."""
+        oldest = None
+        if self._config.max_staleness is not None:
+            oldest = run.start_version + self._batch_index - self._config.max_staleness
+            await self._stages.policy.wait_for_version(oldest, self._deadline)
+        take = batcher.take_batch(self.inbox, self._config, oldest)
+        self.inbox = take.inbox
+        if take.abandoned:
+            logger.warning("%s: %d stale groups not delivered after a failure",
+                           self._request.request_id, len(take.abandoned))
+            run.release(len(take.abandoned))
+        if take.resample:
+            run.resample([g.scored.prompt_index for g in take.resample])  # (their early rows went with them)
+            self._stats.resampled_groups += len(take.resample)
+            logger.info("%s: batch %d: %d groups older than version %d resampled",
+                        self._request.request_id, self._batch_index, len(take.resample), oldest)
+        return take.groups
+
+    def _estimate(self, groups: tuple[ForwardedGroup, ...]) -> list[Experience]:
+        """The batch (or, with rollout scope, the batches) of ``groups``, estimated with the run's state."""
+        config, runs = self._config, self._stages.runs
+        state = runs.get(config.run_id, _initial_state(config)) if config.run_id else self._local_state
+        dropped, self.inbox = batcher.reported_drops(self.inbox)
+        with metrics.stage_timer("advantages"):
+            batch = self._stages.forwarder.assemble(groups, self._request)
+            experience, state = estimate_experience(
+                batch.rollout, batch.rewards, batch.reward_metrics, batch.forward, config, state,
+                self._batch_index, dropped,
+            )
+        _observe_distributions(experience)
+        if config.run_id:
+            runs.put(config.run_id, state)
+        else:
+            self._local_state = state
+        self._handled.update(dropped)
+        experience = experience._replace(
+            actor_policy_version=min(g.actor_version for g in groups),
+            resampled_groups=self._stats.resampled_groups - self._resampled_reported,
+        )
+        self._resampled_reported = self._stats.resampled_groups
+        parts = split_experience(experience, config.groups_per_batch * config.n_samples_per_prompt)
+        self._batch_index += len(parts)
+        return parts
+
+    def _in_request_indices(self, part: Experience) -> Experience:
+        """``part`` with prompt indices into the request's message (they differ once SKIP left prompts out), and
+        the skipped prompts with the first batch's drops."""
+        request = self._request
+        if not request.skipped_prompt_indices:
+            return part
+        skipped, self._skipped_unreported = self._skipped_unreported, ()
+        return part._replace(
+            prompt_index=tuple(request.source_index(i) for i in part.prompt_index),
+            dropped_prompt_indices=(*skipped, *(request.source_index(i) for i in part.dropped_prompt_indices)),
+        )
+
+    def _delivered(self, part: Experience, run: ProducerRun) -> None:
+        metrics.EXPERIENCE_SAMPLES.inc(len(part.reward))
+        self._handled.update(part.prompt_index)
+        run.release(len(part.reward) // self._config.n_samples_per_prompt)
+
+
+def _observe_distributions(experience: Experience) -> None:
+    """Each row's reward and mean per-token KL (nats, over ``action_mask``) into their histograms."""
+    for reward in experience.reward.tolist():
+        if math.isfinite(reward):  # a NaN would poison the histogram's sum for good
+            metrics.REWARD.observe(reward)
+    if experience.kl is None:  # no reference ran
+        return
+    mask = experience.action_mask.float()
+    for row_kl in ((experience.kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).tolist():
+        if math.isfinite(row_kl):
+            metrics.KL_NATS.observe(row_kl)
+
+
+def _initial_state(config: ExperienceConfig) -> RunState:
+    kl = config.kl
+    return RunState(RunningMoments(), KLController(kl.kl_coef, kl.kl_target, kl.kl_horizon))
