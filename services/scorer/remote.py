@@ -15,7 +15,10 @@ and dropped past ``max_response_bytes``.
 Faults, per batch: timeouts, connection errors and HTTP 5xx are retried with capped exponential backoff and jitter
 (stamina) up to ``max_attempts`` tries; HTTP 4xx is not retried; a body that is not JSON, has no ``rewards``
 list, the wrong number of rewards, or more than ``max_response_bytes`` fails the batch's items; a reward that is null, NaN or ±inf fails that item.
-Every error names the source and the URL. At most ``max_concurrency`` requests are in flight per endpoint.
+Every error names the source and the URL. At most ``max_concurrency`` requests are in flight per endpoint, at most
+``requests_per_minute`` start per minute (more wait within the caller's deadline), and a circuit breaker
+(``breaker``) refuses requests while the endpoint is down, failing the items at once with the breaker named
+(:mod:`services.scorer.gateway`). Cancelling ``score`` closes its requests.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from services.common.deadlines import Deadline
 from services.common.errors import UpstreamTimeout
 from services.common.metrics import REMOTE_REWARD_FAILURES, REMOTE_REWARD_REQUESTS, REMOTE_REWARD_RETRIES
 from services.scorer.config import RemoteConfig
+from services.scorer.gateway.breaker import Breaker, BreakerOpen
+from services.scorer.gateway.config import BudgetConfig
+from services.scorer.gateway.guard import Gateway
 from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked_rewards
 
 logger = logging.getLogger(__name__)
@@ -111,7 +117,13 @@ class RemoteScorer:
         self._config = config
         self._where = f"{config.name} ({config.url})"
         self._client: httpx.AsyncClient | None = None
-        self._slots = asyncio.Semaphore(config.max_concurrency)
+        budget = BudgetConfig(max_concurrency=config.max_concurrency, requests_per_minute=config.requests_per_minute)
+        self._gateway = Gateway(config.name, budget, config.breaker, failures=(httpx.TransportError, _ServerError))
+
+    @property
+    def breaker(self) -> Breaker:
+        """This endpoint's circuit breaker (its one owner is this source)."""
+        return self._gateway.breaker
 
     async def start(self) -> None:
         """Open the connection pool (the endpoint is not contacted: it may start after the scorer)."""
@@ -158,11 +170,14 @@ class RemoteScorer:
             payload["videos"] = [[[_base64(frame) for frame in video] for video in item.videos] for item in items]
         try:
             response = await self._post(payload, deadline)
-        except UpstreamTimeout:
-            return SourceScores.all_failed(n, f"{self._where}: the caller's deadline passed before an answer")
+        except BreakerOpen as error:
+            return SourceScores.all_failed(n, f"{self._where}: {error}")
+        except UpstreamTimeout as error:
+            return SourceScores.all_failed(n, f"{self._where}: the caller's deadline passed before an answer ({error})")
         except (httpx.TransportError, _ServerError) as error:
             reason = str(error) or type(error).__name__
-            return SourceScores.all_failed(n, f"{self._where}: {reason} (after {self._config.max_attempts} tries)")
+            return SourceScores.all_failed(n, f"{self._where}: {reason} (after {self._config.max_attempts} "
+                                              f"tries; {self._gateway.describe()})")
         except _TooLarge as error:
             return SourceScores.all_failed(n, f"{self._where}: {error}")
         if response.is_client_error:
@@ -189,24 +204,29 @@ class RemoteScorer:
             wait_initial=config.backoff_initial_s,
             wait_max=config.backoff_max_s,
         )
-        requests = REMOTE_REWARD_REQUESTS
         async for attempt in retries:
             with attempt:
                 if attempt.num > 1:
                     REMOTE_REWARD_RETRIES.labels(config.name).inc()
-                try:
-                    async with self._slots:
-                        response = await self._exchange(payload, deadline.timeout(config.timeout_s))
-                except httpx.TimeoutException:
-                    requests.labels(config.name, "timeout").inc()
-                    raise
-                except httpx.TransportError:
-                    requests.labels(config.name, "error").inc()
-                    raise
-                requests.labels(config.name, "error" if response.is_error else "ok").inc()
-                if response.is_server_error:
-                    logger.warning("%s: HTTP %d (try %d)", self._where, response.status_code, attempt.num)
-                    raise _ServerError(f"HTTP {response.status_code}: {response.text[:200]}")
+                async with self._gateway.attempt(0, deadline):
+                    response = await self._try(payload, deadline, attempt.num)
+        return response
+
+    async def _try(self, payload: dict, deadline: Deadline, number: int) -> _Reply:
+        """One POST, counted. Raises: httpx.TransportError, _ServerError (5xx), _TooLarge, UpstreamTimeout."""
+        config, requests = self._config, REMOTE_REWARD_REQUESTS
+        try:
+            response = await self._exchange(payload, deadline.timeout(config.timeout_s))
+        except httpx.TimeoutException:
+            requests.labels(config.name, "timeout").inc()
+            raise
+        except httpx.TransportError:
+            requests.labels(config.name, "error").inc()
+            raise
+        requests.labels(config.name, "error" if response.is_error else "ok").inc()
+        if response.is_server_error:
+            logger.warning("%s: HTTP %d (try %d)", self._where, response.status_code, number)
+            raise _ServerError(f"HTTP {response.status_code}: {response.text[:200]}")
         return response
 
     async def _exchange(self, payload: dict, timeout_s: float) -> _Reply:

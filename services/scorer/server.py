@@ -1,18 +1,26 @@
 """Scorer service entry: build the reward sources and environments from settings, serve ``fastexp.v1.ScoringService``
-and ``fastexp.v1.EnvironmentService``."""
+and ``fastexp.v1.EnvironmentService``.
+
+Health: the overall status and each service's follow the sources' start; each networked source (remote, judge) also
+has its own health service name, ``fastexp.v1.ScoringService/<source>``, SERVING while its circuit breaker is
+closed and NOT_SERVING while it is open or half-open (the scorer keeps serving the other sources).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from fastexp.v1 import environment_pb2, environment_pb2_grpc, scoring_pb2, scoring_pb2_grpc
 from services.common.server import RunningServer, run_service, serving, start_service
 from services.scorer.composition import ConfigError, RewardComposer, build_composer
 from services.scorer.environment_servicer import EnvironmentServicer
 from services.scorer.environments import EnvironmentContext, EnvironmentHost, load_specs
+from services.scorer.gateway.breaker import BreakerStatus
 from services.scorer.sandbox import build_sandbox
 from services.scorer.servicer import ScoringServicer
 from services.scorer.settings import ScorerSettings
@@ -84,9 +92,34 @@ async def start_scorer(settings: ScorerSettings, scorer: ScorerCore | RewardComp
         await running.server.stop(0)
         raise
     await running.set_serving(True)
+    await _report_breakers(running, core.composer)
     logger.info("scorer serving on %s:%d (sources: %s; environments: %s)", settings.host, running.port,
                 ", ".join(core.composer.source_names), ", ".join(core.environments.names))
     return running
+
+
+def breaker_health_name(source: str) -> str:
+    """The health service name that reports ``source``'s circuit breaker (module docs)."""
+    return f"{SERVICE_NAME}/{source}"
+
+
+async def _report_breakers(running: RunningServer, composer: RewardComposer) -> None:
+    """Publish each breaker's state as its source's health status now and on every change."""
+    pending: set[asyncio.Task] = set()
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    for name, breaker in composer.breakers().items():
+        service = breaker_health_name(name)
+        await running.health.set(service, serving if breaker.state.status is BreakerStatus.CLOSED else not_serving)
+
+        def changed(status: BreakerStatus, service: str = service) -> None:
+            task = asyncio.get_running_loop().create_task(
+                running.health.set(service, serving if status is BreakerStatus.CLOSED else not_serving)
+            )
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+        breaker.listen(changed)
 
 
 def serve(settings: ScorerSettings) -> None:

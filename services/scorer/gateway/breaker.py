@@ -1,0 +1,162 @@
+"""A circuit breaker per networked reward source: a pure state machine (immutable :class:`BreakerState`, pure
+transition functions) and one owner per source (:class:`Breaker`) that keeps the state, its gauge and its log.
+
+Why not a library: ``circuitbreaker`` and ``pybreaker`` decide by exception types around a wrapped function and keep
+no bound on half-open calls, ``aiobreaker`` has had no release since 2021. Here the caller decides what a failure is
+(a verdict that does not parse is the judge's answer, not an outage), a cancelled call counts neither way, at most
+``half_open_probes`` calls are let through while half-open, and the state is a record that metrics, health and
+error messages read.
+
+States: CLOSED (calls pass; consecutive failures counted) -> OPEN after ``failure_threshold`` of them (calls
+refused) -> HALF_OPEN once ``open_s`` seconds have passed (up to ``half_open_probes`` calls pass) -> CLOSED on a
+probe's success, OPEN again on its failure. Times are seconds on the monotonic clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from services.common.metrics import SOURCE_BREAKER_STATE
+from services.scorer.gateway.config import BreakerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class BreakerStatus(enum.Enum):
+    """The breaker's state; ``value`` is what the ``fastexp_reward_source_breaker_state`` gauge shows."""
+
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+@dataclass(frozen=True)
+class BreakerState:
+    """Where a breaker is: its status, consecutive failures, when it opened (monotonic s), probes in flight."""
+
+    status: BreakerStatus = BreakerStatus.CLOSED
+    failures: int = 0
+    opened_at: float = 0.0
+    probes: int = 0
+    last_error: str = ""
+
+
+def admit(state: BreakerState, now: float, config: BreakerConfig) -> tuple[bool, BreakerState]:
+    """Whether a call may start now, and the state after admitting it (a half-open probe is counted)."""
+    if not config.enabled or state.status is BreakerStatus.CLOSED:
+        return True, state
+    if state.status is BreakerStatus.OPEN:
+        if now - state.opened_at < config.open_s:
+            return False, state
+        return True, replace(state, status=BreakerStatus.HALF_OPEN, probes=1)
+    if state.probes < config.half_open_probes:
+        return True, replace(state, probes=state.probes + 1)
+    return False, state
+
+
+def succeeded(state: BreakerState) -> BreakerState:
+    """After a call that got an answer: closed, no failures counted."""
+    return BreakerState()
+
+
+def failed(state: BreakerState, now: float, config: BreakerConfig, error: str) -> BreakerState:
+    """After a call that failed (timeout, connection error, 5xx): opens at the threshold, or on a failed probe."""
+    failures = state.failures + 1
+    if state.status is BreakerStatus.HALF_OPEN or (
+        state.status is BreakerStatus.CLOSED and failures >= config.failure_threshold
+    ):
+        return BreakerState(BreakerStatus.OPEN, failures, now, 0, error)
+    return replace(state, failures=failures, last_error=error)
+
+
+def abandoned(state: BreakerState) -> BreakerState:
+    """After a call that ended without an outcome (cancelled, or its deadline passed while it queued): a half-open
+    probe's place is freed; nothing is counted."""
+    if state.status is BreakerStatus.HALF_OPEN:
+        return replace(state, probes=max(0, state.probes - 1))
+    return state
+
+
+def describe(state: BreakerState, now: float, config: BreakerConfig) -> str:
+    """One line for errors and logs, e.g. ``circuit breaker open (5 consecutive failures; next probe in 12.0 s;
+    last: ...)``."""
+    if state.status is BreakerStatus.CLOSED:
+        return f"circuit breaker closed ({state.failures} consecutive failures of {config.failure_threshold})"
+    if state.status is BreakerStatus.HALF_OPEN:
+        return f"circuit breaker half-open ({state.probes} probe(s) in flight; last: {state.last_error})"
+    wait = max(0.0, config.open_s - (now - state.opened_at))
+    return (f"circuit breaker open ({state.failures} consecutive failures; next probe in {wait:.1f} s; "
+            f"last: {state.last_error})")
+
+
+class BreakerOpen(Exception):
+    """A call was refused: the source's breaker is open (or half-open with its probes in flight). The message names
+    the breaker, its failures and the last error."""
+
+
+class Breaker:
+    """The one owner of a source's :class:`BreakerState`: admits calls, records outcomes, sets the state gauge,
+    logs transitions and tells listeners (health) of each status change.
+
+    Args:
+        name: the source (the gauge's label).
+        clock: monotonic seconds (tests may pass their own).
+    """
+
+    def __init__(self, name: str, config: BreakerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self._config = config
+        self._clock = clock
+        self._state = BreakerState()
+        self._listeners: list[Callable[[BreakerStatus], None]] = []
+        SOURCE_BREAKER_STATE.labels(name).set(BreakerStatus.CLOSED.value)
+
+    @property
+    def state(self) -> BreakerState:
+        """The current state (an immutable record)."""
+        return self._state
+
+    def listen(self, listener: Callable[[BreakerStatus], None]) -> None:
+        """Call ``listener(status)`` on every status change from now on (on the event loop's thread)."""
+        self._listeners.append(listener)
+
+    def admit(self) -> None:
+        """Let one call start.
+
+        Raises:
+            BreakerOpen: the breaker refuses calls now; the message describes it.
+        """
+        allowed, state = admit(self._state, self._clock(), self._config)
+        self._set(state)
+        if not allowed:
+            raise BreakerOpen(self.describe())
+
+    def succeeded(self) -> None:
+        """The admitted call got an answer."""
+        self._set(succeeded(self._state))
+
+    def failed(self, error: str) -> None:
+        """The admitted call failed (the endpoint is down, slow or erroring)."""
+        self._set(failed(self._state, self._clock(), self._config, error))
+
+    def abandoned(self) -> None:
+        """The admitted call ended without an outcome (cancelled)."""
+        self._set(abandoned(self._state))
+
+    def describe(self) -> str:
+        """The state in one line (see :func:`describe`)."""
+        return describe(self._state, self._clock(), self._config)
+
+    def _set(self, state: BreakerState) -> None:
+        before, self._state = self._state.status, state
+        if state.status is before:
+            return
+        SOURCE_BREAKER_STATE.labels(self.name).set(state.status.value)
+        log = logger.warning if state.status is BreakerStatus.OPEN else logger.info
+        log("%s: %s", self.name, self.describe())
+        for listener in self._listeners:
+            listener(state.status)

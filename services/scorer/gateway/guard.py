@@ -1,0 +1,124 @@
+"""The path of every outbound call of a networked source: breaker -> budget -> the call -> outcome recorded.
+
+:class:`Gateway` is owned by one source. ``async with gateway.attempt(tokens, deadline):`` wraps one try: it is
+refused at once while the breaker is open (:class:`~.breaker.BreakerOpen`), queues for the budget within the
+deadline (:class:`~.budgets.BudgetTimeout`), and records what the block's end says: a normal exit is a success, an
+exception of the source's ``failures`` kinds a failure (the breaker counts it), a cancellation or anything else no
+outcome. :meth:`Gateway.call` adds retries (stamina, capped exponential backoff with jitter) within the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import stamina
+
+from services.common.deadlines import Deadline
+from services.common.errors import UpstreamTimeout
+from services.common.metrics import SOURCE_CALL_SECONDS, SOURCE_CALLS, SOURCE_IN_FLIGHT
+from services.scorer.gateway.breaker import Breaker, BreakerOpen
+from services.scorer.gateway.budgets import Budget, BudgetTimeout
+from services.scorer.gateway.config import BreakerConfig, BudgetConfig
+
+T = TypeVar("T")
+
+
+class SourceUnavailable(Exception):
+    """The endpoint did not answer usefully: timeout, connection error, 5xx (retried; counts against the breaker).
+    ``timeout`` says which outcome the metrics record."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+class SourceRejected(Exception):
+    """The endpoint answered but refused the call (HTTP 4xx other than 429): not retried, not an outage."""
+
+
+class Gateway:
+    """One source's breaker and budget, and its call metrics (module docs).
+
+    Args:
+        name: the source (metric label, error prefix).
+        failures: exception kinds that count as the endpoint failing (besides :class:`SourceUnavailable`).
+    """
+
+    def __init__(self, name: str, budget: BudgetConfig, breaker: BreakerConfig,
+                 failures: tuple[type[BaseException], ...] = ()) -> None:
+        self.name = name
+        self.breaker = Breaker(name, breaker)
+        self.budget = Budget(name, budget)
+        self._failures = (SourceUnavailable, *failures)
+
+    @contextlib.asynccontextmanager
+    async def attempt(self, tokens: int, deadline: Deadline) -> AsyncIterator[None]:
+        """One try of one call (module docs).
+
+        Raises:
+            BreakerOpen: refused (nothing was sent). BudgetTimeout: the deadline passed in the queue.
+        """
+        calls = SOURCE_CALLS
+        try:
+            self.breaker.admit()
+        except BreakerOpen:
+            calls.labels(self.name, "breaker_open").inc()
+            raise
+        try:
+            async with self.budget.slot(tokens, deadline):
+                started = time.perf_counter()
+                SOURCE_IN_FLIGHT.labels(self.name).inc()
+                try:
+                    yield
+                finally:
+                    SOURCE_IN_FLIGHT.labels(self.name).dec()
+                    SOURCE_CALL_SECONDS.labels(self.name).observe(time.perf_counter() - started)
+        except UpstreamTimeout as error:  # before sending: queued past the deadline, or too little of it left
+            self.breaker.abandoned()
+            calls.labels(self.name, "budget_timeout" if isinstance(error, BudgetTimeout) else "timeout").inc()
+            raise
+        except asyncio.CancelledError:
+            self.breaker.abandoned()
+            calls.labels(self.name, "cancelled").inc()
+            raise
+        except self._failures as error:
+            self.breaker.failed(str(error) or type(error).__name__)
+            timeout = getattr(error, "timeout", False) or "Timeout" in type(error).__name__
+            calls.labels(self.name, "timeout" if timeout else "error").inc()
+            raise
+        except SourceRejected:
+            self.breaker.succeeded()  # it answered: up, but said no
+            calls.labels(self.name, "rejected").inc()
+            raise
+        except BaseException:
+            self.breaker.abandoned()
+            calls.labels(self.name, "error").inc()
+            raise
+        self.breaker.succeeded()
+        calls.labels(self.name, "ok").inc()
+
+    async def call(self, send: Callable[[], Awaitable[T]], *, tokens: int, deadline: Deadline, max_attempts: int,
+                   backoff_initial_s: float, backoff_max_s: float) -> T:
+        """``await send()`` through :meth:`attempt`, retried on :class:`SourceUnavailable` up to ``max_attempts``
+        tries while the deadline allows (``send`` takes its own timeout from the deadline).
+
+        Raises:
+            SourceUnavailable: the last try failed. BreakerOpen, BudgetTimeout: see :meth:`attempt` (not retried).
+        """
+        retries = stamina.retry_context(
+            on=SourceUnavailable, attempts=max_attempts, timeout=deadline.remaining(),
+            wait_initial=backoff_initial_s, wait_max=backoff_max_s,
+        )
+        async for attempt in retries:
+            with attempt:
+                async with self.attempt(tokens, deadline):
+                    result = await send()
+        return result
+
+    def describe(self) -> str:
+        """The breaker's state in one line, for error messages."""
+        return self.breaker.describe()

@@ -1,0 +1,174 @@
+"""The judge's and the gateway's pure parts: verdict parsing (garbage included), templates, reward mapping, breaker
+transitions, cache keys, budgets' admission, and the configuration's errors naming their fields."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from services.common.deadlines import Deadline
+from services.scorer.gateway.breaker import (
+    BreakerOpen,
+    BreakerState,
+    BreakerStatus,
+    abandoned,
+    admit,
+    failed,
+    succeeded,
+)
+from services.scorer.gateway.budgets import Budget, BudgetTimeout
+from services.scorer.gateway.cache import CachedReward, LocalCache, cache_key, fingerprint
+from services.scorer.gateway.config import BreakerConfig, BudgetConfig, CacheConfig
+from services.scorer.gateway.guard import Gateway, SourceUnavailable
+from services.scorer.judges.config import JudgeConfig, VerdictConfig
+from services.scorer.judges.verdicts import parse_number, parse_verdict, render, to_reward, yes_probability
+from services.scorer.settings import ScorerSettings
+
+BOXED, JSON = VerdictConfig(kind="boxed"), VerdictConfig(kind="json", field="verdict.score")
+REGEX = VerdictConfig(kind="regex", pattern=r"Score:\s*(\S+)")
+YES_NO = VerdictConfig(kind="yes_no")
+
+
+@pytest.mark.parametrize("text,score", [
+    ("so \\boxed{7}", 7.0), ("\\boxed{1} then \\boxed{ 0.25 }", 0.25), ("\\boxed{3/4}", 0.75),
+    ("\\boxed{80\\%}", 0.8), ("\\boxed{-2e1}", -20.0),
+])
+def test_boxed_verdicts_read_the_last_box(text, score):
+    assert parse_verdict(text, BOXED).score == pytest.approx(score)
+
+
+@pytest.mark.parametrize("text,why", [
+    ("no box at all", "no \\boxed{}"), ("\\boxed{seven}", "'seven' is not a number"), ("\\boxed{7", "no \\boxed{}"),
+    ("\\boxed{nan}", "not a number"), ("\\boxed{1/0}", "not a number"), ("", "no \\boxed{}"),
+    ("\\boxed{\\frac{1}{2}}", "not a number"),
+])
+def test_garbage_is_an_error_quoting_the_answer_never_a_number(text, why):
+    verdict = parse_verdict(text, BOXED)
+    assert verdict.score is None and why in verdict.error and repr(text[:20])[1:-1] in verdict.error
+
+
+def test_regex_and_json_verdicts():
+    assert parse_verdict("Reasoning... Score: 9", REGEX).score == 9.0
+    assert "no match" in parse_verdict("Score 9", REGEX).error
+    assert parse_verdict('```json\n{"verdict": {"score": 4}}\n```', JSON).score == 4.0
+    assert parse_verdict('{"verdict": {"score": "0.5"}} and {"other": 1}', JSON).score == 0.5
+    assert parse_verdict('{"verdict": {"score": true}}', JSON).score == 1.0
+    assert "no JSON object" in parse_verdict('{"verdict": {"score": null}}', JSON).error
+    assert "no JSON object" in parse_verdict("{not json", JSON).error
+
+
+def test_yes_no_is_the_probability_ratio_of_yes_and_no_tokens():
+    lp = {" Yes": math.log(0.6), "No": math.log(0.2), "Maybe": math.log(0.2)}
+    assert yes_probability(lp, ("Yes",), ("No",)) == pytest.approx(0.75)  # 0.6 / (0.6 + 0.2)
+    assert parse_verdict("Yes", YES_NO, lp).score == pytest.approx(0.75)
+    assert parse_verdict("Yes", YES_NO, {"Yes": 0.0}).score == 1.0  # "No" not among the candidates: 0
+    assert "no log-probs" in parse_verdict("Yes", YES_NO, None).error
+    assert "neither yes nor no" in parse_verdict("Perhaps", YES_NO, {"Perhaps": 0.0}).error
+
+
+def test_templates_fill_known_fields_and_keep_other_braces():
+    text = render("Q: {prompt}\nA: {response}\nRef: {reference} [{label}] \\boxed{score} {x}",
+                  {"prompt": "1+1?", "response": "2", "reference": "2", "label": "math"})
+    assert text == "Q: 1+1?\nA: 2\nRef: 2 [math] \\boxed{score} {x}"
+    assert parse_number("12%") == 0.12 and parse_number("1,000") is None
+
+
+def test_scores_map_linearly_and_out_of_range_is_none():
+    assert to_reward(7, (0, 10), (0, 1)) == pytest.approx(0.7)
+    assert to_reward(0, (0, 10), (-1, 1)) == -1 and to_reward(10, (0, 10), (-1, 1)) == 1
+    assert to_reward(11, (0, 10), (0, 1)) is None and to_reward(-0.1, (0, 10), (0, 1)) is None
+
+
+def test_breaker_opens_after_consecutive_failures_probes_half_open_and_closes_on_success():
+    config = BreakerConfig(failure_threshold=2, open_s=10, half_open_probes=1)
+    state = failed(BreakerState(), 0.0, config, "down")
+    assert state.status is BreakerStatus.CLOSED and succeeded(state) == BreakerState()  # success resets the count
+    state = failed(state, 1.0, config, "down")
+    assert state.status is BreakerStatus.OPEN and state.opened_at == 1.0
+    assert admit(state, 10.9, config) == (False, state)  # still open
+    allowed, probing = admit(state, 11.0, config)
+    assert allowed and probing.status is BreakerStatus.HALF_OPEN and probing.probes == 1
+    assert admit(probing, 11.0, config)[0] is False  # one probe at a time
+    assert abandoned(probing).probes == 0  # a cancelled probe frees its place
+    reopened = failed(probing, 12.0, config, "still down")
+    assert reopened.status is BreakerStatus.OPEN and reopened.opened_at == 12.0
+    assert succeeded(probing).status is BreakerStatus.CLOSED
+    assert admit(reopened, 12.0, BreakerConfig(enabled=False))[0]
+
+
+def test_cache_keys_change_with_every_part_and_the_reward_deciding_configuration():
+    judge = JudgeConfig(name="a", backend="openai", url="http://j/v1", template="{response}")
+    base = fingerprint(judge)
+    assert fingerprint(judge.model_copy(update={"name": "b", "timeout_s": 5.0, "budget": BudgetConfig()})) == base
+    assert fingerprint(judge.model_copy(update={"template": "{response}!"})) != base
+    assert fingerprint(judge, "v2") != base
+    keys = {cache_key(base, *parts) for parts in
+            [("p", "r", "ref", "l"), ("p", "r", "ref", ""), ("p", "r", "", "l"), ("p", "", "ref", "l"),
+             ("", "r", "ref", "l"), ("pr", "", "ref", "l")]}
+    assert len(keys) == 6
+
+
+async def test_local_cache_is_bounded_lru():
+    cache = LocalCache(CacheConfig(max_entries=2))
+    await cache.put_many({"a": CachedReward(1.0, {}), "b": CachedReward(2.0, {})})
+    assert (await cache.get_many(["a"]))[0].reward == 1.0  # "a" used: "b" is least recent
+    await cache.put_many({"c": CachedReward(3.0, {"m": 0.5})})
+    assert [e and e.reward for e in await cache.get_many(["a", "b", "c"])] == [1.0, None, 3.0]
+    assert CachedReward.from_json(CachedReward(3.0, {"m": 0.5}).to_json()) == CachedReward(3.0, {"m": 0.5})
+    assert CachedReward.from_json(b"garbage") is None
+
+
+async def test_budgets_admit_what_the_buckets_hold_and_queue_the_rest_within_the_deadline():
+    """Rates refill over a minute, so within a 1 s deadline exactly the bucket's size is admitted."""
+    requests = Budget("rpm", BudgetConfig(max_concurrency=8, requests_per_minute=4))
+    tokens = Budget("tpm", BudgetConfig(max_concurrency=8, tokens_per_minute=100))
+
+    async def take(budget: Budget, amount: int) -> bool:
+        try:
+            async with budget.slot(amount, Deadline.from_remaining(1.0)):
+                return True
+        except BudgetTimeout as error:
+            assert "queued for the budget" in str(error)
+            return False
+
+    assert sum(await asyncio.gather(*(take(requests, 1) for _ in range(6)))) == 4
+    assert sum(await asyncio.gather(*(take(tokens, 40) for _ in range(4)))) == 2  # 80 of 100 tokens; 120 > 100
+
+
+async def test_gateway_fails_fast_with_the_breaker_named_once_open():
+    gateway = Gateway("judge", BudgetConfig(), BreakerConfig(failure_threshold=2, open_s=60))
+    calls = []
+
+    async def down() -> None:
+        calls.append(1)
+        raise SourceUnavailable("connection refused")
+
+    for _ in range(2):
+        with pytest.raises(SourceUnavailable):
+            await gateway.call(down, tokens=1, deadline=Deadline(), max_attempts=1, backoff_initial_s=0.01,
+                               backoff_max_s=0.01)
+    with pytest.raises(BreakerOpen, match="circuit breaker open .2 consecutive failures.*connection refused"):
+        await gateway.call(down, tokens=1, deadline=Deadline(), max_attempts=3, backoff_initial_s=0.01,
+                           backoff_max_s=0.01)
+    assert len(calls) == 2  # the refused call never reached the endpoint
+
+
+def test_judge_configuration_errors_name_the_field():
+    def problems(**fields) -> str:
+        entry = {"type": "judge", "name": "j", "backend": "openai", "url": "http://j/v1", "template": "{response}"}
+        with pytest.raises(ValidationError) as caught:
+            ScorerSettings(sources=[{**entry, **fields}])
+        return str(caught.value)
+
+    assert "address: the generator backend needs host:port" in problems(backend="generator", url=None)
+    assert "template: must contain {response}" in problems(template="{prompt}")
+    assert "template: unknown field {respnse}" in problems(template="{response} {respnse}")
+    assert "verdict.pattern" in problems(verdict={"kind": "regex"})
+    assert "verdict.field" in problems(verdict={"kind": "json"})
+    assert "yes_no needs" in problems(backend="generator", address="g:1", verdict={"kind": "yes_no"})
+    assert "score_range" in problems(score_range=[1, 1])
+    assert "budget.requests_per_minute" in problems(budget={"requests_per_minute": 0}).replace(".judge", "")
+    assert "cache.redis_url" in problems(cache={"redis_url": "http://x"}).replace(".judge", "")
