@@ -89,10 +89,6 @@ class _Ended:
     error: BaseException | None
 
 
-#: How often groups waiting for room (``max_samples_in_flight``) held by other streams look again (seconds).
-PLACE_RETRY_S = 0.1
-
-
 @dataclass(eq=False)
 class _Call:
     """One ``generate`` call's groups: pending (not placed), on a replica, whole (yielded)."""
@@ -208,9 +204,8 @@ class GeneratorFleet:
         try:
             self._dispatch(call)
             while call.unfinished:
-                try:
-                    event = await asyncio.wait_for(call.events.get(), None if not call.pending else PLACE_RETRY_S)
-                except TimeoutError:  # groups wait for room that other streams hold: look again
+                event = await self._next_event(call)
+                if event is None:  # groups wait for room that other streams hold, and the replicas changed
                     self._dispatch(call)
                     continue
                 if isinstance(event, _Record):
@@ -248,6 +243,20 @@ class GeneratorFleet:
             for stream in list(call.streams):
                 self._end(stream, call.streams)
 
+    async def _next_event(self, call: _Call) -> _Record | _Ended | None:
+        """The call's next event; ``None`` when, with groups waiting for room, the replicas changed first (a load
+        dropped, a replica began serving: :attr:`ReplicaSet.changes`), so they may be placed now."""
+        if not call.pending or not call.events.empty():
+            return await call.events.get()
+        changed = asyncio.ensure_future(self.members.changes.next().wait())
+        getting = asyncio.ensure_future(call.events.get())
+        try:
+            await asyncio.wait({changed, getting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+            getting.cancel()  # a get cancelled before it returned leaves its item in the queue
+        return getting.result() if getting.done() and not getting.cancelled() else None
+
     def _dispatch(self, call: _Call) -> None:
         """Place the call's pending groups on replicas with room and start one stream per replica used.
 
@@ -284,11 +293,8 @@ class GeneratorFleet:
                 prompts=tuple(request.prompts[i] for i in part),
                 media=tuple(request.media[i] for i in part) if request.media else (),
             )
-            for i in part:
-                replica.remember(call.works[i].prefix_key, self.members.settings.affinity_entries)
-            replica.outstanding_tokens += stream.reserved_tokens
-            replica.in_flight_samples += stream.samples_left
-            replica.streams.add(stream)
+            self.members.begin_work(replica, stream, stream.reserved_tokens, stream.samples_left,
+                                    [call.works[i].prefix_key for i in part])
             call.streams.add(stream)
             stream.task = asyncio.create_task(self._stream(stream, sub, call.events, call.deadline),
                                               name=sub.request_id)
@@ -313,24 +319,20 @@ class GeneratorFleet:
 
     def _account(self, stream: _SubStream, record: CompletionRecord) -> None:
         """One sample arrived from ``stream``'s replica: its reserved decode budget is done."""
-        replica = stream.replica
-        replica.in_flight_samples -= 1
         stream.samples_left -= 1
         release = min(stream.max_tokens, stream.reserved_tokens - stream.released_tokens)
         stream.released_tokens += release
-        replica.outstanding_tokens -= release
-        metrics.GENERATOR_REPLICA_TOKENS.labels(replica.address).inc(len(record.output_token_ids))
+        self.members.sample_done(stream.replica, release)
+        metrics.GENERATOR_REPLICA_TOKENS.labels(stream.replica.address).inc(len(record.output_token_ids))
 
     def _end(self, stream: _SubStream, streams: set[_SubStream]) -> None:
         """``stream`` is over: give back what it still held of its replica's load (once)."""
         if stream not in streams:
             return
         streams.discard(stream)
-        replica = stream.replica
-        replica.streams.discard(stream)
-        replica.outstanding_tokens -= stream.reserved_tokens - stream.released_tokens
+        self.members.end_work(stream.replica, stream, stream.reserved_tokens - stream.released_tokens,
+                              stream.samples_left)
         stream.released_tokens = stream.reserved_tokens
-        replica.in_flight_samples -= stream.samples_left
         stream.samples_left = 0
 
     def _reroutable(self, error: BaseException, deadline: Deadline) -> bool:
@@ -358,13 +360,10 @@ class GeneratorFleet:
             raise NotReady(f"no generator replica serves to apply the update: {self.members.describe()}")
         if version is None or version <= self.version:  # after a lone generator's direct update, numbers go on
             version = self.version + 1
-        self.members.pending_version = version
-        try:
+        with self.members.updating(version):
             results = await asyncio.gather(
                 *(r.client.update_weights(update, deadline, version) for r in targets), return_exceptions=True
             )
-        finally:
-            self.members.pending_version = None
         applied = [r for r, result in zip(targets, results, strict=True) if not isinstance(result, BaseException)]
         failed = [(r, result) for r, result in zip(targets, results, strict=True) if isinstance(result, BaseException)]
         if not applied:
@@ -372,13 +371,9 @@ class GeneratorFleet:
             if all(isinstance(error, InvalidRequest) for error in errors):
                 raise errors[0]
             for replica, error in failed:  # it may or may not have applied it: its next probe tells
-                replica.version = None
-                self.members.take_out(replica, ReplicaState.CONNECTING, f"weight update failed: {error}")
+                self.members.update_failed(replica, f"weight update failed: {error}")
             raise next((e for e in errors if isinstance(e, FastexpError)), errors[0])
-        for replica in applied:
-            replica.version = version
-        self.members.version = version
+        self.members.update_applied(applied, version)
         for replica, error in failed:
-            replica.version = None
-            self.members.take_out(replica, ReplicaState.CONNECTING, f"weight update to version {version} failed: {error}")
+            self.members.update_failed(replica, f"weight update to version {version} failed: {error}")
         return version

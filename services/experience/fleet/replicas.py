@@ -15,69 +15,43 @@
   sent the live weights by :attr:`ReplicaSet.weight_source` (the experience service's actor replica, which holds
   exactly the live version's weights) and gets work only then, so every completion's ``policy_version`` is true.
 
+One owner: only the set writes its :class:`~services.experience.fleet.replica_state.Replica` records. Probes,
+syncs, discovery and the fleet's calls (:meth:`ReplicaSet.take_out`, :meth:`ReplicaSet.begin_work` /
+:meth:`ReplicaSet.sample_done` / :meth:`ReplicaSet.end_work`, :meth:`ReplicaSet.update_applied` /
+:meth:`ReplicaSet.update_failed`) change them through checked state transitions
+(:data:`~services.experience.fleet.replica_state.TRANSITIONS`), and each change is announced on
+:attr:`ReplicaSet.changes`, so whoever waits for room or for a serving replica waits on it instead of polling.
+
 Routing, failover and updates over the set: :mod:`~services.experience.fleet.generator_fleet`. Nothing here imports grpc.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import enum
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from cachetools import LRUCache
 
 from services.common import metrics
-from services.common.deadlines import Deadline
 from services.common.errors import FastexpError
-from services.common.generation import CompletionRecord, GenerationRequest
-from services.common.weights import ReceivedUpdate
-from services.experience.fleet.readiness import GeneratorInfo, ProbeSettings, backoff_s
-
-if TYPE_CHECKING:
-    import torch
+from services.experience.fleet.readiness import ProbeSettings, backoff_s
+from services.experience.fleet.replica_state import (
+    Changes,
+    Replica,
+    ReplicaClient,
+    ReplicaState,
+    Stream,
+    WeightSource,
+    next_state,
+)
 
 logger = logging.getLogger(__name__)
 
 DNS_SCHEME = "dns:///"
-
-
-class Stream(Protocol):
-    """A fleet stream running on a replica: taking the replica out stops it (:meth:`stop`)."""
-
-    def stop(self, reason: str) -> None: ...
-
-
-class ReplicaClient(Protocol):
-    """One generator replica, as :class:`~services.experience.fleet.clients.GeneratorClient` reaches it."""
-
-    async def model_info(self, timeout_s: float) -> GeneratorInfo: ...
-
-    def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]: ...
-
-    async def update_weights(self, update: ReceivedUpdate, deadline: Deadline, version: int | None = None) -> int: ...
-
-    async def load_tensors(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], num_tensors: int, version: int, deadline: Deadline
-    ) -> int: ...
-
-    async def close(self) -> None: ...
-
-
-#: Sends the live policy's weights to a replica: ``source(client, version)`` with ``version()`` the version to
-#: label them with (read once no update is being applied); returns the version the replica serves afterwards.
-WeightSource = Callable[[ReplicaClient, Callable[[], int]], Awaitable[int]]
-
-
-class ReplicaState(enum.StrEnum):
-    CONNECTING = "connecting"  # not reached yet, or its version is unknown
-    SYNCING = "syncing"  # reached at another policy version: being sent the current weights
-    SERVING = "serving"  # reached at the fleet's version: gets work
-    DOWN = "down"  # stopped answering or failed: its work went elsewhere
-    DRAINING = "draining"  # left discovery: no new work, closed once idle
 
 
 @dataclass(frozen=True)
@@ -98,38 +72,6 @@ class FleetSettings:
     affinity_entries: int = 4096
     sync_timeout_s: float = 600.0
     max_samples_in_flight: int | None = None
-
-
-@dataclass(eq=False)
-class Replica:
-    """One replica's state as the fleet sees it (mutated only on the event loop)."""
-
-    address: str
-    client: ReplicaClient
-    state: ReplicaState = ReplicaState.CONNECTING
-    version: int | None = None  # the policy version it reported last (None: unknown)
-    info: GeneratorInfo | None = None
-    problem: str = "not reached yet"
-    failures: int = 0  # failed probes in a row
-    outstanding_tokens: int = 0  # routing's work estimate of what it runs for us
-    in_flight_samples: int = 0
-    streams: set[Stream] = field(default_factory=set)  # the fleet's streams running on it
-    prefixes: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
-    watcher: asyncio.Task[None] | None = None
-
-    def warm(self, key: str) -> bool:
-        return key in self.prefixes
-
-    def remember(self, key: str, limit: int) -> None:
-        self.prefixes[key] = None
-        self.prefixes.move_to_end(key)
-        while len(self.prefixes) > limit:
-            self.prefixes.popitem(last=False)
-
-    def describe(self) -> str:
-        version = "?" if self.version is None else self.version
-        detail = f": {self.problem}" if self.problem and self.state is not ReplicaState.SERVING else ""
-        return f"{self.address} ({self.state}, version {version}{detail})"
 
 
 async def resolve_targets(targets: Sequence[str]) -> list[str]:
@@ -157,7 +99,7 @@ async def resolve_targets(targets: Sequence[str]) -> list[str]:
 
 
 class ReplicaSet:
-    """The known replicas and the version they serve (module docs).
+    """The known replicas and the version they serve (module docs); the one writer of their records.
 
     ``connect(address)`` opens a replica's client; :meth:`run` keeps discovery and health going until cancelled.
     Set :attr:`weight_source` before :meth:`run` so that replicas at another version can be brought up to date.
@@ -174,13 +116,24 @@ class ReplicaSet:
             raise ValueError("a generator fleet needs at least one target address")
         self.targets = tuple(targets)
         self.weight_source: WeightSource | None = None
-        self.version: int | None = None  # the policy version the set serves (None: no replica reached yet)
-        self.pending_version: int | None = None  # set while an update is being applied
+        self.changes = Changes()  # set on every change of a replica's state, version or load
+        self._version: int | None = None
+        self._pending_version: int | None = None
         self._connect = connect
         self.settings = settings or FleetSettings()
         self._resolve = resolve
         self._replicas: dict[str, Replica] = {}
         self._discovery_problem = ""
+
+    @property
+    def version(self) -> int | None:
+        """The policy version the set serves (``None``: no replica reached yet)."""
+        return self._version
+
+    @property
+    def pending_version(self) -> int | None:
+        """The version an update being applied makes live (``None``: no update under way)."""
+        return self._pending_version
 
     @property
     def replicas(self) -> tuple[Replica, ...]:
@@ -192,9 +145,22 @@ class ReplicaSet:
         is applied, at the version it makes live)."""
         return (
             replica.state is ReplicaState.SERVING
-            and self.version is not None
-            and replica.version in (self.version, self.pending_version)
+            and self._version is not None
+            and replica.version in (self._version, self._pending_version)
         )
+
+    async def wait_routable(self, min_version: int | None = None) -> Replica:
+        """The first replica (by address) that gets work, at policy version ``min_version`` or later, once there
+        is one (bound the wait with ``asyncio.timeout``)."""
+
+        def found() -> Replica | None:
+            return next((r for r in self.replicas if self.routable(r) and r.version is not None
+                         and (min_version is None or r.version >= min_version)), None)
+
+        await self.changes.wait_until(lambda: found() is not None)
+        replica = found()
+        assert replica is not None
+        return replica
 
     def describe(self) -> str:
         """Each replica's address, state and version, in words (what readiness errors say)."""
@@ -202,6 +168,66 @@ class ReplicaSet:
             problem = f": {self._discovery_problem}" if self._discovery_problem else ""
             return f"no generator replica found at {', '.join(self.targets)}{problem}"
         return ", ".join(replica.describe() for replica in self.replicas)
+
+    def _move(self, replica: Replica, state: ReplicaState, problem: str | None = None) -> None:
+        """The one place a replica's state changes: checked against the transition table, then announced.
+
+        Raises:
+            InvalidTransition: ``replica`` cannot go from its state to ``state`` (a bug).
+        """
+        replica.state = next_state(replica.state, state)
+        if problem is not None:
+            replica.problem = problem
+        self.changes.notify()
+
+    # --- the fleet's work on a replica ------------------------------------------------------------------------
+
+    def begin_work(self, replica: Replica, stream: Stream, tokens: int, samples: int, prefixes: Iterable[str]) -> None:
+        """``stream`` starts on ``replica`` with ``samples`` samples and ``tokens`` of work (routing's estimate);
+        ``prefixes``: its prompts' affinity keys, remembered as warm there."""
+        if self.settings.affinity_entries > 0:
+            for key in prefixes:
+                replica.prefixes[key] = None
+        replica.outstanding_tokens += tokens
+        replica.in_flight_samples += samples
+        replica.streams.add(stream)
+
+    def sample_done(self, replica: Replica, tokens: int) -> None:
+        """One sample of a stream on ``replica`` arrived: ``tokens`` of its estimated work are done."""
+        replica.in_flight_samples -= 1
+        replica.outstanding_tokens -= tokens
+        self.changes.notify()
+
+    def end_work(self, replica: Replica, stream: Stream, tokens: int, samples: int) -> None:
+        """``stream`` is over on ``replica``: the ``tokens`` and ``samples`` it still held are given back."""
+        replica.streams.discard(stream)
+        replica.outstanding_tokens -= tokens
+        replica.in_flight_samples -= samples
+        self.changes.notify()
+
+    # --- policy updates ---------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def updating(self, version: int) -> Iterator[None]:
+        """While an update to ``version`` is applied, replicas already at it count as routable too."""
+        self._pending_version = version
+        try:
+            yield
+        finally:
+            self._pending_version = None
+            self.changes.notify()
+
+    def update_applied(self, replicas: Iterable[Replica], version: int) -> None:
+        """``replicas`` applied the update to ``version``, which is now the set's."""
+        for replica in replicas:
+            replica.version = version
+        self._version = version
+        self.changes.notify()
+
+    def update_failed(self, replica: Replica, reason: str) -> None:
+        """``replica`` failed an update: its version is unknown until its next probe (no work until then)."""
+        replica.version = None
+        self.take_out(replica, ReplicaState.CONNECTING, reason)
 
     # --- discovery and health -------------------------------------------------------------------------------
 
@@ -231,14 +257,14 @@ class ReplicaSet:
             if replica is None:
                 self._add(address)
             elif replica.state is ReplicaState.DRAINING:  # back before it was closed: watch it again
-                replica.state = ReplicaState.CONNECTING
+                self._move(replica, ReplicaState.CONNECTING)
                 replica.watcher = asyncio.create_task(self._watch(replica), name=f"generator-replica-{address}")
         for address in sorted(self._replicas.keys() - addresses):
             if self._replicas[address].state is not ReplicaState.DRAINING:
                 self._drain(self._replicas[address])
 
     def _add(self, address: str) -> None:
-        replica = Replica(address, self._connect(address))
+        replica = Replica(address, self._connect(address), prefixes=LRUCache(max(1, self.settings.affinity_entries)))
         self._replicas[address] = replica
         metrics.GENERATOR_REPLICA_UP.labels(address).set_function(lambda: float(self.routable(replica)))
         metrics.GENERATOR_REPLICA_IN_FLIGHT.labels(address).set_function(lambda: replica.in_flight_samples)
@@ -250,14 +276,13 @@ class ReplicaSet:
 
     def _drain(self, replica: Replica) -> None:
         logger.info("generator replica %s left discovery: draining %d streams", replica.address, len(replica.streams))
-        replica.state = ReplicaState.DRAINING
+        self._move(replica, ReplicaState.DRAINING)
         if replica.watcher is not None:
             replica.watcher.cancel()
         asyncio.create_task(self._close_when_idle(replica), name=f"drain-{replica.address}")
 
     async def _close_when_idle(self, replica: Replica) -> None:
-        while replica.streams and replica.state is ReplicaState.DRAINING:
-            await asyncio.sleep(0.5)
+        await self.changes.wait_until(lambda: not replica.streams or replica.state is not ReplicaState.DRAINING)
         if replica.state is not ReplicaState.DRAINING:
             return  # discovered again meanwhile: it stays
         del self._replicas[replica.address]
@@ -310,10 +335,11 @@ class ReplicaSet:
             return False
         replica.failures, replica.problem, replica.info = 0, "", info
         replica.version = info.policy_version
-        if self.version is None:
-            self.version = info.policy_version
+        self.changes.notify()  # its version may be the one waited for
+        if self._version is None:
+            self._version = info.policy_version
             logger.info("generator fleet serves policy version %d (first replica reached: %s)",
-                        self.version, replica.address)
+                        self._version, replica.address)
         if replica.version not in (self.version, self.pending_version) and self._updated_directly(replica):
             logger.warning(
                 "generator %s serves policy version %d, ahead of the %d live here: it was updated directly, not "
@@ -321,7 +347,7 @@ class ReplicaSet:
                 "action_log_probs follow those until the next update through this service)",
                 replica.address, replica.version, self.version,
             )
-            self.version = replica.version
+            self._version = replica.version
         if replica.version not in (self.version, self.pending_version):
             await self._sync(replica)
         elif replica.state is not ReplicaState.SERVING:
@@ -339,25 +365,23 @@ class ReplicaSet:
     async def _sync(self, replica: Replica) -> None:
         """Send ``replica`` the fleet's current weights; it serves once it has them."""
         if self.weight_source is None:
-            replica.state = ReplicaState.SYNCING
-            replica.problem = f"serves policy version {replica.version}, the fleet {self.version}; no weight source"
+            self._move(replica, ReplicaState.SYNCING,
+                       f"serves policy version {replica.version}, the fleet {self.version}; no weight source")
             return
-        replica.state = ReplicaState.SYNCING
+        self._move(replica, ReplicaState.SYNCING)
         logger.info("generator replica %s serves policy version %s, the fleet %s: sending it the current weights",
                     replica.address, replica.version, self.version)
         try:
             replica.version = await self.weight_source(replica.client, lambda: self.version)
         except FastexpError as error:
-            replica.problem = f"weight sync failed: {error}"
-            replica.state = ReplicaState.CONNECTING
+            self._move(replica, ReplicaState.CONNECTING, f"weight sync failed: {error}")
             logger.warning("weight sync of generator replica %s failed: %s", replica.address, error)
             return
         if replica.version == self.version:
             self._serve(replica)
 
     def _serve(self, replica: Replica) -> None:
-        replica.state = ReplicaState.SERVING
-        replica.problem = ""
+        self._move(replica, ReplicaState.SERVING, "")
         logger.info("generator replica %s serving at policy version %s", replica.address, replica.version)
 
     def take_out(self, replica: Replica, state: ReplicaState, reason: str) -> None:
@@ -365,8 +389,7 @@ class ReplicaSet:
         if replica.state is ReplicaState.DRAINING:
             state = ReplicaState.DRAINING
         was_serving = replica.state is ReplicaState.SERVING
-        replica.state = state
-        replica.problem = reason
+        self._move(replica, state, reason)
         if was_serving or replica.streams:
             logger.warning("generator replica %s taken out (%s): %s; %d streams rerouted",
                            replica.address, state, reason, len(replica.streams))
