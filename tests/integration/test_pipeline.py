@@ -296,7 +296,8 @@ async def test_samples_are_forwarded_before_their_group_completes_and_never_twic
     """Through the real fleet and generator service: the HF engine here samples 2 sequences per generate call, so
     a group of 4 finishes in two halves; the fleet announces the first half (SamplePreview) while it holds the
     group, the consumer forwards those rows while the rest decode, and the group's forward computes only the others.
-    Every row is forwarded once, with the same log-probs as one forward of the whole batch."""
+    Every row is forwarded once, with the same log-probs as one forward of the whole batch; some row is forwarded
+    before its group is scored (only a whole group is scored), in a pass holding only part of its group."""
     from services.experience.fleet.clients import GeneratorClient, open_channel
     from services.experience.fleet.generator_fleet import GeneratorFleet
     from services.experience.fleet.replicas import FleetSettings
@@ -309,13 +310,13 @@ async def test_samples_are_forwarded_before_their_group_completes_and_never_twic
     fleet = GeneratorFleet([address], lambda a: GeneratorClient(open_channel(a, 64 * 2**20), 60, 60, a),
                            FleetSettings())
     model = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
-    maker = ExperienceMaker(fleet, InProcessRuleScorer(), ForwardModels(model, model, None, micro_batch_size=8),
+    timeline: list[tuple[str, object]] = []  # ("forward", rows of one pass) and ("scored", prompt index), in order
+    maker = ExperienceMaker(fleet, ScoringRecorder(timeline), ForwardModels(model, model, None, micro_batch_size=8),
                             pad_token_id=2)
-    forwarded_rows: list[int] = []
     forward_rows = maker._forwarder._forward_rows
 
-    def recording(completions, request, threads):
-        forwarded_rows.append(len(completions))
+    def recording(completions, request, threads):  # (runs in the forwarder's worker thread; list.append is atomic)
+        timeline.append(("forward", tuple((c.prompt_index, c.sample_index) for c in completions)))
         return forward_rows(completions, request, threads)
 
     maker._forwarder._forward_rows = recording
@@ -332,8 +333,10 @@ async def test_samples_are_forwarded_before_their_group_completes_and_never_twic
     finally:
         watching.cancel()
         await server.stop(1)
-    assert sum(forwarded_rows) == 8  # every row exactly once
-    assert len([n for n in forwarded_rows if n]) >= 2 and max(forwarded_rows) < 8  # some before their group
+    passes = [rows for kind, rows in timeline if kind == "forward" and rows]
+    assert sorted(row for rows in passes for row in rows) == [(p, s) for p in range(2) for s in range(4)]  # once each
+    assert _forwarded_before_scoring(timeline), f"no row was forwarded before its group was scored: {timeline}"
+    assert any(0 < sum(p == prompt for p, _ in rows) < 4 for rows in passes for prompt in range(2))  # part of a group
     rollout = Rollout(experience.sequences, experience.attention_mask, experience.action_mask,
                       experience.response_length, experience.total_length, experience.prompt_index,
                       experience.sample_index, experience.prompt_texts, experience.response_texts,
@@ -341,3 +344,26 @@ async def test_samples_are_forwarded_before_their_group_completes_and_never_twic
     whole, _ = model.action_log_probs(chunks(rollout, 8, packed=False))
     mask = experience.action_mask
     assert torch.allclose(experience.action_log_probs[mask], whole[mask], atol=1e-5)
+
+
+class ScoringRecorder(InProcessRuleScorer):
+    """math-verify called directly, noting each group's scoring (its prompt index, from ``p<i>``) in ``timeline``."""
+
+    def __init__(self, timeline: list) -> None:
+        self._timeline = timeline
+
+    async def score(self, batch, deadline):
+        self._timeline.append(("scored", int(batch.prompts[0].removeprefix("p"))))
+        return await super().score(batch, deadline)
+
+
+def _forwarded_before_scoring(timeline: list) -> list[tuple[int, int]]:
+    """The rows of ``timeline``'s forward passes whose group had not been scored yet when the pass ran."""
+    scored: set[int] = set()
+    early = []
+    for kind, item in timeline:
+        if kind == "scored":
+            scored.add(item)
+        else:
+            early.extend(row for row in item if row[0] not in scored)
+    return early
