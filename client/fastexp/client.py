@@ -17,8 +17,10 @@ Multimodal prompts (a vision-language policy) give each prompt its images and/or
         n_samples_per_prompt=4,
     )
 
-Errors arrive as ``grpc.RpcError`` with the service's status code (INVALID_ARGUMENT names the field; when prompts
-are the cause, :func:`invalid_prompt_indices` lists every invalid one).
+Errors arrive as the domain error of the service's status code (:mod:`fastexp.status`: INVALID_ARGUMENT ->
+:class:`fastexp.errors.InvalidRequest`, naming the field; UNAVAILABLE -> ``NotReady``; ...), each also a
+``grpc.RpcError`` with ``code()``, ``details()`` and ``trailing_metadata()``; when prompts are the cause,
+:func:`invalid_prompt_indices` lists every invalid one.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastexp.channels import RECONNECT_BACKOFF_OPTIONS, message_options
+from fastexp.channels import client_channel, message_options
 from fastexp.critic import save_value_model
 from fastexp.packing import unpack_experience
 from fastexp.request import DEFAULT_SAMPLING, PromptLike, RequestOptions, Sampling, build_request, encode_image
-from fastexp.security import ClientTLS, bearer_metadata
+from fastexp.security import ClientTLS
+from fastexp.status import FAILED_KEY, INVALID_PROMPTS_KEY, UNDELIVERED_KEY, indices_in, stream_counters
 from fastexp.types import Experience, Target
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc
 from fastexp.weights import weight_chunks
@@ -67,8 +70,7 @@ class ExperienceClient:
         Raises:
             fastexp.security.SecurityConfigError: a TLS file is missing or empty.
         """
-        self._channel = _channel(address, message_options(max_message_bytes), tls)
-        self._metadata = bearer_metadata(token)
+        self._channel = client_channel(address, message_options(max_message_bytes), tls, token)
         self._stub = experience_pb2_grpc.ExperienceServiceStub(self._channel)
         self._timeout_s = timeout_s
         #: ``fastexp-*`` trailing metadata of the last finished stream as ints, e.g. ``dropped-groups``,
@@ -90,19 +92,15 @@ class ExperienceClient:
             grpc.RpcError: the call failed (INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
         """
         stream = self._stub.MakeExperiences(
-            build_request(prompts, options, **columns_and_overrides), timeout=self._timeout_s, metadata=self._metadata
+            build_request(prompts, options, **columns_and_overrides), timeout=self._timeout_s
         )
         self.last_stream_stats, self.last_failed_prompt_indices = {}, []
         try:
             for message in stream:
                 yield experience_from_pb(message)
-            trailers = dict(stream.trailing_metadata() or ())
-            self.last_stream_stats = {
-                key.removeprefix("fastexp-"): int(value)
-                for key, value in trailers.items() if key.startswith("fastexp-") and value.isdigit()
-            }
-            failed = trailers.get("fastexp-failed-prompt-indices", "")
-            self.last_failed_prompt_indices = [int(i) for i in failed.split(",")] if failed else []
+            trailers = stream.trailing_metadata()
+            self.last_stream_stats = stream_counters(trailers)
+            self.last_failed_prompt_indices = indices_in(trailers, FAILED_KEY) or []
         finally:
             stream.cancel()
 
@@ -133,7 +131,7 @@ class ExperienceClient:
         """
         return self._stub.UpdateWeights(
             weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target),
-            timeout=timeout_s, metadata=self._metadata,
+            timeout=timeout_s,
         )
 
     def offload_models(self, timeout_s: float = 600.0) -> experience_pb2.ModelPlacementResponse:
@@ -143,12 +141,11 @@ class ExperienceClient:
         Raises:
             grpc.RpcError: FAILED_PRECONDITION (streams open, already offloaded, models already in host memory).
         """
-        return self._stub.OffloadModels(experience_pb2.OffloadModelsRequest(), timeout=timeout_s,
-                                        metadata=self._metadata)
+        return self._stub.OffloadModels(experience_pb2.OffloadModelsRequest(), timeout=timeout_s)
 
     def reload_models(self, timeout_s: float = 600.0) -> experience_pb2.ModelPlacementResponse:
         """Move offloaded models back to their devices. Raises grpc.RpcError FAILED_PRECONDITION when not offloaded."""
-        return self._stub.ReloadModels(experience_pb2.ReloadModelsRequest(), timeout=timeout_s, metadata=self._metadata)
+        return self._stub.ReloadModels(experience_pb2.ReloadModelsRequest(), timeout=timeout_s)
 
     def wait_until_ready(self, timeout_s: float) -> None:
         """Block until the service reports SERVING over gRPC health: it has reached its generator and scorer
@@ -185,28 +182,14 @@ class ExperienceClient:
 def undelivered_prompt_indices(error: grpc.RpcError) -> list[int] | None:
     """The prompt indices a failed ``make_experiences`` stream did not deliver (what to send again), from the
     error's trailing metadata; ``None`` when the service did not say (e.g. the request was rejected outright)."""
-    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    for key, value in trailers or ():
-        if key == "fastexp-undelivered-prompt-indices":
-            return [int(i) for i in value.split(",") if i]
-    return None
+    return indices_in(error.trailing_metadata() if hasattr(error, "trailing_metadata") else None, UNDELIVERED_KEY)
 
 
 def invalid_prompt_indices(error: grpc.RpcError) -> list[int] | None:
     """The indices of every invalid prompt of a request refused with INVALID_ARGUMENT because of its prompts
     (trailing metadata ``fastexp-invalid-prompt-indices``); None when the error says nothing about prompts.
     Nothing of such a request was generated: send it again without these prompts."""
-    for key, value in error.trailing_metadata() or ():
-        if key == "fastexp-invalid-prompt-indices":
-            return [int(i) for i in value.split(",") if i]
-    return None
-
-
-def _channel(address: str, options: list[tuple[str, int | str]], tls: ClientTLS | None) -> grpc.Channel:
-    options = [*options, *RECONNECT_BACKOFF_OPTIONS]  # a service that comes up late is used within 2 s
-    if tls is None:
-        return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.options()])
+    return indices_in(error.trailing_metadata(), INVALID_PROMPTS_KEY)
 
 
 def update_generator_weights(
@@ -234,11 +217,10 @@ def update_generator_weights(
             another update runs, UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, PERMISSION_DENIED.
     """
     options = [("grpc.max_send_message_length", chunk_bytes + (1 << 20))]
-    with _channel(generator_address, options, tls) as channel:
+    with client_channel(generator_address, options, tls, token) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         response = stub.UpdateWeights(
             weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir), timeout=timeout_s,
-            metadata=bearer_metadata(token),
         )
     return response.policy_version
 
@@ -252,9 +234,9 @@ def sleep_generator(generator_address: str, level: int = 1, *, timeout_s: float 
         grpc.RpcError: FAILED_PRECONDITION (streams open, already asleep, no sleep mode on the platform: the
             message says which), INVALID_ARGUMENT (level).
     """
-    with _channel(generator_address, [], tls) as channel:
+    with client_channel(generator_address, (), tls, token) as channel:
         response = generation_pb2_grpc.GenerationServiceStub(channel).Sleep(
-            generation_pb2.SleepRequest(level=level), timeout=timeout_s, metadata=bearer_metadata(token))
+            generation_pb2.SleepRequest(level=level), timeout=timeout_s)
     return response.freed_bytes
 
 
@@ -266,6 +248,6 @@ def wake_up_generator(generator_address: str, *, timeout_s: float = 600.0, tls: 
     Raises:
         grpc.RpcError: FAILED_PRECONDITION (not asleep).
     """
-    with _channel(generator_address, [], tls) as channel:
+    with client_channel(generator_address, (), tls, token) as channel:
         return generation_pb2_grpc.GenerationServiceStub(channel).WakeUp(
-            generation_pb2.WakeUpRequest(), timeout=timeout_s, metadata=bearer_metadata(token))
+            generation_pb2.WakeUpRequest(), timeout=timeout_s)

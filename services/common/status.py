@@ -1,8 +1,9 @@
 """The one place domain errors become gRPC status codes (:class:`ErrorMappingInterceptor`).
 
-Each :mod:`services.common.errors` kind maps to one code (:data:`STATUS_CODES`); a :class:`StreamFailed` takes its
-cause's. Anything else becomes INTERNAL with a generic message and an error id that is also logged with the
-traceback, so internals never reach a client.
+The table itself is the client package's (:mod:`fastexp.status`), so the trainer's SDK and the services' own
+clients read a code back as the kind it came from: each :mod:`services.common.errors` kind maps to one code
+(:data:`STATUS_CODES`); a :class:`StreamFailed` takes its cause's. Anything else becomes INTERNAL with a generic
+message and an error id that is also logged with the traceback, so internals never reach a client.
 """
 
 from __future__ import annotations
@@ -15,40 +16,13 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import (
-    EpisodeFailed,
-    FailedPrecondition,
-    FastexpError,
-    InvalidRequest,
-    NotReady,
-    Overloaded,
-    RewardFailed,
-    StreamFailed,
-    UpstreamTimeout,
-)
+from fastexp.status import STATUS_CODES, code_of
+from services.common.errors import FastexpError
 from services.common.rpc import StreamBehavior, UnaryBehavior, WrappingInterceptor, wrap_handler
 
+__all__ = ["STATUS_CODES", "ErrorMappingInterceptor", "code_of", "status_of"]
+
 logger = logging.getLogger(__name__)
-
-STATUS_CODES: dict[type[FastexpError], grpc.StatusCode] = {
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    NotReady: grpc.StatusCode.UNAVAILABLE,
-    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    UpstreamTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
-    RewardFailed: grpc.StatusCode.UNAVAILABLE,
-    EpisodeFailed: grpc.StatusCode.ABORTED,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-}
-
-
-def code_of(error: FastexpError) -> grpc.StatusCode:
-    """The status code of a domain error (its class's, or its nearest base's; a StreamFailed takes its cause's)."""
-    if isinstance(error, StreamFailed):
-        return code_of(error.cause)
-    for kind in type(error).__mro__:
-        if kind in STATUS_CODES:
-            return STATUS_CODES[kind]
-    return grpc.StatusCode.INTERNAL
 
 
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -1,8 +1,9 @@
 """gRPC adapters the experience pipeline calls: the generator and the scorer.
 
-Each call carries a deadline (``Deadline.timeout``), and gRPC failures become domain errors naming the service:
-UNAVAILABLE -> NotReady, DEADLINE_EXCEEDED -> UpstreamTimeout, RESOURCE_EXHAUSTED -> Overloaded, and a peer's
-INVALID_ARGUMENT -> InvalidRequest.
+Each call carries a deadline (``Deadline.timeout``); every channel goes through the one client interceptor
+(:class:`fastexp.channels.ClientEdge`: bearer token, the bound request id), and gRPC failures become domain errors
+naming the service by the one status table (:mod:`fastexp.status`: UNAVAILABLE -> NotReady, DEADLINE_EXCEEDED ->
+UpstreamTimeout, RESOURCE_EXHAUSTED -> Overloaded, a peer's INVALID_ARGUMENT -> InvalidRequest, ...).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import stamina
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastexp.channels import channel_options
-from fastexp.security import ClientTLS, bearer_metadata
+from fastexp.channels import ClientEdge, channel_options
+from fastexp.security import ClientTLS
+from fastexp.status import attributed_error
 from fastexp.tensor_codec import to_numpy, to_torch
 from fastexp.v1 import (
     environment_pb2,
@@ -30,18 +32,9 @@ from fastexp.v1 import (
 from fastexp.weights import weight_chunks
 from fastexp.wire import sampling_to_pb
 from services.common.deadlines import Deadline
-from services.common.errors import (
-    EpisodeFailed,
-    FailedPrecondition,
-    FastexpError,
-    InvalidRequest,
-    NotReady,
-    Overloaded,
-    RewardFailed,
-    UpstreamTimeout,
-)
+from services.common.errors import EpisodeFailed, FastexpError, NotReady, RewardFailed, UpstreamTimeout
 from services.common.generation import CompletionRecord, GenerationRequest
-from services.common.logs import outbound_metadata
+from services.common.logs import current_request_id
 from services.common.media_wire import media_to_pb
 from services.common.weights import ReceivedUpdate
 from services.common.weights_wire import entry_chunks
@@ -58,22 +51,9 @@ _FINISH = {
 
 
 def translate_rpc_error(service: str, error: grpc.aio.AioRpcError) -> FastexpError:
-    """The domain error for a failed call to ``service``."""
-    code, details = error.code(), error.details()
-    message = f"{service}: {code.name}: {details}"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return UpstreamTimeout(message)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return Overloaded(message)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(service, details or "rejected")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return NotReady(message)
-    if code == grpc.StatusCode.ABORTED:
-        return EpisodeFailed(message)
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return FailedPrecondition(message)
-    return FastexpError(message)
+    """The domain error for a failed call to ``service``, named in its message (the status table's inverse:
+    :func:`fastexp.status.attributed_error`)."""
+    return attributed_error(service, error)
 
 
 def open_channel(
@@ -91,41 +71,12 @@ def open_channel(
         services.common.security.SecurityConfigError: a TLS file is missing or empty.
     """
     options = [*channel_options(max_message_bytes), ("grpc.lb_policy_name", load_balancing)]
-    interceptors = [kind(token) for kind in (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary)] if token else None
+    interceptors = ClientEdge(token, request_id=current_request_id).for_aio()  # token, request id, domain errors
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(
         address, tls.credentials(), options=[*options, *tls.options()], interceptors=interceptors
     )
-
-
-class _BearerToken:
-    """Adds ``authorization: Bearer <token>`` to a call's metadata. grpc.aio files each interceptor under the
-    first call kind it implements, so each kind has its own subclass below."""
-
-    def __init__(self, token: str) -> None:
-        self._metadata = bearer_metadata(token)
-
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._metadata)
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
-        )
-
-
-class _BearerUnaryUnary(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
-
-
-class _BearerUnaryStream(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
-
-
-class _BearerStreamUnary(_BearerToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._details(client_call_details), request_iterator)
 
 
 class GeneratorClient:
@@ -172,7 +123,7 @@ class GeneratorClient:
 
         try:
             response = await self._stub.UpdateWeights(
-                messages(), timeout=deadline.timeout(self._update_timeout_s), metadata=outbound_metadata()
+                messages(), timeout=deadline.timeout(self._update_timeout_s)
             )
         except grpc.aio.AioRpcError as error:
             raise translate_rpc_error(self._service, error) from error
@@ -204,7 +155,7 @@ class GeneratorClient:
             sampling=sampling_to_pb(request.sampling),
             n_samples_per_prompt=request.n_samples_per_prompt,
         )
-        call = self._stub.Generate(message, timeout=deadline.timeout(self._timeout_s), metadata=outbound_metadata())
+        call = self._stub.Generate(message, timeout=deadline.timeout(self._timeout_s))
         try:
             async for response in call:
                 for c in response.completions:
@@ -286,7 +237,7 @@ class ScorerClient:
     async def _score_once(self, message: scoring_pb2.ScoreRequest, deadline: Deadline) -> scoring_pb2.ScoreResponse:
         try:
             return await self._stub.Score(
-                message, timeout=deadline.timeout(self._timeout_s), wait_for_ready=True, metadata=outbound_metadata()
+                message, timeout=deadline.timeout(self._timeout_s), wait_for_ready=True
             )
         except grpc.aio.AioRpcError as error:
             raise translate_rpc_error("scorer", error) from error
@@ -360,6 +311,6 @@ class EnvironmentClient:
 
     async def _call(self, method, message, deadline: Deadline):
         try:
-            return await method(message, timeout=deadline.timeout(self._timeout_s), metadata=outbound_metadata())
+            return await method(message, timeout=deadline.timeout(self._timeout_s))
         except grpc.aio.AioRpcError as error:
             raise translate_rpc_error("environment", error) from error
