@@ -46,12 +46,13 @@ class Gateway:
     Args:
         name: the source (metric label, error prefix).
         failures: exception kinds that count as the endpoint failing (besides :class:`SourceUnavailable`).
+        clock: the breaker's monotonic clock in seconds (tests pass their own).
     """
 
     def __init__(self, name: str, budget: BudgetConfig, breaker: BreakerConfig,
-                 failures: tuple[type[BaseException], ...] = ()) -> None:
+                 failures: tuple[type[BaseException], ...] = (), clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
-        self.breaker = Breaker(name, breaker)
+        self.breaker = Breaker(name, breaker, clock)
         self.budget = Budget(name, budget)
         self._failures = (SourceUnavailable, *failures)
 

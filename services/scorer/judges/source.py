@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -37,13 +38,15 @@ class JudgeScorer:
 
     Args:
         backend: where prompts go; None builds the one ``config`` names.
+        clock: the breaker's monotonic clock in seconds (tests pass their own).
     """
 
-    def __init__(self, config: JudgeConfig, backend: JudgeBackend | None = None) -> None:
+    def __init__(self, config: JudgeConfig, backend: JudgeBackend | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.name = config.name
         self._config = config
         self._backend = backend or build_backend(config)
-        self._gateway = Gateway(config.name, config.budget, config.breaker)
+        self._gateway = Gateway(config.name, config.budget, config.breaker, clock=clock)
         self._fingerprint = fingerprint(config, config.cache.version)
 
     @property
