@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -14,11 +15,16 @@ from fastexp.security import ClientTLS
 from fastexp.v1 import experience_pb2, experience_pb2_grpc
 from services.common import metrics
 from services.common.models import resolve_model
+from services.common.security import read_tokens
 from services.common.server import RunningServer, run_service, start_service
 from services.experience.api.servicer import ExperienceServicer
 from services.experience.fleet.clients import EnvironmentClient, GeneratorClient, ScorerClient, open_channel
 from services.experience.fleet.generator_fleet import GeneratorFleet
 from services.experience.fleet.readiness import GeneratorInfo, UpstreamMonitor
+from services.experience.gateway.app import create_app
+from services.experience.gateway.core import Gateway
+from services.experience.gateway.serving import RunningGateway, start_gateway
+from services.experience.gateway.sessions import SessionRegistry
 from services.experience.pipeline.episodes import EpisodeRunner, ObservationRenderer
 from services.experience.pipeline.forwarder import ForwardModels
 from services.experience.pipeline.maker import ExperienceMaker
@@ -42,6 +48,8 @@ class ExperienceService:
     fleet: GeneratorFleet
     watchers: tuple[asyncio.Task[None], ...]
     channels: tuple[grpc.aio.Channel, ...]
+    sessions: SessionRegistry
+    gateway: RunningGateway | None = None  # the OpenAI-compatible gateway, when gateway_port is set
 
     async def wait_ready(self, timeout_s: float | None = None) -> GeneratorInfo:
         """Return once the generator and scorer were reached (health SERVING).
@@ -52,6 +60,8 @@ class ExperienceService:
         return await self.upstream.wait_ready(timeout_s)
 
     async def close(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop()
         for watcher in self.watchers:
             watcher.cancel()
         await asyncio.gather(*self.watchers, return_exceptions=True)
@@ -129,6 +139,29 @@ def _episode_runner(
                          policy.tokenizer)
 
 
+def _serve_gateway(
+    settings: ExperienceSettings, policy: _Policy, fleet: GeneratorFleet, upstream: UpstreamMonitor,
+    sessions: SessionRegistry,
+) -> RunningGateway | None:
+    """The OpenAI-compatible gateway over the fleet on ``gateway_port`` (None when unset)."""
+    if settings.gateway_port is None:
+        return None
+    tokens = _gateway_tokens(settings)
+    name = settings.gateway_model_name or Path(policy.path).name
+    gateway = Gateway(fleet, policy.tokenizer, name, lambda: upstream.require_ready().max_model_len,
+                      settings.gateway_call_timeout_s)
+    running = start_gateway(create_app(gateway, sessions, tokens), settings.host, settings.gateway_port,
+                            settings.grace_period_s, settings.tls_cert_file, settings.tls_key_file)
+    logger.info("OpenAI-compatible gateway on %s:%d (model %s)", settings.host, running.port, name)
+    return running
+
+
+def _gateway_tokens(settings: ExperienceSettings) -> tuple[bytes, ...]:
+    """The service's bearer tokens, call and admin (the gateway checks them like the gRPC port)."""
+    files = [(settings.auth_tokens_file, "auth_tokens_file"), (settings.admin_tokens_file, "admin_tokens_file")]
+    return tuple(token for path, name in files if path is not None for token in read_tokens(path, name))
+
+
 def _forward_threads(settings: ExperienceSettings, fleet: GeneratorFleet) -> Callable[[], int | None] | None:
     """CPU threads per forward pass: ``torch_threads_idle`` while none of this service's samples are generating
     (a CPU engine sharing the host then idles), ``torch_threads`` otherwise; None without ``torch_threads_idle``."""
@@ -200,7 +233,10 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",
         settings.host, running.port, generators, settings.scorer_address,
     )
-    return ExperienceService(running, upstream, fleet, watchers, (scorer_channel, environment_channel))
+    sessions = SessionRegistry()
+    gateway = _serve_gateway(settings, policy, fleet, upstream, sessions)
+    return ExperienceService(running, upstream, fleet, watchers, (scorer_channel, environment_channel), sessions,
+                             gateway)
 
 
 def serve(settings: ExperienceSettings) -> None:

@@ -101,6 +101,14 @@ class ExperienceSettings(GenerationLimits):
     upstream_token_file: Path | None = Field(
         None, description="bearer token sent to the generator and scorer (an admin token: it forwards updates)"
     )
+    gateway_port: int | None = Field(
+        None, ge=0, le=65535, description="the OpenAI-compatible gateway's port on `host` (/v1/chat/completions, "
+        "/v1/completions; agent episodes' sessions); None: no gateway. Same TLS and bearer tokens as the gRPC port",
+    )
+    gateway_model_name: str | None = Field(
+        None, description="the model name the gateway serves outside sessions (None: the actor folder's name)"
+    )
+    gateway_call_timeout_s: float = Field(300.0, gt=0, description="deadline of one gateway call's generation")
 
     @property
     def generator_targets(self) -> list[str]:

@@ -36,11 +36,13 @@ EXPERIENCE_ALLOWED = {
     "pipeline": {"config", "workers", "pipeline"},
     "fleet": {"config", "fleet", "pipeline.events"},
     "api": {"config", "workers", "pipeline", "fleet", "api"},
+    "gateway": {"config", "pipeline", "gateway"},  # the OpenAI-compatible edge over the Generator protocol
     "settings": {"fleet", "settings"},
-    "server": {"config", "workers", "pipeline", "fleet", "api", "settings", "server"},
+    "server": {"config", "workers", "pipeline", "fleet", "api", "gateway", "settings", "server"},
 }
 #: Packages whose whole import closure is free of gRPC and generated protobuf classes.
-WIRE_FREE = ("fastexp.rl", "services.experience.config", "services.experience.pipeline", "services.experience.workers")
+WIRE_FREE = ("fastexp.rl", "services.experience.config", "services.experience.pipeline", "services.experience.workers",
+             "services.experience.gateway")
 #: Other cores (engines, reward sources, sandboxes): no gRPC or generated classes in their own imports.
 CORES = [
     "services/scorer/environments.py", "services/scorer/builtin_environments.py",
