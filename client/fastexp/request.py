@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import math
 import os
 import types
 import typing
@@ -38,36 +39,39 @@ DEFAULT_SAMPLING = Sampling()
 class RequestOptions:
     """Everything about a request but its prompts (and their references, labels, images and videos).
 
-    Built once and checked here for types and for the values of enumerations (a wrong type or an unknown name
-    raises before anything is sent); ranges (γ ∈ [0, 1], n ≥ 1, limits the operator sets, estimators that need a
-    critic) are the service's to check, and come back as INVALID_ARGUMENT naming the field.
+    Built once and checked here, before anything is sent: types, the values of enumerations, and the ranges a
+    field's meaning gives it (:data:`_BOUNDS`: γ ∈ [0, 1], n ≥ 1, clips ≥ 0, ...). What depends on the service
+    (limits the operator sets, estimators that need a critic, combinations) is the service's to check, and comes
+    back as INVALID_ARGUMENT naming the field.
+
+    ``None`` means unset: the field stays unset on the wire and the service's default applies (the defaults live
+    there alone; each field's comment says what it is today).
 
     Raises:
         TypeError: a field of the wrong type (``n_samples_per_prompt="4"``), naming every such field.
-        ValueError: ``partial_rollout``, ``normalization_scope``, ``prompt_overflow`` or ``rollout_is`` outside its
-            values.
+        InvalidOption: (a ValueError) a field outside its values or range; ``field`` names it.
     """
 
     n_samples_per_prompt: int  # samples per prompt: the group a baseline is taken over (seed default: 1)
     sampling: SamplingOptions = DEFAULT_SAMPLING  # max_new_tokens 256 (seed: generate_max_len 1024)
     micro_rollout_batch_size: int = 0  # rows per ExperienceBatch, whole groups (0: one group per batch)
     advantage_estimator: str = "group_norm"  # group_norm, rloo, reinforce, ..., gae (seed default: gae)
-    kl_coef: float = 0.01  # beta of the KL penalty in the reward (seed: init_kl_coef 0.01)
+    kl_coef: float | None = None  # beta of the KL penalty in the reward (None: the service's 0.01, the seed's)
     kl_estimator: str = "k1"  # k1, k2 or k3 (Schulman's estimators)
     use_kl_loss: bool = False  # the trainer adds KL to its loss: no KL in the reward (GRPO)
     kl_target: float | None = None  # set: adaptive beta towards this KL (Ziegler et al. 2019)
-    kl_horizon: int = 10_000  # adaptive beta's horizon (seed: kl_horizon 10000)
-    gamma: float = 1.0  # discount
-    lambd: float = 1.0  # GAE lambda (seed default: 0.95)
+    kl_horizon: int | None = None  # adaptive beta's horizon (None: the service's 10000, the seed's)
+    gamma: float | None = None  # discount (None: the service's 1.0)
+    lambd: float | None = None  # GAE lambda (None: the service's 1.0; seed default: 0.95)
     reward_running_norm: bool = False  # divide rewards by their running std over the run (run_id)
     reward_running_norm_minus_mean: bool = False  # and subtract the running mean
     reward_clip: float = 0.0  # clip rewards to [-c, c] (0: off)
     overlong_buffer_len: int = 0  # DAPO's overlong penalty buffer, tokens (0: off)
-    overlong_buffer_penalty_factor: float = 1.0
+    overlong_buffer_penalty_factor: float | None = None  # the penalty at max_new_tokens (None: the service's 1.0)
     advantages_norm: bool = False  # whiten advantages over action_mask
     advantage_clip: float = 0.0  # clip advantages to [-c, c] (0: off)
     dynamic_sampling_num_groups: int = 0  # DAPO's dynamic sampling: deliver this many groups with variance (0: off)
-    dynamic_sampling_max_extra_rounds: int = 3  # refill rounds for the shortfall
+    dynamic_sampling_max_extra_rounds: int | None = None  # refill rounds for the shortfall (None: the service's 3)
     run_id: str = ""  # running reward statistics and adaptive beta persist across requests with one run_id
     return_action_entropy: bool = False  # also stream the actor's per-token entropy
     packing_samples: bool = False  # packed forwards (each group's prompt computed once)
@@ -98,7 +102,52 @@ class RequestOptions:
         for name in ("partial_rollout", "normalization_scope", "prompt_overflow", "rollout_is"):
             allowed = typing.get_args(hints[name])
             if getattr(self, name) not in allowed:
-                raise ValueError(f"RequestOptions.{name}: {getattr(self, name)!r} is not one of {allowed}")
+                raise InvalidOption(name, f"{getattr(self, name)!r} is not one of {allowed}")
+        for name, bound in _BOUNDS.items():
+            if getattr(self, name) is not None:
+                bound.check(name, getattr(self, name))
+
+
+class InvalidOption(ValueError):
+    """A :class:`RequestOptions` field outside its values or range; ``field`` names it, ``reason`` says why."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"RequestOptions.{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """``low <= value <= high`` (``low < value`` when ``low_open``); floats finite."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+
+    def check(self, field: str, value: float) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidOption(field, f"must be finite, got {value}")
+        below = value <= self.low if self.low_open else value < self.low
+        if below or value > self.high:
+            low = f"({self.low}" if self.low_open else f"[{self.low}"
+            raise InvalidOption(field, f"must be in {low}, {self.high}], got {value}")
+
+
+_UINT32 = 2**32 - 1  # the wire's uint32 fields
+_COUNT = _Bound(0, _UINT32)
+_NON_NEGATIVE = _Bound(0.0)
+#: field -> the range its meaning gives it (limits the operator sets are the service's). A new numeric option
+#: adds its line here.
+_BOUNDS: dict[str, _Bound] = {
+    "n_samples_per_prompt": _Bound(1, _UINT32), "micro_rollout_batch_size": _COUNT,
+    "kl_coef": _NON_NEGATIVE, "kl_target": _Bound(0.0, low_open=True), "kl_horizon": _Bound(1, _UINT32),
+    "gamma": _Bound(0.0, 1.0), "lambd": _Bound(0.0, 1.0),
+    "reward_clip": _NON_NEGATIVE, "overlong_buffer_len": _COUNT, "overlong_buffer_penalty_factor": _NON_NEGATIVE,
+    "advantage_clip": _NON_NEGATIVE, "dynamic_sampling_num_groups": _COUNT,
+    "dynamic_sampling_max_extra_rounds": _COUNT, "max_staleness": _COUNT, "max_turns": _COUNT,
+    "max_total_tokens": _COUNT, "max_prompt_tokens": _COUNT, "rollout_is_threshold": _Bound(1.0),
+}
 
 
 @functools.cache

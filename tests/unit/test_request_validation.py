@@ -1,5 +1,7 @@
 """Bad MakeExperiences input is rejected before generation, with the offending field named."""
 
+import functools
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -26,6 +28,15 @@ def _request(**changes):
     return build_request(prompts, **options)
 
 
+def _wire(path: str, value, **changes):
+    """A request whose wire field ``path`` holds ``value``: one the SDK refuses to build (RequestOptions checks its
+    ranges), which the service must refuse too, for any other client."""
+    message = _request(**changes)
+    *parents, name = path.split(".")
+    setattr(functools.reduce(getattr, parents, message), name, value)
+    return message
+
+
 def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
     decoded = decode_request(_request(references=["5"]), tokenizer, LIMITS, MAX_MODEL_LEN)
     (prompt,) = decoded.prompts
@@ -42,7 +53,7 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
         (experience_pb2.MakeExperiencesRequest(n_samples_per_prompt=2), "prompts", "at least one"),
         (_request(prompts=[""]), "prompts[0]", "empty"),
         (_request(prompts=["ok", []]), "prompts[1].chat", "at least one message"),
-        (_request(n_samples_per_prompt=0), "n_samples_per_prompt", ">= 1"),
+        (_wire("n_samples_per_prompt", 0), "n_samples_per_prompt", ">= 1"),
         (_request(n_samples_per_prompt=17), "n_samples_per_prompt", "at most 16"),
         (_request(sampling=Sampling(temperature=float("nan"))), "sampling.temperature", "finite"),
         (_request(sampling=Sampling(temperature=-0.5)), "sampling.temperature", ">= 0"),
@@ -58,26 +69,26 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
         (_request(advantage_estimator="rloo", n_samples_per_prompt=1), "n_samples_per_prompt", "leave-one-out"),
         (_request(advantage_estimator="dr_grpo", n_samples_per_prompt=1), "n_samples_per_prompt",
          "group mean of one sample"),
-        (_request(kl_coef=-1.0), "kl.kl_coef", ">= 0"),
+        (_wire("kl.kl_coef", -1.0), "kl.kl_coef", ">= 0"),
         (_request(kl_estimator="k9"), "kl.kl_estimator", "unknown"),
-        (_request(gamma=1.5), "gamma", "[0, 1]"),
-        (_request(gamma=float("nan")), "gamma", "[0, 1]"),
-        (_request(lambd=-0.1), "lambd", "[0, 1]"),
-        (_request(lambd=1.01), "lambd", "[0, 1]"),
+        (_wire("gamma", 1.5), "gamma", "[0, 1]"),
+        (_wire("gamma", float("nan")), "gamma", "[0, 1]"),
+        (_wire("lambd", -0.1), "lambd", "[0, 1]"),
+        (_wire("lambd", 1.01), "lambd", "[0, 1]"),
         (_request(advantage_estimator="gae"), "advantage_estimator", "needs a critic"),
         (_request(advantage_estimator="cpgd", n_samples_per_prompt=1), "n_samples_per_prompt", "group statistics"),
-        (_request(reward_clip=-1.0), "reward_processing.reward_clip", ">= 0"),
-        (_request(advantage_clip=-0.5), "advantage_processing.advantage_clip", ">= 0"),
+        (_wire("reward_processing.reward_clip", -1.0), "reward_processing.reward_clip", ">= 0"),
+        (_wire("advantage_processing.advantage_clip", -0.5), "advantage_processing.advantage_clip", ">= 0"),
         (_request(overlong_buffer_len=300, sampling=Sampling(max_new_tokens=256)),
          "reward_processing.overlong_buffer_len", "max_new_tokens=256"),
-        (_request(overlong_buffer_len=16, overlong_buffer_penalty_factor=-1.0),
+        (_wire("reward_processing.overlong_buffer_penalty_factor", -1.0, overlong_buffer_len=16),
          "reward_processing.overlong_buffer_penalty_factor", ">= 0"),
         (_request(reward_running_norm_minus_mean=True), "reward_processing.reward_running_norm_minus_mean",
          "needs reward_processing.reward_running_norm"),
-        (_request(kl_target=0.0), "kl.kl_target", "> 0"),
+        (_wire("kl.kl_target", 0.0), "kl.kl_target", "> 0"),
         (_request(skip_actor_forward=True, return_action_entropy=True), "return_action_entropy",
          "not with skip_actor_forward"),
-        (_request(kl_target=0.1, kl_horizon=0), "kl.kl_horizon", ">= 1"),
+        (_wire("kl.kl_horizon", 0, kl_target=0.1), "kl.kl_horizon", ">= 1"),
         (_request(dynamic_sampling_num_groups=2), "dynamic_sampling.num_groups", "len(prompts)=1"),
         (_request(dynamic_sampling_num_groups=1, n_samples_per_prompt=1, advantage_estimator="reinforce"),
          "dynamic_sampling.enabled", "n_samples_per_prompt >= 2"),
@@ -88,8 +99,8 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
         (_request(prompts=["word " * 10], max_prompt_tokens=5), "prompts[0]", "limit is 5 prompt tokens"),
         (_request(max_prompt_tokens=64), "max_prompt_tokens", "below the model's length 64"),
         (_request(prompts=["word " * 100], prompt_overflow="skip"), "prompts", "every prompt is longer than 63"),
-        (_request(rollout_is="token", rollout_is_threshold=0.5), "rollout_correction.threshold", ">= 1"),
-        (_request(rollout_is="sequence", rollout_is_threshold=float("inf")), "rollout_correction.threshold",
+        (_wire("rollout_correction.threshold", 0.5, rollout_is="token"), "rollout_correction.threshold", ">= 1"),
+        (_wire("rollout_correction.threshold", float("inf"), rollout_is="sequence"), "rollout_correction.threshold",
          "finite"),
         (_request(rollout_is_threshold=3.0), "rollout_correction.threshold", "set a level"),
         (_request(rollout_is="token", skip_actor_forward=True), "rollout_correction.level", "actor forward"),
