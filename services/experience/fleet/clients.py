@@ -263,8 +263,11 @@ class EnvironmentClient:
         """Open an episode; returns (session id, first observation or None, its role).
 
         Raises:
-            InvalidRequest: no such environment; NotReady: the scorer stayed unreachable for ``timeout_s``;
-            EpisodeFailed, Overloaded, UpstreamTimeout.
+            InvalidRequest: no such environment.
+            NotReady: the scorer stayed unreachable for ``timeout_s``.
+            EpisodeFailed: the scorer answered ABORTED (the environment failed to start the episode).
+            Overloaded: the scorer answered RESOURCE_EXHAUSTED (``max_episodes`` are open).
+            UpstreamTimeout: the call's deadline passed.
         """
         message = environment_pb2.StartEpisodeRequest(
             environment=environment, prompt=prompt, reference=reference, label=label, max_turns=max_turns,

@@ -33,8 +33,11 @@ class FastexpWeightTransfer:
     it follow the request's ``partial_rollout`` (finish under the old weights, or resample).
 
     Args:
-        address, tls, token: the experience service, as :class:`~fastexp.client.ExperienceClient` takes them.
-        chunk_bytes: bytes per streamed chunk. timeout_s: deadline of one update, seconds.
+        address: the experience service, as :class:`~fastexp.client.ExperienceClient` takes it.
+        tls: as :class:`~fastexp.client.ExperienceClient` takes it.
+        token: as :class:`~fastexp.client.ExperienceClient` takes it.
+        chunk_bytes: bytes per streamed chunk.
+        timeout_s: deadline of one update, seconds.
         ready_timeout_s: how long ``init_weight_transfer`` waits for the service to be SERVING.
     """
 
@@ -92,12 +95,15 @@ class FastexpRolloutWorker:
     it, the fastexp version is used as it is.
 
     Args:
-        address, tls, token: the experience service.
+        address: the experience service.
+        tls: as :class:`~fastexp.client.ExperienceClient` takes it.
+        token: as :class:`~fastexp.client.ExperienceClient` takes it.
         dataset: rows with ``prompt_column`` (text or chat messages) and optionally ``reference_column`` and
             ``label_column``.
         options: request options; ``None``: 8 samples per prompt, ``group_norm``, no KL, no actor forward,
             ``max_staleness`` 1. ``return_packed`` is always False.
-        prompts_per_request: prompts per ``MakeExperiences`` stream. epochs: passes over the dataset (None: no end).
+        prompts_per_request: prompts per ``MakeExperiences`` stream.
+        epochs: passes over the dataset (None: no end).
         queue_maxsize: bound of ``rollout_buffer`` (0: unbounded); a full buffer stops reading the stream, which
             stops the service's generation (its backpressure).
     """

@@ -43,11 +43,13 @@ class FastexpRollout:
             but for ``n_samples_per_prompt`` (each run's length) and ``return_packed`` (False).
         dataset: rows with a ``prompt`` column from which references and labels are looked up by prompt
             (see :class:`ReferenceTable`); ``None``: prompts are sent without references.
-        reference_column, label_column: the dataset's columns sent as each prompt's reference and label.
+        reference_column: the dataset's column sent as each prompt's reference.
+        label_column: the dataset's column sent as each prompt's label.
         sync_weights: push the trainer's weights (:func:`policy_weights`) through ``UpdateWeights`` whenever the
             trainer's ``global_step`` advanced since the last push, before sampling.
-        tls, token, timeout_s: as :class:`~fastexp.client.ExperienceClient` takes them (``token``: an admin token
-            when ``sync_weights``).
+        tls: as :class:`~fastexp.client.ExperienceClient` takes it.
+        token: as :class:`~fastexp.client.ExperienceClient` takes it (an admin token when ``sync_weights``).
+        timeout_s: as :class:`~fastexp.client.ExperienceClient` takes it.
 
     The returned dict holds, per completion in the slice's order, ``prompt_ids``, ``completion_ids`` and
     ``logprobs`` (the generator's, which TRL's vLLM importance-sampling correction compares with its own), and as
