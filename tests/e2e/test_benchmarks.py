@@ -16,6 +16,7 @@ FIGURES = {
     "stream_vs_raw_bytes", "vllm_vs_hf", "packed_vs_padded", "gae_vectorized_speedup", "gae_max_abs_error",
     "stream_vs_generation", "stream_skip_actor_vs_generation", "stream_lean_vs_generation",
     "reference_free_vs_with_reference", "fleet_two_vs_one_replica", "episodes_async_vs_turn_synchronous",
+    "judge_batched_vs_per_response",
 }
 
 
@@ -40,3 +41,7 @@ def test_benchmarks_run_and_write_every_figure(tmp_path):
     workload = run.SMALL_EPISODE_WORKLOAD
     assert {r["episodes"] for r in episodes.values()} == {workload.num_prompts * workload.n_samples_per_prompt}
     assert episodes["asynchronous"]["tokens"] == episodes["turn_synchronous"]["tokens"], episodes
+    judged = results["judge_inputs"]  # both judge runs judged every response, batched in one call vs one each
+    items = run.SMALL_JUDGE_WORKLOAD.num_prompts * run.SMALL_JUDGE_WORKLOAD.n_samples_per_prompt
+    assert (judged["batched"]["calls"], judged["per_response"]["calls"]) == (1, items), judged
+    assert judged["cache"]["items_judged"] >= items and 0 <= written["judge_cache_hit_rate"] <= 1
