@@ -42,6 +42,16 @@ class EpisodeOptions:
 
 
 @dataclass(frozen=True)
+class AgentOptions:
+    """Agent episodes: each sample is one call of the operator's agent server ``name`` (from the experience
+    settings' ``agents`` map, never a URL from the request), whose model calls go through the gateway; at most
+    ``max_calls`` calls per episode (None: the agent's own limit)."""
+
+    name: str
+    max_calls: int | None = None
+
+
+@dataclass(frozen=True)
 class ExperienceConfig:
     """How rewards become advantages, and what the batch carries (plain values, never a request or settings)."""
 
@@ -63,6 +73,7 @@ class ExperienceConfig:
     normalization_scope: str = "batch"  # "batch" | "rollout": rows advantages_norm / reward_running_norm cover
     skip_actor_forward: bool = False  # action_log_probs are the generator's own (rollout_log_probs)
     episodes: EpisodeOptions | None = None  # multi-turn episodes in an environment (None: single-turn)
+    agent: AgentOptions | None = None  # agent episodes through the gateway (exclusive with episodes)
     rollout_correction: RolloutCorrectionOptions | None = None  # truncated IS weights (None: off)
 
     @property

@@ -21,6 +21,7 @@ from services.experience.api.servicer import ExperienceServicer
 from services.experience.fleet.clients import EnvironmentClient, GeneratorClient, ScorerClient, open_channel
 from services.experience.fleet.generator_fleet import GeneratorFleet
 from services.experience.fleet.readiness import GeneratorInfo, UpstreamMonitor
+from services.experience.gateway.agents import AgentRunner, AgentServer
 from services.experience.gateway.app import create_app
 from services.experience.gateway.core import Gateway
 from services.experience.gateway.serving import RunningGateway, start_gateway
@@ -50,6 +51,7 @@ class ExperienceService:
     channels: tuple[grpc.aio.Channel, ...]
     sessions: SessionRegistry
     gateway: RunningGateway | None = None  # the OpenAI-compatible gateway, when gateway_port is set
+    agents: AgentRunner | None = None  # agent episodes through the gateway, when agents are configured
 
     async def wait_ready(self, timeout_s: float | None = None) -> GeneratorInfo:
         """Return once the generator and scorer were reached (health SERVING).
@@ -62,6 +64,8 @@ class ExperienceService:
     async def close(self) -> None:
         if self.gateway is not None:
             await self.gateway.stop()
+        if self.agents is not None:
+            await self.agents.close()
         for watcher in self.watchers:
             watcher.cancel()
         await asyncio.gather(*self.watchers, return_exceptions=True)
@@ -235,8 +239,14 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     )
     sessions = SessionRegistry()
     gateway = _serve_gateway(settings, policy, fleet, upstream, sessions)
+    agents = None
+    if gateway is not None and settings.agents:
+        scheme = "https" if settings.tls_cert_file else "http"
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        agents = AgentRunner({n: AgentServer(a.url, a.timeout_s) for n, a in settings.agents.items()}, sessions,
+                             f"{scheme}://{host}:{gateway.port}/v1", policy.tokenizer)
     return ExperienceService(running, upstream, fleet, watchers, (scorer_channel, environment_channel), sessions,
-                             gateway)
+                             gateway, agents)
 
 
 def serve(settings: ExperienceSettings) -> None:

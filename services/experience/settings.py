@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
 from fastexp.security import ClientTLS
@@ -14,6 +14,15 @@ from services.common.security import read_tokens
 from services.common.settings import GenerationLimits
 from services.experience.fleet.readiness import ProbeSettings
 from services.experience.fleet.replicas import FleetSettings
+
+
+class AgentEndpoint(BaseModel):
+    """An agent server the operator runs: where it answers episodes, and the deadline of one episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(description="http(s) URL the experience service POSTs each episode to")
+    timeout_s: float = Field(300.0, gt=0, description="deadline of one episode (the agent's call and its session)")
 
 
 class ExperienceSettings(GenerationLimits):
@@ -109,6 +118,10 @@ class ExperienceSettings(GenerationLimits):
         None, description="the model name the gateway serves outside sessions (None: the actor folder's name)"
     )
     gateway_call_timeout_s: float = Field(300.0, gt=0, description="deadline of one gateway call's generation")
+    agents: dict[str, AgentEndpoint] = Field(
+        default_factory=dict, description="agent servers requests may name (name -> url, timeout_s); a request "
+        "names one, never a URL. Needs gateway_port (the agents call the model through it)",
+    )
 
     @property
     def generator_targets(self) -> list[str]:

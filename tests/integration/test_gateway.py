@@ -6,12 +6,16 @@ one whose history was re-rendered is a drift that starts a new row. SmolLM2 (HF 
 
 from __future__ import annotations
 
+import fastapi
 import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common.deadlines import Deadline
+from services.common.errors import EpisodeFailed
 from services.experience.gateway.recording import rows_of
+from services.experience.gateway.serving import start_gateway
 from services.experience.server import start_experience
 from services.experience.settings import ExperienceSettings
 from services.generator.hf_engine import HFEngine
@@ -27,8 +31,45 @@ MODEL = "smollm2-policy"
 QUESTION = [{"role": "user", "content": "What is 2 + 3? Answer with the number only."}]
 
 
+def _agent_app() -> fastapi.FastAPI:
+    """An agent server as a user would write one: the official client, two model calls per episode; ``/drift``
+    re-renders the history like a framework that rewrites it, ``/crash`` fails."""
+    app = fastapi.FastAPI()
+
+    async def two_calls(body: dict, rewrite: bool) -> dict:
+        session = body["session"]
+        client = openai.AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+        messages = list(body["messages"])
+        first = await client.chat.completions.create(model=session["model"], messages=messages, max_tokens=24,
+                                                     temperature=0)
+        reply = first.choices[0].message.model_dump(exclude_none=True)
+        if rewrite:
+            reply = {"role": "assistant", "content": (reply.get("content") or "").upper() + "!"}
+        messages += [reply, {"role": "user", "content": "Now add 4 to it."}]
+        await client.chat.completions.create(model=session["model"], messages=messages, max_tokens=24, temperature=0)
+        return {"reward": 1.0 if body["reference"] in (first.choices[0].message.content or "") else 0.0,
+                "metrics": {"calls": 2}}
+
+    @app.post("/calc")
+    async def calc(body: dict) -> dict:
+        return await two_calls(body, rewrite=False)
+
+    @app.post("/drift")
+    async def drift(body: dict) -> dict:
+        return await two_calls(body, rewrite=True)
+
+    @app.post("/crash")
+    async def crash(body: dict) -> dict:
+        raise RuntimeError("the agent crashed")
+
+    return app
+
+
 @pytest.fixture(scope="module")
 async def stack(smollm2_path, tmp_path_factory):
+    agent_server = start_gateway(_agent_app(), "127.0.0.1", 0, 1)
+    agents = {name: {"url": f"http://127.0.0.1:{agent_server.port}/{name}", "timeout_s": 120}
+              for name in ("calc", "drift", "crash")}
     tokens = tmp_path_factory.mktemp("gateway-tokens") / "tokens"
     tokens.write_text(TOKEN + "\n")
     engine = HFEngine.start(smollm2_path, dtype="float32", max_model_len=1024, max_batch_size=8)
@@ -38,7 +79,7 @@ async def stack(smollm2_path, tmp_path_factory):
     experience = await start_experience(ExperienceSettings(
         port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
         actor_model=smollm2_path, reference_model=smollm2_path, dtype="float32", gateway_port=0,
-        gateway_model_name=MODEL, auth_tokens_file=tokens, gateway_call_timeout_s=120,
+        gateway_model_name=MODEL, auth_tokens_file=tokens, gateway_call_timeout_s=120, agents=agents,
     ))
     await experience.wait_ready(120)
     yield experience
@@ -47,6 +88,7 @@ async def stack(smollm2_path, tmp_path_factory):
     await scorer.stop(1)
     await generator.stop(1)
     await core.context.close()
+    await agent_server.stop()
 
 
 def _client(stack, key=TOKEN) -> openai.AsyncOpenAI:
@@ -177,3 +219,28 @@ async def test_a_session_records_token_exact_rows_and_splits_on_drift(stack, tok
             expected = log_probs[positions].gather(-1, torch.tensor(segment.token_ids).unsqueeze(-1))[:, 0]
             torch.testing.assert_close(torch.tensor(segment.log_probs), expected, atol=2e-3, rtol=0)
         position += len(segment.token_ids)
+
+
+async def _episode(stack, name):
+    return await stack.agents.run_episode(name, "run-a", QUESTION, QUESTION[0]["content"], "5", "", 0, 1,
+                                          Deadline.from_remaining(300))
+
+
+async def test_an_agent_episode_is_one_token_exact_row_and_a_rewriting_agent_splits(stack, tokenizer):
+    episode = await _episode(stack, "calc")
+    assert episode.metrics["num_rows"] == 1 and episode.metrics["drift_splits"] == 0 and episode.metrics["calls"] == 2
+    (row,) = episode.rows
+    assert row.num_turns == 2 and row.sample_index == 1 and len(row.action_mask) == len(row.output_token_ids)
+    observation = [t for t, m in zip(row.output_token_ids, row.action_mask, strict=True) if not m]
+    assert tokenizer.decode(observation) == "\n<|im_start|>user\nNow add 4 to it.<|im_end|>\n<|im_start|>assistant\n"
+    assert all(p == 0 for p, m in zip(row.output_log_probs, row.action_mask, strict=True) if not m)
+    drifted = await _episode(stack, "drift")
+    assert drifted.metrics["num_rows"] == 2 and drifted.metrics["drift_splits"] == 1
+    assert [r.num_turns for r in drifted.rows] == [1, 1]
+
+
+async def test_a_crashed_agent_fails_its_episode_and_its_session_ends(stack):
+    before = len(stack.sessions)
+    with pytest.raises(EpisodeFailed, match="crash.*HTTP 500"):
+        await _episode(stack, "crash")
+    assert len(stack.sessions) == before
