@@ -7,7 +7,7 @@ Markers (an HTML comment alone on a line) are replaced, at build time, by a mark
   functions with the first line of their docstrings, linked to the API reference).
 - ``<!-- registry: kl-estimators -->``: one row per ``fastexp.rl.kl.KL_ESTIMATORS`` entry, its formula and
   properties read from the function's docstring or else from the module docstring's ``- ``kN``: ...`` line.
-- ``<!-- registry: status-codes -->``: one row per domain error in the status table (``STATUS_CODES``), its
+- ``<!-- registry: status-codes -->``: one row per domain error in ``fastexp.status.STATUS_CODES``, its
   gRPC code and the first paragraph of its docstring.
 
 A registry entry the page cannot describe fails the build (``PluginError``), so the tables cannot drift from the
@@ -91,10 +91,7 @@ def kl_table() -> str:
 
 
 def status_table() -> str:
-    try:  # the status table lives with the domain errors; services.common.status applies it
-        from fastexp.status import STATUS_CODES
-    except ImportError:
-        from services.common.status import STATUS_CODES
+    from fastexp.status import STATUS_CODES
 
     rows = ["| domain error | gRPC status | when |", "|---|---|---|"]
     for kind, code in STATUS_CODES.items():
