@@ -239,9 +239,11 @@ class GeneratorFleet:
             for stream in call.streams:
                 if stream.task is not None:
                     stream.task.cancel()
-            await asyncio.gather(*(s.task for s in call.streams if s.task is not None), return_exceptions=True)
-            for stream in list(call.streams):
-                self._end(stream, call.streams)
+            try:
+                await asyncio.gather(*(s.task for s in call.streams if s.task is not None), return_exceptions=True)
+            finally:  # even when the closing call is cancelled again meanwhile: the replicas' load goes back
+                for stream in list(call.streams):
+                    self._end(stream, call.streams)
 
     async def _next_event(self, call: _Call) -> _Record | _Ended | None:
         """The call's next event; ``None`` when, with groups waiting for room, the replicas changed first (a load

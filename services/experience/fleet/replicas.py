@@ -15,12 +15,10 @@
   sent the live weights by :attr:`ReplicaSet.weight_source` (the experience service's actor replica, which holds
   exactly the live version's weights) and gets work only then, so every completion's ``policy_version`` is true.
 
-One owner: only the set writes its :class:`~services.experience.fleet.replica_state.Replica` records. Probes,
-syncs, discovery and the fleet's calls (:meth:`ReplicaSet.take_out`, :meth:`ReplicaSet.begin_work` /
-:meth:`ReplicaSet.sample_done` / :meth:`ReplicaSet.end_work`, :meth:`ReplicaSet.update_applied` /
-:meth:`ReplicaSet.update_failed`) change them through checked state transitions
-(:data:`~services.experience.fleet.replica_state.TRANSITIONS`), and each change is announced on
-:attr:`ReplicaSet.changes`, so whoever waits for room or for a serving replica waits on it instead of polling.
+One owner: only the set writes its :class:`~services.experience.fleet.replica_state.Replica` records. Probes, syncs,
+discovery and the fleet's calls (``take_out``, ``begin_work`` / ``sample_done`` / ``end_work``, ``update_applied`` /
+``update_failed``) change them through checked state transitions (``replica_state.TRANSITIONS``), and each change
+is announced on :attr:`ReplicaSet.changes`, so whoever waits for room or a serving replica waits on it, not polls.
 
 Routing, failover and updates over the set: :mod:`~services.experience.fleet.generator_fleet`. Nothing here imports grpc.
 """
@@ -116,7 +114,7 @@ class ReplicaSet:
             raise ValueError("a generator fleet needs at least one target address")
         self.targets = tuple(targets)
         self.weight_source: WeightSource | None = None
-        self.changes = Changes()  # set on every change of a replica's state, version or load
+        self.changes = Changes()  # notified on every change of a replica's state, version or load
         self._version: int | None = None
         self._pending_version: int | None = None
         self._connect = connect
@@ -191,6 +189,7 @@ class ReplicaSet:
         replica.outstanding_tokens += tokens
         replica.in_flight_samples += samples
         replica.streams.add(stream)
+        self.changes.notify()
 
     def sample_done(self, replica: Replica, tokens: int) -> None:
         """One sample of a stream on ``replica`` arrived: ``tokens`` of its estimated work are done."""
