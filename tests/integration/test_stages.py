@@ -110,9 +110,9 @@ async def test_the_producers_window_admits_a_prompt_only_when_a_streamed_group_r
     first = await _next_group(run)
     await asyncio.sleep(0.5)
     assert generator.sizes == [1] and run.events.empty()  # held back: no slot until the consumer streams it
-    run.release(1)
+    run.window.end([first.prompt_index])
     second = await _next_group(run)
-    run.release(1)
+    run.window.end([second.prompt_index])
     third = await _next_group(run)
     await run.close()
     assert generator.sizes == [1, 1, 1]

@@ -246,7 +246,6 @@ class _Consumer:
             self._early.discard(event.prompt_index)
         if isinstance(event, Dropped):
             self._stats.dropped_groups += 1
-            run.release(1)
         elif isinstance(event, RoundStarted):
             self._stats.generation_rounds += 1
         elif isinstance(event, GroupsResampled):
@@ -255,7 +254,6 @@ class _Consumer:
             self._stats.rerouted_groups += event.count
         elif isinstance(event, GroupFailed):
             self._stats.failed_groups.append(self._request.source_index(event.prompt_index))
-            run.release(1)
             logger.warning("%s: prompt %d not delivered: %s", self._request.request_id, event.prompt_index, event.reason)
 
     async def _forward(self) -> None:
@@ -286,7 +284,7 @@ class _Consumer:
         if take.abandoned:
             logger.warning("%s: %d stale groups not delivered after a failure",
                            self._request.request_id, len(take.abandoned))
-            run.release(len(take.abandoned))
+            run.window.end(g.scored.prompt_index for g in take.abandoned)
         if take.resample:
             run.resample([g.scored.prompt_index for g in take.resample])  # (their early rows went with them)
             self._stats.resampled_groups += len(take.resample)
@@ -335,7 +333,7 @@ class _Consumer:
     def _delivered(self, part: Experience, run: ProducerRun) -> None:
         metrics.EXPERIENCE_SAMPLES.inc(len(part.reward))
         self._handled.update(part.prompt_index)
-        run.release(len(part.reward) // self._config.n_samples_per_prompt)
+        run.window.end(part.prompt_index)  # streamed: their leases admit the next prompts
 
 
 def _observe_distributions(experience: Experience) -> None:

@@ -7,9 +7,10 @@ the shortfall; with ``max_staleness`` batch b's prompts start only once the poli
 staleness control, arXiv 2505.24298); groups the consumer finds too stale come back through
 :meth:`ProducerRun.resample`; with aborting partial rollouts, groups an update interrupts are generated again.
 
-Backpressure: every prompt takes one slot of the stream's window before it is sent to the generator and the
-consumer gives it back (:meth:`ProducerRun.release`) once the group is streamed or dropped, so at most
-``max_groups_ahead`` groups are generating or waiting.
+Backpressure: every prompt takes a lease on the stream's window (:mod:`~services.experience.pipeline.window`) before
+it is sent to the generator, so at most ``max_groups_ahead`` groups are generating or waiting. The lease ends when
+the group is done: the producer ends it as it reports a drop or an environment failure, the consumer once the group
+is streamed or abandoned, and :meth:`ProducerRun.close` ends whatever is left, however the stream ended.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from services.experience.pipeline.events import (
     Scores,
 )
 from services.experience.pipeline.versions import PolicyState
+from services.experience.pipeline.window import Window
 
 logger = logging.getLogger(__name__)
 
@@ -60,28 +62,26 @@ class ProducerRun:
     request: ExperienceRequest
     deadline: Deadline
     start_version: int  # v0: the policy version when the request started
-    window: asyncio.Semaphore | None  # one slot per group generating or not yet streamed (None: unbounded)
+    window: Window  # one lease per group generating or not yet streamed
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     resamples: asyncio.Queue[int] = field(default_factory=asyncio.Queue)  # prompt indices to generate again
     round_ids: itertools.count = field(default_factory=itertools.count)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
-    def release(self, groups: int) -> None:
-        """``groups`` groups were streamed or dropped: their slots admit the next prompts."""
-        if self.window is not None:
-            for _ in range(groups):
-                self.window.release()
-
     def resample(self, prompt_indices: Sequence[int]) -> None:
-        """Generate these prompts' groups again (they keep their window slots)."""
+        """Generate these prompts' groups again (they keep their window leases)."""
         for index in prompt_indices:
             self.resamples.put_nowait(index)
 
     async def close(self) -> None:
-        """Cancel the tasks; closing their generator streams aborts the engine's unfinished samples."""
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        """Cancel the tasks (closing their generator streams aborts the engine's unfinished samples) and end every
+        window lease still held."""
+        try:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        finally:
+            self.window.close()
 
 
 class Producer:
@@ -103,7 +103,7 @@ class Producer:
         with ``normalization_scope = rollout``, which needs the whole request before its first batch)."""
         config = request.config
         window = None if config.rollout_scope else max(self._max_groups_ahead, config.groups_per_batch)
-        run = ProducerRun(request, deadline, self._policy.version, None if window is None else asyncio.Semaphore(window))
+        run = ProducerRun(request, deadline, self._policy.version, Window(window))
         run.tasks = [
             asyncio.create_task(self._produce(run), name=request.request_id),
             asyncio.create_task(self._resample(run), name=f"{request.request_id}-resample"),
@@ -162,19 +162,19 @@ class Producer:
     async def _run_round(self, run: ProducerRun, indices: Sequence[int], resampled: bool = False) -> int:
         """Generate and score ``indices``' groups; returns how many were kept.
 
-        Each prompt takes a window slot first (backpressure): the prompts whose slots are free now go to the
-        generator together, the rest as slots free up. Resampled groups reuse the slot they already hold.
+        Each prompt takes a window lease first (backpressure): the prompts with room now go to the generator
+        together, the rest as leases end. Resampled groups keep the lease they hold.
         """
-        if resampled or run.window is None:
+        if resampled:
             return await self._run_slice(run, indices, resampled)
         window, tasks, position = run.window, [], 0
         try:
             async with asyncio.TaskGroup() as slices:
                 while position < len(indices):
-                    await window.acquire()
+                    await window.lease(indices[position])
                     count = 1
-                    while position + count < len(indices) and not window.locked():
-                        await window.acquire()  # a free slot: returns at once
+                    while position + count < len(indices) and window.has_room():
+                        await window.lease(indices[position + count])  # room: returns at once
                         count += 1
                     part = indices[position : position + count]
                     tasks.append(slices.create_task(self._run_slice(run, part, resampled)))
@@ -254,6 +254,7 @@ class Producer:
         config = request.config
         if config.dynamic_sampling and bool(zero_variance_groups(scores.rewards, config.n_samples_per_prompt)[0]):
             await run.events.put(Dropped(prompt_index, resampled))
+            run.window.end((prompt_index,))  # never streamed: its lease admits the next prompt now
             logger.debug("%s: dropped prompt %d (all rewards equal)", request.request_id, prompt_index)
             return False
         await run.events.put(ScoredGroup(completions, scores, resampled))
@@ -345,6 +346,7 @@ class _EpisodeRound:
         except EpisodeFailed as error:
             self.complete.add(prompt_index)
             await self._run.events.put(GroupFailed(prompt_index, str(error)))
+            self._run.window.end((prompt_index,))  # never streamed: its lease admits the next prompt now
             return False
         metrics.STAGE_SECONDS.labels("episodes").observe(time.perf_counter() - started)
         self.complete.add(prompt_index)
