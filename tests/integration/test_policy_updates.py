@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fastexp import Sampling, build_request
+from fastexp.tensor_codec import to_numpy
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc
 from fastexp.weights import weight_chunks
 from fastexp.wire import experience_from_pb
@@ -24,10 +25,11 @@ N = 2
 
 
 @pytest.fixture(scope="module")
-async def stack(tiny_model_path):
+async def stack(tiny_model_path, tmp_path_factory):
     # one sample per generate() call: an update can land (and an abort can cut in) between any two samples
     engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=1)
     generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
     scorer_settings = ScorerSettings(port=0, sources=[
         {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}])
     scorer_core = build_scorer(scorer_settings)
@@ -35,6 +37,7 @@ async def stack(tiny_model_path):
     experience = await start_experience(ExperienceSettings(
         port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
         actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
+        checkpoint_roots=[checkpoints],  # the generator has none: it refuses checkpoint_dir updates
     ))
     await experience.wait_ready(60)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
@@ -42,6 +45,7 @@ async def stack(tiny_model_path):
     yield {
         "experience": experience_pb2_grpc.ExperienceServiceStub(channel),
         "generator": generation_pb2_grpc.GenerationServiceStub(generator_channel),
+        "checkpoints": checkpoints,
     }
     for closing in (channel, generator_channel):
         await closing.close()
@@ -109,21 +113,59 @@ async def test_a_policy_update_moves_the_generator_and_the_actor_replica_togethe
             assert (sampled - _forward_log_probs(original, e, row)).abs().max() > 1e-2
 
 
-async def test_a_bad_update_is_rejected_everywhere_and_the_versions_stay(stack, tiny_model_path):
+async def _served(stack) -> tuple[list[int], list[float]]:
+    """What the generator serves now: one seeded sample's tokens and log-probs (the same weights give the same)."""
+    request = generation_pb2.GenerateRequest(
+        prompts=[generation_pb2.GenerationPrompt(text="Count: one, two,")], n_samples_per_prompt=1,
+        sampling=generation_pb2.SamplingParams(temperature=1.0, max_new_tokens=8, seed=5),
+    )
+    [completion] = [c async for r in stack["generator"].Generate(request, timeout=60) for c in r.completions]
+    return list(completion.output_token_ids), to_numpy(completion.output_log_probs).tolist()
+
+
+async def _actor_follows_generator(stack):
+    """One batch whose actor log-probs are the generator's sampling log-probs: the actor replica holds the weights
+    the generator serves."""
+    [batch] = [experience_from_pb(m) async for m in stack["experience"].MakeExperiences(_request(1), timeout=60)]
+    mask = batch.action_mask
+    torch.testing.assert_close(batch.action_log_probs[mask], batch.rollout_log_probs[mask], atol=1e-4, rtol=0)
+    return batch
+
+
+async def test_a_bad_update_is_rejected_everywhere_and_the_old_weights_stay_served(stack, tiny_model_path):
     before = await _version(stack)
-    good = _model(tiny_model_path).state_dict()["model.norm.weight"]
+    served = await _served(stack)
+    changed = _model(tiny_model_path).state_dict()["model.norm.weight"] * 3  # valid, and visible if applied
+    perturbed = _model(tiny_model_path)
+    with torch.no_grad():
+        perturbed.model.norm.weight.mul_(3)
+    checkpoint = stack["checkpoints"] / "norm-x3"
+    perturbed.save_pretrained(checkpoint, safe_serialization=True)
     bad_updates = [
-        ([("model.norm.weight", good), ("model.no_such.weight", good)], "policy", "tensors[model.no_such.weight]"),
-        ([("model.norm.weight", good[:-1])], "policy", "tensors[model.norm.weight]"),
+        ([("model.norm.weight", changed), ("model.no_such.weight", changed)], "policy", "tensors[model.no_such.weight]"),
+        ([("model.norm.weight", changed[:-1])], "policy", "tensors[model.norm.weight]"),
         ([("value_head.weight", torch.zeros(1, 64))], "critic", "header.target"),
     ]
     for tensors, target, field in bad_updates:
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await _update(stack["experience"], tensors, target)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in error.value.details()
+    # accepted by the experience service (under its checkpoint_roots), refused by the generator (none): through
+    # the fleet, and nothing applied anywhere
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stack["experience"].UpdateWeights(iter(weight_chunks((), checkpoint_dir=str(checkpoint))), timeout=60)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checkpoint_dir" in error.value.details()
     assert await _version(stack) == before
-    [batch] = [experience_from_pb(m) async for m in stack["experience"].MakeExperiences(_request(1), timeout=60)]
+    assert await _served(stack) == served  # the generator serves the old weights ...
+    batch = await _actor_follows_generator(stack)  # ... and the actor replica holds them too
     assert batch.actor_policy_version == before and set(batch.policy_version) == {before}
+
+    response = await _update(stack["experience"], [("model.norm.weight", changed)])  # the good one is served
+    assert response.policy_version == before + 1 == await _version(stack)
+    tokens, log_probs = await _served(stack)
+    assert (tokens, log_probs) != served
+    batch = await _actor_follows_generator(stack)
+    assert batch.actor_policy_version == before + 1 and set(batch.policy_version) == {before + 1}
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
