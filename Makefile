@@ -46,7 +46,7 @@ $(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
 # The ops tests run Debian's docker-compose (`docker-compose config`), prometheus (a real scrape) and kubectl
 # (`kubectl kustomize`); the tool sandbox's tests run bubblewrap (`bwrap`). Missing ones are installed with apt-get
 # where that is possible (root on Debian).
-OPS_TOOLS := docker-compose:docker-compose prometheus:prometheus kubectl:kubernetes-client bwrap:bubblewrap
+OPS_TOOLS := docker-compose:docker-compose prometheus:prometheus kubectl:kubernetes-client bwrap:bubblewrap redis-server:redis-server
 tools:
 	@missing=""; for pair in $(OPS_TOOLS); do command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
 	if [ -n "$$missing" ]; then \

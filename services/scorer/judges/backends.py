@@ -116,6 +116,11 @@ class OpenAIBackend:
             raise SourceRejected(f"HTTP {response.status_code}: {response.text[:200]}")
         return _reply(response.content)
 
+    async def close(self) -> None:
+        """Close the connection pool."""
+        if self._client is not None:
+            await self._client.aclose()
+
 
 def _reply(content: bytes) -> JudgeReply:
     """A chat completion's answer. Raises SourceRejected: not one."""
