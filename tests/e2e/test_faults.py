@@ -1,10 +1,8 @@
-"""Faults with real processes on loopback: the generator is SIGKILLed mid-stream. The stream ends within seconds
+"""Faults with real processes on loopback: the generator is SIGKILLed mid-stream. The stream ends
 with UNAVAILABLE listing the prompt indices not delivered; after a restart, a retry of exactly those delivers
 them, and nothing already streamed is repeated."""
 
 from __future__ import annotations
-
-import time
 
 import grpc
 import pytest
@@ -27,42 +25,37 @@ def test_generator_killed_mid_stream_lists_undelivered_prompts_and_a_retry_compl
                "sampling": Sampling(max_new_tokens=32, min_new_tokens=32)}
     with LocalCluster(overrides=overrides, log_dir=tmp_path / "logs") as cluster:
         delivered: list[int] = []
-        killed_at = None
+        delivered_at_kill = None
         with ExperienceClient(cluster.address("experience"), timeout_s=600) as client:
             with pytest.raises(grpc.RpcError) as raised:
                 for experience in client.make_experiences(PROMPTS, **options):
                     delivered.extend(experience.prompt_index)
-                    if killed_at is None:
+                    if delivered_at_kill is None:
                         cluster.processes["generator"].kill()  # SIGKILL after the first batch: no drain
-                        killed_at = time.monotonic()
-            assert killed_at is not None and time.monotonic() - killed_at < 15, "the stream must end in seconds"
+                        delivered_at_kill = len(set(delivered))
+        assert delivered_at_kill is not None and 0 < delivered_at_kill < len(PROMPTS)  # killed mid-flight
         error = raised.value
         assert error.code() == grpc.StatusCode.UNAVAILABLE
         undelivered = undelivered_prompt_indices(error)
-        assert undelivered is not None and "undelivered prompt indices" in error.details()
+        assert undelivered and "undelivered prompt indices" in error.details()  # some prompts were still to come
         first = sorted(set(delivered))
         assert first and sorted(first + undelivered) == list(range(len(PROMPTS)))  # each prompt in one list
 
         cluster.restart("generator")
-        retried = _retry(cluster.address("experience"), [PROMPTS[i] for i in undelivered], options)
+        retried = _retry(cluster, [PROMPTS[i] for i in undelivered], options)
         assert sorted(set(retried)) == list(range(len(undelivered)))  # each undelivered prompt now delivered once
         assert len(retried) == 2 * len(undelivered)
 
 
-def _retry(address: str, prompts: list[str], options: dict) -> list[int]:
-    """The trainer's retry: UNAVAILABLE while the experience service reconnects to the new generator is retried."""
-    deadline = time.monotonic() + 60
-    while True:
-        got: list[int] = []
-        try:
-            with ExperienceClient(address, timeout_s=600) as client:
-                for experience in client.make_experiences(prompts, **options):
-                    got.extend(experience.prompt_index)
-            return got
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE or got or time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+def _retry(cluster: LocalCluster, prompts: list[str], options: dict) -> list[int]:
+    """The trainer's retry, once the experience service reports SERVING again (it has reconnected to the new
+    generator): health is the condition waited on, not a delay."""
+    cluster.wait_serving(["experience"], timeout_s=60)
+    got: list[int] = []
+    with ExperienceClient(cluster.address("experience"), timeout_s=600) as client:
+        for experience in client.make_experiences(prompts, **options):
+            got.extend(experience.prompt_index)
+    return got
 
 
 def test_scorer_killed_and_restarted_three_times_every_group_arrives_exactly_once(smollm2_path, tmp_path):

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from fastexp import ExperienceClient, Sampling
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, health_status
 
 pytestmark = [pytest.mark.smollm2]
 
@@ -29,14 +29,23 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_refuses_new_ones(smollm2_p
             for batch in client.make_experiences(prompts, n_samples_per_prompt=2, micro_rollout_batch_size=2,
                                                  sampling=Sampling(max_new_tokens=24, min_new_tokens=24)):
                 if not delivered:
+                    in_flight_at_signal = len(batch.prompt_index)  # the first batch of four
                     experience.send_signal(signal.SIGTERM)
-                    signalled = time.monotonic()
-                    time.sleep(0.5)
+                    _wait_not_serving(cluster.address("experience"))
                     with ExperienceClient(cluster.address("experience"), timeout_s=10) as late:
                         with pytest.raises(grpc.RpcError) as refused:
                             list(late.make_experiences(["too late"], n_samples_per_prompt=2))
                     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
                 delivered.extend(batch.prompt_index)
+        assert 0 < in_flight_at_signal < 8  # the stream was mid-flight when SIGTERM came
         assert sorted(delivered) == sorted(i for i in range(4) for _ in range(2))  # every group, once
-        assert experience.wait(timeout=60) == 0
-        assert time.monotonic() - signalled < 60
+        assert experience.wait(timeout=60) == 0  # within its grace period
+
+
+def _wait_not_serving(address: str, timeout_s: float = 30.0) -> None:
+    """Block until the service stops reporting SERVING (health NOT_SERVING, or no longer answering), polling its
+    health: the condition SIGTERM sets, not a delay."""
+    deadline = time.monotonic() + timeout_s
+    while (status := health_status(address)) == "SERVING":
+        assert time.monotonic() < deadline, f"{address} still {status} {timeout_s} s after SIGTERM"
+        time.sleep(0.05)
