@@ -3,7 +3,8 @@ a workload with dynamic-sampling refills (hit rate and judge calls saved).
 
 Set-up: the embedded SmolLM2-135M-Instruct behind a fastexp generator (HF backend, float32, up to 64 sequences
 per chunk), started in process; the scorer's :class:`~services.scorer.judges.source.JudgeScorer` speaks to it over
-gRPC ``Generate``, the chat template applied, greedy, a regex verdict (``(\\d+)``, score range 0-10).
+gRPC ``Generate``, the chat template applied, greedy; the judge explains in a sentence and then rates (up to 48
+tokens; the verdict is the last number it writes, regex ``(?s)(\\d+)(?!.*\\d)``, score range 0-10).
 
 - ``batched``: 64 responses to 16 ``basic_arithmetic`` problems judged with ``batch_size`` 64 (one ``Generate``).
 - ``per_response``: the same 64 judged with ``batch_size`` 1 and ``budget.max_concurrency`` 1 (64 ``Generate``
@@ -40,8 +41,8 @@ from services.scorer.composition import build_source
 from services.scorer.judges.config import JudgeConfig
 from services.scorer.scorer import ScoreItem
 
-TEMPLATE = ("Question: {prompt}\nReference answer: {reference}\nAnswer: {response}\nRate the answer from 0 to 10. "
-            "Reply with the number only.")
+TEMPLATE = ("Question: {prompt}\nReference answer: {reference}\nAnswer: {response}\nIs the answer correct? Explain "
+            "in one sentence, then rate it from 0 to 10 as \\boxed{score}.")
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class JudgeWorkload:
     task: str = "basic_arithmetic"
     num_prompts: int = 16
     n_samples_per_prompt: int = 4
-    judge_max_new_tokens: int = 6
+    judge_max_new_tokens: int = 48
     policy_max_new_tokens: int = 6
     refill_rounds: int = 3
     seed: int = 0
@@ -105,7 +106,7 @@ def _answers(reference: str, n: int) -> list[str]:
 def _config(address: str, workload: JudgeWorkload, *, batch_size: int, name: str, cache: bool) -> JudgeConfig:
     return JudgeConfig(
         name=name, backend="generator", address=address, template=TEMPLATE, max_new_tokens=workload.judge_max_new_tokens,
-        verdict={"kind": "regex", "pattern": r"(\d+)"}, score_range=(0, 10), batch_size=batch_size,
+        verdict={"kind": "regex", "pattern": r"(?s)(\d+)(?!.*\d)"}, score_range=(0, 10), batch_size=batch_size,
         budget={"max_concurrency": 1 if batch_size == 1 else 4}, cache={"enabled": cache}, timeout_s=1800,
     )
 
