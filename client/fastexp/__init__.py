@@ -4,8 +4,9 @@
 
     from fastexp import ExperienceClient, RequestOptions, Sampling
 
-The services, the CLI and the demo need the server extra (``pip install "fastexp[server]"``). Names are imported
-on first use, so ``import fastexp`` (or its generated ``fastexp.v1`` contract) costs nothing more.
+The experience math is :mod:`fastexp.rl` (torch only). The services, the ``fastexp`` command and the demo are the
+``fastexp-server`` distribution. Names are imported on first use, so ``import fastexp`` (or its generated
+``fastexp.v1`` contract) costs nothing more.
 """
 
 from __future__ import annotations
