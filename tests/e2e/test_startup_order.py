@@ -67,10 +67,8 @@ def test_experience_started_first_serves_within_seconds_of_a_generator_that_come
     assert cluster.processes["experience"].poll() is None, "the experience service must not give up"
     assert health_status(experience) == "NOT_SERVING"
     cluster.start_service("generator")  # returns once the generator reports SERVING
-    generator_serving = time.monotonic()
     _wait_status(experience, "SERVING", timeout_s=SERVE_WITHIN_S)
     assert sorted(_request(experience)) == [0, 0, 1, 1]
-    assert time.monotonic() - generator_serving <= SERVE_WITHIN_S
 
 
 def test_a_generator_restarted_while_idle_is_picked_up_without_restarting_the_experience_service(cluster):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -140,10 +139,9 @@ async def test_a_hung_tool_does_not_hold_other_episodes(context):
     slow, quick = PythonTool(context, limits={"timeout_s": 4.0}), MathFeedback(context)
     await slow.reset(EpisodeStart("p", "1", "", 2))
     await quick.reset(EpisodeStart("p", "4", "", 2))
-    started = time.monotonic()
     hung = asyncio.create_task(slow.step(_call("import time\ntime.sleep(60)")))
     answer = await quick.step("\\boxed{4}")
-    assert answer.done and time.monotonic() - started < 3.0 and not hung.done()
+    assert answer.done and not hung.done()  # answered while the other episode's code still runs
     assert "wall-clock" in (await hung).observation
 
 
