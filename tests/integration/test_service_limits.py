@@ -209,9 +209,6 @@ async def test_streams_past_max_concurrent_streams_are_refused_while_the_accepte
     assert len(await _stream(stack)) == 1  # the cap counts open streams only
 
 
-@pytest.mark.xfail(strict=True, reason="services/experience/api/servicer.py MakeExperiences checks the cap before "
-                   "awaiting the request's decoding and counts the stream only after it: streams arriving together all "
-                   "pass the check (3 served with a cap of 2)")
 async def test_streams_arriving_together_past_max_concurrent_streams_are_refused(stack):
     """The cap holds for streams that arrive at once, not only one after another."""
     gate = stack["generate_gate"]

@@ -66,6 +66,15 @@ def test_a_resampled_group_or_drop_settles_what_the_consumer_awaits():
     assert inbox.awaiting == 0 and inbox.finished
 
 
+def test_a_resample_whose_episode_failed_is_no_longer_awaited():
+    """A resampled multi-turn group that fails in its environment settles its wait (the stream would hang)."""
+    from services.experience.pipeline.events import GroupFailed
+
+    inbox = batcher.receive(Inbox(awaiting=1, producer_done=True), GroupFailed(3, "env", resampled=True))
+    assert inbox.awaiting == 0 and inbox.finished
+    assert batcher.receive(Inbox(awaiting=1), GroupFailed(3, "env")).awaiting == 1  # a first-round failure
+
+
 @pytest.mark.parametrize(
     ("inbox", "step"),
     [

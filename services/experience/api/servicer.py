@@ -77,6 +77,17 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
         if self._streams >= self._max_concurrent_streams:
             raise Overloaded(f"max_concurrent_streams: {self._streams} streams are being served; retry later")
+        self._streams += 1  # counted before the first await: streams arriving together cannot all pass the check
+        try:
+            async for batch in self._stream(request, context):
+                yield batch
+        finally:
+            self._streams -= 1
+
+    async def _stream(
+        self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
+        """One admitted stream: decode, run the pipeline, encode each batch; trailers however it ends."""
         self._maker.require_models_loaded("MakeExperiences")
         info = self._generator_info()  # NotReady (UNAVAILABLE) naming what the service waits for
         try:
@@ -96,13 +107,11 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
         deadline = Deadline.from_remaining(context.time_remaining())
         stats = StreamStats()
-        self._streams += 1
         try:
             async with contextlib.aclosing(self._maker.make_experiences(decoded, deadline, stats)) as experiences:
                 async for experience in experiences:
                     yield experience_to_pb(experience)
         finally:
-            self._streams -= 1
             trailers = [
                 ("fastexp-dropped-groups", str(stats.dropped_groups)),
                 ("fastexp-generation-rounds", str(stats.generation_rounds)),

@@ -63,8 +63,11 @@ def receive(inbox: Inbox, event: Event) -> Inbox:
             inbox, pending=(*inbox.pending, event), awaiting=inbox.awaiting - event.resampled,
             finished_samples=_without_group(inbox.finished_samples, event.prompt_index),
         )
-    if isinstance(event, GroupFailed):
-        return dataclasses.replace(inbox, finished_samples=_without_group(inbox.finished_samples, event.prompt_index))
+    if isinstance(event, GroupFailed):  # a failed resample is no longer awaited
+        return dataclasses.replace(
+            inbox, awaiting=inbox.awaiting - event.resampled,
+            finished_samples=_without_group(inbox.finished_samples, event.prompt_index),
+        )
     return inbox
 
 

@@ -179,6 +179,7 @@ class GroupFailed:
 
     prompt_index: int
     reason: str
+    resampled: bool = False  # it was a resample the consumer asked for (and awaits)
 
 
 @dataclass(frozen=True)

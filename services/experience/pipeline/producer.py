@@ -208,7 +208,8 @@ class Producer:
         """
         if run.request.config.episodes is not None and self._episodes is not None:
             round_: _Round | _EpisodeRound = _EpisodeRound(
-                run, indices, self._episodes, lambda group, scores: self._hand_on(run, group, scores, resampled)
+                run, indices, self._episodes, lambda group, scores: self._hand_on(run, group, scores, resampled),
+                resampled,
             )
         else:
             round_ = _Round(run, indices, self._generator, lambda group: self._score_group(run, group, resampled))
@@ -329,8 +330,10 @@ class _EpisodeRound:
         indices: Sequence[int],
         runner: EpisodeRunner,
         hand_on: Callable[[tuple[CompletionRecord, ...], Scores], Awaitable[bool]],
+        resampled: bool = False,
     ) -> None:
         self._run, self._indices, self._runner, self._hand_on = run, indices, runner, hand_on
+        self._resampled = resampled  # a failed group is then one the consumer awaits: say so
         self.complete: set[int] = set()
         self._groups: list[asyncio.Task[bool]] = []
 
@@ -345,7 +348,7 @@ class _EpisodeRound:
             completions, scores = await self._runner.run_group(self._run.request, prompt_index, self._run.deadline)
         except EpisodeFailed as error:
             self.complete.add(prompt_index)
-            await self._run.events.put(GroupFailed(prompt_index, str(error)))
+            await self._run.events.put(GroupFailed(prompt_index, str(error), resampled=self._resampled))
             self._run.window.end((prompt_index,))  # never streamed: its lease admits the next prompt now
             return False
         metrics.STAGE_SECONDS.labels("episodes").observe(time.perf_counter() - started)
