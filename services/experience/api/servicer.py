@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from fastexp.status import FAILED_KEY, INVALID_PROMPTS_KEY, UNDELIVERED_KEY
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from fastexp.wire import experience_to_pb
 from services.common.deadlines import Deadline
@@ -28,16 +29,6 @@ from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.pipeline.events import StreamStats
 from services.experience.pipeline.maker import ExperienceMaker
 from services.experience.workers.vision import VisionProcessor
-
-#: Trailing metadata of a failed stream: the prompt indices not delivered, comma-separated (SDK:
-#: :func:`fastexp.undelivered_prompt_indices`).
-UNDELIVERED_KEY = "fastexp-undelivered-prompt-indices"
-#: Trailing metadata of an INVALID_ARGUMENT answer caused by prompts: every invalid prompt index,
-#: comma-separated (SDK: :func:`fastexp.invalid_prompt_indices`).
-INVALID_PROMPTS_KEY = "fastexp-invalid-prompt-indices"
-#: Trailing metadata of a stream that completed without some multi-turn groups (an episode failed in its
-#: environment): their prompt indices, comma-separated; send them again.
-FAILED_KEY = "fastexp-failed-prompt-indices"
 
 
 class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):

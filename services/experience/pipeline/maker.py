@@ -58,7 +58,7 @@ from services.experience.pipeline.events import (
 from services.experience.pipeline.forwarder import EarlyForwards, Forwarder, ForwardModels
 from services.experience.pipeline.producer import Producer, ProducerRun
 from services.experience.pipeline.run_store import RunStore
-from services.experience.pipeline.versions import PolicyState
+from services.experience.pipeline.versions import VersionClock
 from services.experience.pipeline.weight_sync import WeightSync
 
 if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
@@ -84,13 +84,13 @@ class ExperienceMaker:
         models: ForwardModels,
         pad_token_id: int,
         runs: RunStore | None = None,
-        policy: PolicyState | None = None,
+        policy: VersionClock | None = None,
         max_groups_ahead: int = 64,
         sync_timeout_s: float = 600.0,
         episodes: EpisodeRunner | None = None,
         forward_threads: Callable[[], int | None] | None = None,
     ) -> None:
-        self.policy = policy if policy is not None else PolicyState()
+        self.policy = policy if policy is not None else VersionClock()
         self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version, threads=forward_threads)
         self._weights = WeightSync(generator, self._forwarder, self.policy, sync_timeout_s)
         self._stages = _Stages(
@@ -185,7 +185,7 @@ class _Stages:
 
     producer: Producer
     forwarder: Forwarder
-    policy: PolicyState
+    policy: VersionClock
     runs: RunStore
 
 

@@ -49,7 +49,7 @@ from services.experience.pipeline.events import (
     Scorer,
     Scores,
 )
-from services.experience.pipeline.versions import PolicyState
+from services.experience.pipeline.versions import VersionClock
 from services.experience.pipeline.window import Window
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class Producer:
     episode runner: :mod:`~services.experience.pipeline.episodes`)."""
 
     def __init__(
-        self, generator: Generator, scorer: Scorer, policy: PolicyState, max_groups_ahead: int,
+        self, generator: Generator, scorer: Scorer, policy: VersionClock, max_groups_ahead: int,
         episodes: EpisodeRunner | None = None,
     ) -> None:
         self._generator = generator

@@ -1,6 +1,6 @@
 """The policy version the experience service serves, and the waits built on it (off-policy admission, aborts).
 
-One :class:`PolicyState` per service, touched only from its event loop. The version is the generator's (the
+One :class:`VersionClock` (the policy's version clock) per service, touched only from its event loop. The version is the generator's (the
 experience service forwards every policy update and then copies it into its actor replica, so both serve the
 same weights under the same number). Streams wait on it: with ``max_staleness`` a batch waits until the trainer
 has moved the policy far enough (:meth:`wait_for_version`), and with partial rollouts set to abort, in-flight
@@ -16,7 +16,7 @@ from services.common.deadlines import Deadline
 from services.common.errors import UpstreamTimeout
 
 
-class PolicyState:
+class VersionClock:
     """``version``: the policy version live on the generator and the actor replica; ``updating``: an update is
     being applied (between :meth:`begin_update` and :meth:`end_update`)."""
 

@@ -3,7 +3,7 @@
 A policy update is checked against the actor replica, forwarded to the generator fleet with the version it makes
 live (the sender's ``policy_version``, else the live one + 1; live there once every replica that stays has it),
 then copied into the actor replica between forward passes. While it runs, aborting partial rollouts stop
-(:meth:`PolicyState.update_begun`). A critic update is checked and copied into the critic. Nothing is applied
+(:meth:`VersionClock.update_begun`). A critic update is checked and copied into the critic. Nothing is applied
 anywhere unless the whole update checks out.
 
 The actor replica holds exactly the live version's weights whenever no update is being applied, so it is what a
@@ -24,7 +24,7 @@ from services.common.weight_checks import TensorSpec, check_update
 from services.common.weights import ReceivedUpdate, module_spec
 from services.experience.pipeline.events import Generator
 from services.experience.pipeline.forwarder import Forwarder
-from services.experience.pipeline.versions import PolicyState
+from services.experience.pipeline.versions import VersionClock
 
 if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
     from services.experience.fleet.replicas import ReplicaClient
@@ -36,7 +36,7 @@ class WeightSync:
     """Applies updates to the generator and the forwarder's models, in step (module docs)."""
 
     def __init__(
-        self, generator: Generator, forwarder: Forwarder, policy: PolicyState, sync_timeout_s: float = 600.0
+        self, generator: Generator, forwarder: Forwarder, policy: VersionClock, sync_timeout_s: float = 600.0
     ) -> None:
         self._generator = generator
         self._forwarder = forwarder
