@@ -9,6 +9,7 @@ message and an error id that is also logged with the traceback, so internals nev
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -56,8 +57,12 @@ def _mapped_unary(behavior: UnaryBehavior) -> UnaryBehavior:
 def _mapped_stream(behavior: StreamBehavior) -> StreamBehavior:
     async def mapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            responses = behavior(request, context)
+            if inspect.isawaitable(responses):  # a handler that writes with context.write() (grpc health's Watch)
+                await responses
+                return
             # aclosing: a cancelled call closes the handler's generator now, running its cleanup (engine aborts)
-            async with contextlib.aclosing(behavior(request, context)) as responses:
+            async with contextlib.aclosing(responses) as responses:
                 async for response in responses:
                     yield response
         except grpc.aio.AbortError:

@@ -46,3 +46,25 @@ async def test_status_mapping(stub, name):
     assert info.value.code() == code
     assert info.value.details().startswith(message)
     assert "secret" not in info.value.details()
+
+
+async def test_health_watch_streams_through_the_error_mapping():
+    """grpc's health Watch writes with context.write() (a coroutine, not a generator): the interceptor that maps
+    errors must pass it through, so a client can watch a service go SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    running = await create_server(
+        host="127.0.0.1", port=0, service_names=["fastexp.v1.ScoringService"], max_message_bytes=1 << 20,
+        register=lambda server: None,
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    try:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+        first = await watch.read()
+        assert first.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await running.set_serving(True)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+    finally:
+        await channel.close()
+        await running.stop(0)
