@@ -36,11 +36,11 @@ from services.scorer.config import (
     SimilarityConfig,
     SourceConfig,
 )
-from services.scorer.gateway.breaker import Breaker
-from services.scorer.gateway.cache import build_cache, fingerprint
-from services.scorer.gateway.caching import CachingSource
 from services.scorer.judges.source import JudgeScorer
 from services.scorer.models import LocalModelScorer, SimilarityScorer
+from services.scorer.outbound.breaker import Breaker
+from services.scorer.outbound.cache import build_cache, fingerprint
+from services.scorer.outbound.cached_source import CachingSource
 from services.scorer.remote import RemoteScorer
 from services.scorer.rules import RuleScorer, import_callable
 from services.scorer.scorer import (
@@ -230,7 +230,7 @@ class RewardComposer:
 
 def build_source(config: SourceConfig) -> RewardSource:
     """The runtime source a configuration record describes (not started); networked sources (remote, judge) behind
-    their cache when one is enabled (:class:`~services.scorer.gateway.caching.CachingSource`)."""
+    their cache when one is enabled (:class:`~services.scorer.outbound.cached_source.CachingSource`)."""
     source = _bare_source(config)
     cache = build_cache(config.cache) if isinstance(config, RemoteConfig | JudgeConfig) else None
     if cache is None:

@@ -11,7 +11,7 @@ A scorer runs one or more named **sources**, each one of:
   parser over a fastexp generator or an OpenAI-compatible chat endpoint.
 
 Networked sources (``remote``, ``judge``) also take a ``budget``, a circuit ``breaker`` and a ``cache``
-(:mod:`services.scorer.gateway.config`).
+(:mod:`services.scorer.outbound.config`).
 
 **Recipes** map a sample's label to ``[(type, key, weight)]`` entries (``type`` is ``"model"`` for the first three
 kinds and judges, ``"rule"`` for rules; ``key`` a source name); only the sources a sample's recipe names with a
@@ -26,8 +26,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.scorer.gateway.config import CACHE_OFF, BreakerConfig, CacheConfig
 from services.scorer.judges.config import JudgeConfig
+from services.scorer.outbound.config import CACHE_OFF, BreakerConfig, CacheConfig
 
 #: Recipe key used for samples whose label has no recipe of its own.
 DEFAULT_RECIPE = "default"

@@ -18,7 +18,7 @@ list, the wrong number of rewards, or more than ``max_response_bytes`` fails the
 Every error names the source and the URL. At most ``max_concurrency`` requests are in flight per endpoint, at most
 ``requests_per_minute`` start per minute (more wait within the caller's deadline), and a circuit breaker
 (``breaker``) refuses requests while the endpoint is down, failing the items at once with the breaker named
-(:mod:`services.scorer.gateway`). Cancelling ``score`` closes its requests.
+(:mod:`services.scorer.outbound`). Cancelling ``score`` closes its requests.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from services.common.deadlines import Deadline
 from services.common.errors import UpstreamTimeout
 from services.common.metrics import REMOTE_REWARD_FAILURES, REMOTE_REWARD_REQUESTS, REMOTE_REWARD_RETRIES
 from services.scorer.config import RemoteConfig
-from services.scorer.gateway.breaker import Breaker, BreakerOpen
-from services.scorer.gateway.config import BudgetConfig
-from services.scorer.gateway.guard import Gateway
+from services.scorer.outbound.breaker import Breaker, BreakerOpen
+from services.scorer.outbound.config import BudgetConfig
+from services.scorer.outbound.guard import CallGuard
 from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked_rewards
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class RemoteScorer:
         self._where = f"{config.name} ({config.url})"
         self._client: httpx.AsyncClient | None = None
         budget = BudgetConfig(max_concurrency=config.max_concurrency, requests_per_minute=config.requests_per_minute)
-        self._gateway = Gateway(config.name, budget, config.breaker, failures=(httpx.TransportError, _ServerError))
+        self._gateway = CallGuard(config.name, budget, config.breaker, failures=(httpx.TransportError, _ServerError))
 
     @property
     def breaker(self) -> Breaker:

@@ -20,7 +20,7 @@ from services.common.server import RunningServer, run_service, serving, start_se
 from services.scorer.composition import ConfigError, RewardComposer, build_composer
 from services.scorer.environment_servicer import EnvironmentServicer
 from services.scorer.environments import EnvironmentContext, EnvironmentHost, load_specs
-from services.scorer.gateway.breaker import BreakerStatus
+from services.scorer.outbound.breaker import BreakerStatus
 from services.scorer.sandbox import build_sandbox
 from services.scorer.servicer import ScoringServicer
 from services.scorer.settings import ScorerSettings

@@ -10,7 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from services.common.deadlines import Deadline
-from services.scorer.gateway.breaker import (
+from services.scorer.judges.config import JudgeConfig, VerdictConfig
+from services.scorer.judges.verdicts import parse_number, parse_verdict, render, to_reward, yes_probability
+from services.scorer.outbound.breaker import (
     BreakerOpen,
     BreakerState,
     BreakerStatus,
@@ -19,12 +21,10 @@ from services.scorer.gateway.breaker import (
     failed,
     succeeded,
 )
-from services.scorer.gateway.budgets import Budget, BudgetTimeout
-from services.scorer.gateway.cache import CachedReward, LocalCache, cache_key, fingerprint
-from services.scorer.gateway.config import BreakerConfig, BudgetConfig, CacheConfig
-from services.scorer.gateway.guard import Gateway, SourceUnavailable
-from services.scorer.judges.config import JudgeConfig, VerdictConfig
-from services.scorer.judges.verdicts import parse_number, parse_verdict, render, to_reward, yes_probability
+from services.scorer.outbound.budgets import Budget, BudgetTimeout
+from services.scorer.outbound.cache import CachedReward, LocalCache, cache_key, fingerprint
+from services.scorer.outbound.config import BreakerConfig, BudgetConfig, CacheConfig
+from services.scorer.outbound.guard import CallGuard, SourceUnavailable
 from services.scorer.settings import ScorerSettings
 
 BOXED, JSON = VerdictConfig(kind="boxed"), VerdictConfig(kind="json", field="verdict.score")
@@ -139,7 +139,7 @@ async def test_budgets_admit_what_the_buckets_hold_and_queue_the_rest_within_the
 
 
 async def test_gateway_fails_fast_with_the_breaker_named_once_open():
-    gateway = Gateway("judge", BudgetConfig(), BreakerConfig(failure_threshold=2, open_s=60))
+    gateway = CallGuard("judge", BudgetConfig(), BreakerConfig(failure_threshold=2, open_s=60))
     calls = []
 
     async def down() -> None:

@@ -2,9 +2,9 @@
 (httpx; the generator backend is :mod:`services.scorer.judges.generator_backend`).
 
 A backend answers one *call* (``prompts_per_call`` prompts at most) within ``timeout_s`` seconds. It raises
-:class:`~services.scorer.gateway.guard.SourceUnavailable` when the endpoint did not answer usefully (timeout,
+:class:`~services.scorer.outbound.guard.SourceUnavailable` when the endpoint did not answer usefully (timeout,
 connection error, HTTP 5xx or 429: retried, counted by the breaker) and
-:class:`~services.scorer.gateway.guard.SourceRejected` when it refused the call (HTTP 4xx) or answered in a shape
+:class:`~services.scorer.outbound.guard.SourceRejected` when it refused the call (HTTP 4xx) or answered in a shape
 that is not the protocol's. Cancelling a call closes its HTTP requests (the server sees the connection end).
 
 OpenAI-compatible: ``POST {url}/chat/completions`` with ``{model, messages, max_tokens, temperature}`` (and
@@ -22,8 +22,8 @@ from typing import Protocol
 
 import httpx
 
-from services.scorer.gateway.guard import SourceRejected, SourceUnavailable
 from services.scorer.judges.config import JudgeConfig
+from services.scorer.outbound.guard import SourceRejected, SourceUnavailable
 
 #: Candidates asked for a yes/no verdict's first token.
 TOP_LOGPROBS = 20

@@ -26,7 +26,7 @@ from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.scorer.gateway.config import BreakerConfig, BudgetConfig, CacheConfig
+from services.scorer.outbound.config import BreakerConfig, BudgetConfig, CacheConfig
 
 #: The fields a template may name, each written ``{field}``; other braces are kept as written (``\boxed{}``).
 TEMPLATE_FIELDS = ("prompt", "response", "reference", "label")

@@ -7,8 +7,8 @@ the scorer too), else ``system + "\\n\\n" + user``. The generator returns only t
 yes/no verdicts need the openai backend.
 
 gRPC status -> error: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, INTERNAL, UNKNOWN ->
-:class:`~services.scorer.gateway.guard.SourceUnavailable` (retried, counted by the breaker); others (a bad request)
--> :class:`~services.scorer.gateway.guard.SourceRejected`. Cancelling a call cancels the ``Generate`` RPC, which
+:class:`~services.scorer.outbound.guard.SourceUnavailable` (retried, counted by the breaker); others (a bad request)
+-> :class:`~services.scorer.outbound.guard.SourceRejected`. Cancelling a call cancels the ``Generate`` RPC, which
 aborts the generator's engine requests.
 """
 
@@ -23,9 +23,9 @@ import grpc
 from fastexp.channels import channel_options
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common.logs import outbound_metadata
-from services.scorer.gateway.guard import SourceRejected, SourceUnavailable
 from services.scorer.judges.backends import Chat, JudgeReply
 from services.scorer.judges.config import JudgeConfig
+from services.scorer.outbound.guard import SourceRejected, SourceUnavailable
 
 _RETRIED = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,

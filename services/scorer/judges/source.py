@@ -19,12 +19,12 @@ import numpy as np
 from services.common.deadlines import Deadline
 from services.common.errors import UpstreamTimeout
 from services.common.metrics import JUDGE_UNPARSED_VERDICTS, SOURCE_TOKENS
-from services.scorer.gateway.breaker import Breaker, BreakerOpen
-from services.scorer.gateway.cache import cache_key, fingerprint
-from services.scorer.gateway.guard import Gateway, SourceRejected, SourceUnavailable
 from services.scorer.judges.backends import Chat, JudgeBackend, JudgeReply, build_backend
 from services.scorer.judges.config import JudgeConfig
 from services.scorer.judges.verdicts import parse_verdict, render, to_reward
+from services.scorer.outbound.breaker import Breaker, BreakerOpen
+from services.scorer.outbound.cache import cache_key, fingerprint
+from services.scorer.outbound.guard import CallGuard, SourceRejected, SourceUnavailable
 from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores
 
 answers_log = logging.getLogger("services.scorer.judges.answers")
@@ -46,7 +46,7 @@ class JudgeScorer:
         self.name = config.name
         self._config = config
         self._backend = backend or build_backend(config)
-        self._gateway = Gateway(config.name, config.budget, config.breaker, clock=clock)
+        self._gateway = CallGuard(config.name, config.budget, config.breaker, clock=clock)
         self._fingerprint = fingerprint(config, config.cache.version)
 
     @property

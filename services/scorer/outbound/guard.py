@@ -1,10 +1,10 @@
 """The path of every outbound call of a networked source: breaker -> budget -> the call -> outcome recorded.
 
-:class:`Gateway` is owned by one source. ``async with gateway.attempt(tokens, deadline):`` wraps one try: it is
+:class:`CallGuard` is owned by one source. ``async with guard.attempt(tokens, deadline):`` wraps one try: it is
 refused at once while the breaker is open (:class:`~.breaker.BreakerOpen`), queues for the budget within the
 deadline (:class:`~.budgets.BudgetTimeout`), and records what the block's end says: a normal exit is a success, an
 exception of the source's ``failures`` kinds a failure (the breaker counts it), a cancellation or anything else no
-outcome. :meth:`Gateway.call` adds retries (stamina, capped exponential backoff with jitter) within the deadline.
+outcome. :meth:`CallGuard.call` adds retries (stamina, capped exponential backoff with jitter) within the deadline.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import stamina
 from services.common.deadlines import Deadline
 from services.common.errors import UpstreamTimeout
 from services.common.metrics import SOURCE_CALL_SECONDS, SOURCE_CALLS, SOURCE_IN_FLIGHT
-from services.scorer.gateway.breaker import Breaker, BreakerOpen
-from services.scorer.gateway.budgets import Budget, BudgetTimeout
-from services.scorer.gateway.config import BreakerConfig, BudgetConfig
+from services.scorer.outbound.breaker import Breaker, BreakerOpen
+from services.scorer.outbound.budgets import Budget, BudgetTimeout
+from services.scorer.outbound.config import BreakerConfig, BudgetConfig
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ class SourceRejected(Exception):
     """The endpoint answered but refused the call (HTTP 4xx other than 429): not retried, not an outage."""
 
 
-class Gateway:
+class CallGuard:
     """One source's breaker and budget, and its call metrics (module docs).
 
     Args:

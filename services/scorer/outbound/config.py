@@ -42,7 +42,7 @@ class BreakerConfig(BaseModel):
 
 class CacheConfig(BaseModel):
     """A content-addressed cache of the source's rewards, keyed by (prompt, response, reference, label) and the
-    source's configuration (:func:`services.scorer.gateway.cache.fingerprint`). Local (an LRU of ``max_entries``
+    source's configuration (:func:`services.scorer.outbound.cache.fingerprint`). Local (an LRU of ``max_entries``
     in the scorer process) unless ``redis_url`` is set: then every scorer replica pointing at that Redis shares it,
     each entry expiring after ``ttl_s`` (size it with the server's ``maxmemory``; see docs/reward-teams/judges.md).
     Only rewards are cached, never failures."""

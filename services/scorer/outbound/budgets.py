@@ -13,7 +13,7 @@ from aiolimiter import AsyncLimiter
 from services.common.deadlines import Deadline
 from services.common.errors import UpstreamTimeout
 from services.common.metrics import SOURCE_BUDGET_WAIT_SECONDS
-from services.scorer.gateway.config import BudgetConfig
+from services.scorer.outbound.config import BudgetConfig
 
 
 class BudgetTimeout(UpstreamTimeout):

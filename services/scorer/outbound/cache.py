@@ -20,7 +20,7 @@ from typing import Protocol
 from cachetools import LRUCache, TTLCache
 from pydantic import BaseModel
 
-from services.scorer.gateway.config import CacheConfig
+from services.scorer.outbound.config import CacheConfig
 
 logger = logging.getLogger(__name__)
 

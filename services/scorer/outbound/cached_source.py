@@ -9,7 +9,7 @@ import numpy as np
 
 from services.common.deadlines import Deadline
 from services.common.metrics import SOURCE_CACHE_LOOKUPS
-from services.scorer.gateway.cache import CachedReward, RewardCache, cache_key
+from services.scorer.outbound.cache import CachedReward, RewardCache, cache_key
 from services.scorer.scorer import NO_DEADLINE, RewardSource, ScoreItem, SourceScores
 
 #: Per-item metric: 1 when the reward came from the cache or an identical item of the same request, else 0.

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from services.common.metrics import SOURCE_BREAKER_STATE
-from services.scorer.gateway.config import BreakerConfig
+from services.scorer.outbound.config import BreakerConfig
 
 logger = logging.getLogger(__name__)
 
