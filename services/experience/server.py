@@ -14,11 +14,12 @@ import grpc
 from fastexp.security import ClientTLS
 from fastexp.v1 import experience_pb2, experience_pb2_grpc
 from services.common import metrics
+from services.common.channels import open_channel
 from services.common.models import resolve_model
 from services.common.security import read_tokens
 from services.common.server import RunningServer, run_service, start_service
 from services.experience.api.servicer import ExperienceServicer
-from services.experience.fleet.clients import EnvironmentClient, GeneratorClient, ScorerClient, open_channel
+from services.experience.fleet.clients import EnvironmentClient, GeneratorClient, ScorerClient
 from services.experience.fleet.generator_fleet import GeneratorFleet
 from services.experience.fleet.readiness import GeneratorInfo, UpstreamMonitor
 from services.experience.gateway.agents import AgentRunner, AgentServer

@@ -30,9 +30,9 @@ from fastexp.status import (
     code_of,
     received_error,
 )
+from services.common.channels import open_channel
 from services.common.security import AuthInterceptor
 from services.common.server import create_server
-from services.experience.fleet.clients import open_channel
 
 TOKEN = "edge-token-7d2e"  # noqa: S105 - test credential
 SERVICE = "fastexp.test.Edge"

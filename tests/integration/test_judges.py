@@ -186,18 +186,25 @@ async def test_a_dead_judge_opens_its_breaker_fails_fast_by_name_and_recovers(ju
 
 
 @pytest.fixture(scope="module")
-async def smollm2_generator(smollm2_path):
+async def smollm2_generator(smollm2_path, tmp_path_factory):
+    """A generator with tokens on, as deployments run it; its address and a file with its token."""
+    token_file = tmp_path_factory.mktemp("judge-auth") / "tokens"
+    token_file.write_text("judge-token\n")
     engine = HFEngine.start(smollm2_path, dtype="float32", max_model_len=512, max_batch_size=8)
-    running = await start_generator(GeneratorSettings(port=0, max_model_len=512), engine)
-    yield f"127.0.0.1:{running.port}"
+    running = await start_generator(
+        GeneratorSettings(port=0, max_model_len=512, auth_tokens_file=token_file), engine)
+    yield f"127.0.0.1:{running.port}", token_file
     await running.stop(1)
     await engine.close()
 
 
 async def test_a_judge_served_by_a_fastexp_generator(smollm2_generator):
-    """SmolLM2 through the generator's Generate, its chat template applied; a regex verdict, greedy."""
+    """SmolLM2 through the generator's Generate (its token sent), its chat template applied; a regex verdict,
+    greedy."""
+    address, token_file = smollm2_generator
     config = JudgeConfig(
-        name="smol", backend="generator", address=smollm2_generator, max_new_tokens=4, score_range=(0, 10),
+        name="smol", backend="generator", address=address, token_file=token_file, max_new_tokens=4,
+        score_range=(0, 10),
         template="Question: {prompt}\nReference answer: {reference}\nAnswer: {response}\nRate the answer from 0 "
                  "to 10. Reply with the number only.",
         verdict={"kind": "regex", "pattern": r"(\d+)"}, batch_size=8,
@@ -214,5 +221,5 @@ async def test_a_judge_served_by_a_fastexp_generator(smollm2_generator):
     scored = ~np.isnan(result.rewards)
     assert scored.any()
     assert ((result.rewards[scored] >= 0) & (result.rewards[scored] <= 1)).all()
-    assert all(error.startswith(f"smol (generator {smollm2_generator})") for error in result.errors if error)
+    assert all(error.startswith(f"smol (generator {address})") for error in result.errors if error)
     assert (result.metrics["completion_tokens"] >= 1).all() and (result.metrics["prompt_tokens"] > 20).all()

@@ -298,7 +298,8 @@ async def test_samples_are_forwarded_before_their_group_completes_and_never_twic
     group, the consumer forwards those rows while the rest decode, and the group's forward computes only the others.
     Every row is forwarded once, with the same log-probs as one forward of the whole batch; some row is forwarded
     before its group is scored (only a whole group is scored), in a pass holding only part of its group."""
-    from services.experience.fleet.clients import GeneratorClient, open_channel
+    from services.common.channels import open_channel
+    from services.experience.fleet.clients import GeneratorClient
     from services.experience.fleet.generator_fleet import GeneratorFleet
     from services.experience.fleet.replicas import FleetSettings
     from services.experience.workers.inputs import chunks

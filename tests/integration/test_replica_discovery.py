@@ -10,9 +10,10 @@ import dataclasses
 import pytest
 
 from fastexp.sampling import SamplingOptions
+from services.common.channels import open_channel
 from services.common.deadlines import Deadline
 from services.common.generation import CompletionRecord, GenerationRequest
-from services.experience.fleet.clients import GeneratorClient, open_channel
+from services.experience.fleet.clients import GeneratorClient
 from services.experience.fleet.generator_fleet import GeneratorFleet
 from services.experience.fleet.readiness import ProbeSettings
 from services.experience.fleet.replicas import FleetSettings, ReplicaState, resolve_targets

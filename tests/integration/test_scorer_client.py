@@ -8,9 +8,10 @@ import pytest
 
 from fastexp.tensor_codec import from_numpy
 from fastexp.v1 import scoring_pb2, scoring_pb2_grpc
+from services.common.channels import open_channel
 from services.common.deadlines import Deadline
 from services.common.errors import InvalidRequest, NotReady
-from services.experience.fleet.clients import ScorerClient, open_channel
+from services.experience.fleet.clients import ScorerClient
 from services.experience.pipeline.events import ScoreBatch
 
 

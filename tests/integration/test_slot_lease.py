@@ -12,9 +12,10 @@ import pytest
 
 from fastexp.rl.advantages import get_estimator
 from fastexp.sampling import SamplingOptions
+from services.common.channels import open_channel
 from services.common.deadlines import Deadline
 from services.experience.config import ExperienceConfig, ExperienceRequest, PromptSpec
-from services.experience.fleet.clients import GeneratorClient, open_channel
+from services.experience.fleet.clients import GeneratorClient
 from services.experience.fleet.generator_fleet import GeneratorFleet
 from services.experience.fleet.replicas import FleetSettings
 from services.experience.pipeline.events import ScoredGroup

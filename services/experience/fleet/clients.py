@@ -17,8 +17,6 @@ import stamina
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastexp.channels import ClientEdge, channel_options
-from fastexp.security import ClientTLS
 from fastexp.status import attributed_error
 from fastexp.tensor_codec import to_numpy, to_torch
 from fastexp.v1 import (
@@ -34,7 +32,6 @@ from fastexp.wire import sampling_to_pb
 from services.common.deadlines import Deadline
 from services.common.errors import EpisodeFailed, FastexpError, NotReady, RewardFailed, UpstreamTimeout
 from services.common.generation import CompletionRecord, GenerationRequest
-from services.common.logs import current_request_id
 from services.common.media_wire import media_to_pb
 from services.common.weights import ReceivedUpdate
 from services.common.weights_wire import entry_chunks
@@ -54,29 +51,6 @@ def translate_rpc_error(service: str, error: grpc.aio.AioRpcError) -> FastexpErr
     """The domain error for a failed call to ``service``, named in its message (the status table's inverse:
     :func:`fastexp.status.attributed_error`)."""
     return attributed_error(service, error)
-
-
-def open_channel(
-    address: str, max_message_bytes: int, tls: ClientTLS | None = None, token: str | None = None,
-    load_balancing: str = "round_robin",
-) -> grpc.aio.Channel:
-    """A channel with fastexp's message limits and the ``round_robin`` policy: behind a name that resolves to
-    several replicas (``dns:///fastexp-scorer:50052``, a Kubernetes headless Service) calls spread over every
-    ready one instead of pinning one connection; a peer that went away is tried again at least every 2 s
-    (``RECONNECT_BACKOFF_OPTIONS``). ``tls``: verify the server (and present a client certificate);
-    ``token``: send ``authorization: Bearer`` on every call. ``load_balancing="pick_first"`` keeps every call on
-    one replica instead (stateful calls: an environment session lives in the scorer process that opened it).
-
-    Raises:
-        services.common.security.SecurityConfigError: a TLS file is missing or empty.
-    """
-    options = [*channel_options(max_message_bytes), ("grpc.lb_policy_name", load_balancing)]
-    interceptors = ClientEdge(token, request_id=current_request_id).for_aio()  # token, request id, domain errors
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(
-        address, tls.credentials(), options=[*options, *tls.options()], interceptors=interceptors
-    )
 
 
 class GeneratorClient:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
 
+from fastexp.security import read_file
 from services.scorer.judges.config import JudgeConfig
 from services.scorer.outbound.guard import SourceRejected, SourceUnavailable
 
@@ -87,8 +89,14 @@ class OpenAIBackend:
 
     async def start(self) -> None:
         slots = self._config.budget.max_concurrency
+        headers = dict(self._config.headers)
+        if self._config.token_file is not None:
+            headers["Authorization"] = f"Bearer {read_file(self._config.token_file, 'token_file').decode().strip()}"
+        verify = True if self._config.tls_ca_file is None else ssl.create_default_context(
+            cafile=str(self._config.tls_ca_file))
         self._client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots), headers=self._config.headers
+            limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots), headers=headers,
+            verify=verify,
         )
 
     async def complete(self, chats: Sequence[Chat], timeout_s: float) -> list[JudgeReply]:

@@ -22,6 +22,7 @@ See docs/reward-teams/judges.md for verdict kinds, budgets, breakers and the cac
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -82,6 +83,14 @@ class JudgeConfig(BaseModel):
     url: str | None = Field(None, pattern=r"^https?://", description="openai backend: base URL, e.g. http://j:8000/v1")
     model: str = Field("", description="openai backend: the served model's name")
     headers: dict[str, str] = Field(default_factory=dict, description="openai backend: extra HTTP headers")
+    token_file: Path | None = Field(
+        None, description="a file holding the judge's bearer token: a generator's auth token, or the API's key "
+        "(sent as 'Authorization: Bearer'; read at start-up, never logged)",
+    )
+    tls_ca_file: Path | None = Field(
+        None, description="CA bundle that signed the judge's certificate (generator: TLS on; openai: verify "
+        "https with it instead of the system's)",
+    )
     apply_chat_template: bool = Field(
         True, description="generator backend: wrap system + template in the model's chat template (its tokenizer)"
     )

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import grpc
 
-from fastexp.channels import channel_options
+from fastexp.security import ClientTLS, read_file
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
-from services.common.logs import outbound_metadata
+from services.common.channels import open_channel
 from services.scorer.judges.backends import Chat, JudgeReply
 from services.scorer.judges.config import JudgeConfig
 from services.scorer.outbound.guard import SourceRejected, SourceUnavailable
@@ -47,7 +47,11 @@ class GeneratorBackend:
         self._tokenizer_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self._config.address, options=channel_options(_MAX_MESSAGE_BYTES))
+        config = self._config
+        token = None if config.token_file is None else read_file(config.token_file, "token_file").decode().strip()
+        tls = None if config.tls_ca_file is None else ClientTLS(config.tls_ca_file)
+        # the services' one channel: token and request id on every call, round-robin over a fleet's replicas
+        self._channel = open_channel(config.address, _MAX_MESSAGE_BYTES, tls=tls, token=token)
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
 
     async def complete(self, chats: Sequence[Chat], timeout_s: float) -> list[JudgeReply]:
@@ -64,7 +68,7 @@ class GeneratorBackend:
             n_samples_per_prompt=1,
         )
         replies: list[JudgeReply | None] = [None] * len(prompts)
-        call = self._stub.Generate(request, timeout=timeout_s, metadata=outbound_metadata())
+        call = self._stub.Generate(request, timeout=timeout_s)
         try:
             async for response in call:
                 for completion in response.completions:
