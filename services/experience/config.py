@@ -135,6 +135,7 @@ class PromptSpec:
     label: str
     media: EncodedMedia | None = None
     vision: PromptVision | None = None
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content) of a chat prompt as sent (agents get them)
 
     @property
     def model_token_ids(self) -> tuple[int, ...]:

@@ -81,6 +81,7 @@ def render_prompt(
         text=text, token_ids=ids, reference=prompt.reference, label=prompt.label,
         media=encoded if multimodal else None,
         vision=processed,
+        messages=tuple((m.role, m.content) for m in prompt.chat.messages) if prompt.HasField("chat") else (),
     )
     return spec, truncated
 

@@ -23,6 +23,7 @@ from services.experience.api.prompts import render_prompts
 from services.experience.config import (
     DEFAULT_MAX_EXTRA_ROUNDS,
     DEFAULT_MAX_TURNS,
+    AgentOptions,
     DynamicSamplingOptions,
     EpisodeOptions,
     ExperienceConfig,
@@ -84,6 +85,8 @@ def _check_multimodal_config(config: ExperienceConfig) -> None:
                              "image/video prompts need a critic-free estimator")
     if config.episodes is not None:
         raise InvalidRequest("environment", "multi-turn episodes take text-only prompts (for now)")
+    if config.agent is not None:
+        raise InvalidRequest("agent", "agent episodes take text-only prompts (for now)")
 
 
 def _unit_interval(message: Any, field: str, default: float) -> float:
@@ -145,6 +148,7 @@ def _decode_config(
         normalization_scope=_decode_normalization_scope(message),
         skip_actor_forward=message.skip_actor_forward,
         episodes=_decode_episodes(message),
+        agent=_decode_agent(message, estimator.name),
         rollout_correction=_decode_rollout_correction(message),
     )
 
@@ -185,6 +189,24 @@ def _decode_episodes(message: experience_pb2.MakeExperiencesRequest) -> EpisodeO
     if message.partial_rollout == experience_pb2.PARTIAL_ROLLOUT_ABORT:
         raise InvalidRequest("partial_rollout", "ABORT is not supported with an environment yet (episodes finish)")
     return EpisodeOptions(message.environment, max_turns, message.max_total_tokens)
+
+
+def _decode_agent(message: experience_pb2.MakeExperiencesRequest, estimator: str) -> AgentOptions | None:
+    """The request's agent (its name is checked against the operator's map by the servicer)."""
+    if not message.HasField("agent"):
+        return None
+    agent = message.agent
+    if not agent.name:
+        raise InvalidRequest("agent.name", "name one of the operator's agents")
+    if message.environment:
+        raise InvalidRequest("agent", "an episode runs in an environment or an agent, not both")
+    if message.dynamic_sampling.enabled:
+        raise InvalidRequest("dynamic_sampling", "not with an agent yet (episodes are not resampled)")
+    if message.partial_rollout == experience_pb2.PARTIAL_ROLLOUT_ABORT:
+        raise InvalidRequest("partial_rollout", "ABORT is not supported with an agent (episodes finish)")
+    if estimator == "cpgd":  # its token stage views rows as (G, n): a drift-split episode has several rows
+        raise InvalidRequest("advantage_estimator", "cpgd needs one row per sample; agent episodes may split")
+    return AgentOptions(agent.name, agent.max_calls or None)
 
 
 def _decode_normalization_scope(message: experience_pb2.MakeExperiencesRequest) -> str:
