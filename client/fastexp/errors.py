@@ -36,6 +36,20 @@ class FailedPrecondition(FastexpError):
     a platform without it, models offloaded (FAILED_PRECONDITION). The message says what must change first."""
 
 
+class PermissionDenied(FastexpError):
+    """The caller's token may not do this to this resource: a run another token owns (PERMISSION_DENIED). The
+    message names the field (``"run_id: ..."``); an admin token may."""
+
+
+class NotFound(FastexpError):
+    """The request names a resource that does not exist: a run never created or deleted (NOT_FOUND). The message
+    names the field (``"run_id: ..."``)."""
+
+
+class AlreadyExists(FastexpError):
+    """The request would create a resource whose name is taken: a run id in use (ALREADY_EXISTS)."""
+
+
 class UpstreamTimeout(FastexpError):
     """An outbound call or the request's own deadline ran out (DEADLINE_EXCEEDED)."""
 

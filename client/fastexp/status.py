@@ -21,12 +21,15 @@ from typing import Any
 import grpc
 
 from fastexp.errors import (
+    AlreadyExists,
     EpisodeFailed,
     FailedPrecondition,
     FastexpError,
     InvalidRequest,
+    NotFound,
     NotReady,
     Overloaded,
+    PermissionDenied,
     RewardFailed,
     StreamFailed,
     UpstreamTimeout,
@@ -42,6 +45,9 @@ STATUS_TABLE: tuple[tuple[type[FastexpError], grpc.StatusCode], ...] = (
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (EpisodeFailed, grpc.StatusCode.ABORTED),
     (RewardFailed, grpc.StatusCode.UNAVAILABLE),  # received as NotReady: the reward side cannot serve now
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
 )
 #: kind -> code (server side).
 STATUS_CODES: dict[type[FastexpError], grpc.StatusCode] = dict(STATUS_TABLE)
@@ -56,6 +62,9 @@ UNDELIVERED_KEY = "fastexp-undelivered-prompt-indices"
 INVALID_PROMPTS_KEY = "fastexp-invalid-prompt-indices"
 #: Trailing metadata of a stream that completed without some multi-turn groups: their prompt indices.
 FAILED_KEY = "fastexp-failed-prompt-indices"
+#: Request metadata naming the run a call acts on where the request message has no run_id field (UpdateWeights of
+#: the experience service): its owner, or an admin token, may make the call.
+RUN_ID_KEY = "fastexp-run-id"
 #: Prefix of every fastexp trailing-metadata key; those with integer values are a stream's counters
 #: (``fastexp-dropped-groups``, ``fastexp-generation-rounds``, ...).
 STATS_PREFIX = "fastexp-"
@@ -165,9 +174,13 @@ def from_rpc_error(error: grpc.RpcError) -> RemoteError:
 def attributed_error(source: str, error: grpc.RpcError) -> FastexpError:
     """The plain domain error for a call to ``source`` (``"scorer"``, ``"generator host:port"``) that failed:
     the received code's kind, its message ``"<source>: <CODE>: <details>"`` (an InvalidRequest names ``source``
-    as its field). A service raises it so that its own callers get the same code, naming the peer at fault."""
+    as its field). A service raises it so that its own callers get the same code, naming the peer at fault; a
+    peer's PERMISSION_DENIED (the service's own token lacks a privilege) becomes a plain FastexpError (INTERNAL),
+    as UNAUTHENTICATED does, so that a caller is never told it lacks a permission it has."""
     code, details = error.code(), error.details()
     kind = RECEIVED_KINDS.get(code, FastexpError)
+    if kind is PermissionDenied:  # a peer refusing this service's own token: its operator's to fix, not the caller's
+        kind = FastexpError
     if issubclass(kind, InvalidRequest):
         return kind(source, details or "rejected")
     return kind(f"{source}: {code.name}: {details}")

@@ -9,22 +9,31 @@
   ``OffloadModels``, ``ReloadModels``). No token files: authentication is off. gRPC
   health checking and reflection stay open, for probes and ``grpcurl``. A missing or unknown token gets
   UNAUTHENTICATED; a ``call`` token on an admin method gets PERMISSION_DENIED. Tokens are never logged: the
-  interceptor's messages name the method, not the credential.
+  interceptor's messages name the method, not the credential. Each admitted call runs as its caller's identity
+  (:mod:`services.common.identity`: the SHA-256 of its token and whether it is an admin token), which handlers
+  read to decide ownership. A service may name *run-scoped* methods: an admin method that a ``call`` token may
+  call when the call names a run (request metadata :data:`RUN_ID_KEY`); the handler then decides, from the run's
+  owner, what the caller may do (the experience service's ``UpdateWeights`` of a run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import inspect
 import ipaddress
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from fastexp.security import AUTHORIZATION_KEY, SecurityConfigError, read_file
-from services.common.rpc import WrappingInterceptor, method_parts, wrap_handler
+from fastexp.status import RUN_ID_KEY
+from services.common.identity import Caller, caller_of, calling_as
+from services.common.rpc import StreamBehavior, UnaryBehavior, WrappingInterceptor, method_parts, wrap_handler
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +111,21 @@ class ServerTLS:
 
 
 class AuthInterceptor(WrappingInterceptor):
-    """Checks every call's bearer token (module docs). ``call_tokens`` may call anything but the admin methods;
-    ``admin_tokens`` may call everything."""
+    """Checks every call's bearer token (module docs). ``call_tokens`` may call anything but the admin methods
+    (``run_scoped`` ones too when the call names a run); ``admin_tokens`` may call everything. Admitted calls run
+    as their :class:`~services.common.identity.Caller`."""
 
-    def __init__(self, call_tokens: Sequence[bytes], admin_tokens: Sequence[bytes]) -> None:
+    def __init__(
+        self, call_tokens: Sequence[bytes], admin_tokens: Sequence[bytes], run_scoped: frozenset[str] = frozenset()
+    ) -> None:
         self._call_tokens = tuple(call_tokens)
         self._admin_tokens = tuple(admin_tokens)
+        self._run_scoped = run_scoped
+
+    def scoped_to_runs(self, methods: frozenset[str]) -> AuthInterceptor:
+        """This interceptor with ``methods`` (admin methods) open to call tokens on calls that name a run: for a
+        service whose handlers of those methods check the run's owner."""
+        return AuthInterceptor(self._call_tokens, self._admin_tokens, self._run_scoped | methods)
 
     def wrap(self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         service, method = method_parts(details)
@@ -119,9 +137,46 @@ class AuthInterceptor(WrappingInterceptor):
         admin = _known(token, self._admin_tokens)
         if not admin and not _known(token, self._call_tokens):
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, f"{method}: the bearer token is not valid here")
-        if method in ADMIN_METHODS and not admin:
+        if method in ADMIN_METHODS and not admin and not (
+            method in self._run_scoped and _metadata_value(details.invocation_metadata, RUN_ID_KEY)
+        ):
             return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, f"{method} needs an admin token")
-        return handler
+        return _as_caller(handler, caller_of(token, admin=admin))
+
+
+def _as_caller(handler: grpc.RpcMethodHandler, caller: Caller) -> grpc.RpcMethodHandler:
+    """``handler`` run as ``caller`` (:func:`services.common.identity.calling_as`), every arity."""
+
+    def unary(behavior: UnaryBehavior) -> UnaryBehavior:
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            calling_as(caller)
+            return await behavior(request, context)
+
+        return run
+
+    def stream(behavior: StreamBehavior) -> StreamBehavior:
+        async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            calling_as(caller)
+            responses = behavior(request, context)
+            if inspect.isawaitable(responses):  # a handler that writes with context.write()
+                await responses
+                return
+            async with contextlib.aclosing(responses) as responses:  # a cancelled call closes the handler now
+                async for response in responses:
+                    yield response
+
+        return run
+
+    return wrap_handler(handler, unary=unary, stream=stream)
+
+
+def _metadata_value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    """The first value of ``key`` in call metadata (None when absent or empty)."""
+    for name, value in metadata or ():
+        if name == key:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            return text or None
+    return None
 
 
 def _bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes | None:

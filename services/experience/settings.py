@@ -14,6 +14,12 @@ from services.common.security import read_tokens
 from services.common.settings import GenerationLimits
 from services.experience.fleet.readiness import ProbeSettings
 from services.experience.fleet.replicas import FleetSettings
+from services.experience.runs.limits import (
+    DEFAULT_LORA_TARGET_MODULES,
+    DEFAULT_MAX_LORA_RANK,
+    OperatorLimits,
+    RunLimits,
+)
 
 
 class AgentEndpoint(BaseModel):
@@ -56,7 +62,22 @@ class ExperienceSettings(GenerationLimits):
     critic_model: str | None = Field(
         None, description="critic checkpoint folder (backbone + value head) for values and the gae estimator"
     )
-    max_runs: int = Field(1024, ge=1, description="runs whose reward statistics and kl_coef are kept (LRU)")
+    max_runs: int = Field(
+        1024, ge=1, description="runs the service holds: created runs (CreateRun past it: RESOURCE_EXHAUSTED), and "
+        "run ids whose reward statistics and kl_coef are kept (LRU)",
+    )
+    run_default_max_streams: int = Field(
+        8, ge=1, description="a run's max_streams when CreateRun leaves it 0 (a run may ask up to "
+        "max_concurrent_streams; capped there)",
+    )
+    run_default_weight: int = Field(1, ge=1, description="a run's share weight when CreateRun leaves it 0")
+    run_max_weight: int = Field(100, ge=1, description="largest share weight a run may ask for")
+    max_lora_rank: int = Field(DEFAULT_MAX_LORA_RANK, ge=1, description="largest LoRA rank a run may ask for")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES), min_length=1,
+        description="modules a LoRA run may adapt (peft target_modules names; default the attention and MLP "
+        "projections); JSON in the environment",
+    )
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     device: str = Field("cpu", description="torch device for actor/reference forward passes")
     device_map: str | None = Field(
@@ -134,6 +155,24 @@ class ExperienceSettings(GenerationLimits):
             probe=self.probe_settings(), down_after_failures=self.generator_down_after_failures,
             discovery_interval_s=self.generator_discovery_interval_s, sync_timeout_s=self.update_weights_timeout_s,
             max_samples_in_flight=self.generator_max_samples_in_flight,
+        )
+
+    def run_limits(self) -> OperatorLimits:
+        """The limits on runs, as the plain record the run registry takes: a run's max_streams up to
+        max_concurrent_streams, its max_groups_ahead and max_tokens_per_request up to (and by default) the
+        service's own, its weight up to run_max_weight."""
+        return OperatorLimits(
+            max_runs=self.max_runs,
+            defaults=RunLimits(
+                max_streams=min(self.run_default_max_streams, self.max_concurrent_streams),
+                max_groups_ahead=self.max_groups_ahead, max_tokens_per_request=self.max_tokens_per_request,
+                weight=min(self.run_default_weight, self.run_max_weight),
+            ),
+            ceilings=RunLimits(
+                max_streams=self.max_concurrent_streams, max_groups_ahead=self.max_groups_ahead,
+                max_tokens_per_request=self.max_tokens_per_request, weight=self.run_max_weight,
+            ),
+            max_lora_rank=self.max_lora_rank, lora_target_modules=tuple(self.lora_target_modules),
         )
 
     def probe_settings(self) -> ProbeSettings:

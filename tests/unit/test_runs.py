@@ -1,0 +1,210 @@
+"""Runs without a network: the pure checks of a run's id, LoRA spec and limits against the operator's, the ownership
+decisions, and the registry's bookkeeping (creation, listing, stream slots released however a stream ends)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from fastexp.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    FastexpError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+)
+from fastexp.status import attributed_error, code_of, received_error
+from services.common.identity import ANONYMOUS, Caller, caller_of
+from services.experience.api.request import MAX_RUN_ID_CHARS as REQUEST_MAX_RUN_ID_CHARS
+from services.experience.runs.limits import (
+    DEFAULT_LORA_TARGET_MODULES,
+    MAX_RUN_ID_CHARS,
+    LoraSpec,
+    OperatorLimits,
+    RunLimits,
+    check_lora,
+    check_run_id,
+    check_servable,
+    resolve_limits,
+)
+from services.experience.runs.registry import Run, RunRegistry, check_update, may_use
+from services.experience.settings import ExperienceSettings
+
+OPERATOR = OperatorLimits(
+    max_runs=2, defaults=RunLimits(max_streams=1, max_groups_ahead=8, max_tokens_per_request=1000, weight=1),
+    ceilings=RunLimits(max_streams=4, max_groups_ahead=16, max_tokens_per_request=5000, weight=10),
+    max_lora_rank=16, lora_target_modules=("q_proj", "v_proj"),
+)
+ALICE = caller_of(b"alice-token", admin=False)
+BOB = caller_of(b"bob-token", admin=False)
+ADMIN = caller_of(b"admin-token", admin=True)
+
+
+# --- ids, LoRA specs, limits ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("run_id", ["a", "grpo-qwen_0.5b.v2", "7" * MAX_RUN_ID_CHARS])
+def test_run_ids_of_safe_characters_up_to_the_limit_pass(run_id):
+    assert check_run_id(run_id) == run_id
+
+
+@pytest.mark.parametrize("run_id", ["", "x" * (MAX_RUN_ID_CHARS + 1), "../etc", ".hidden", "a b", "a/b", "é", "-a"])
+def test_other_run_ids_are_invalid_naming_run_id(run_id):
+    with pytest.raises(InvalidRequest) as raised:
+        check_run_id(run_id)
+    assert raised.value.field == "run_id"
+
+
+def test_a_run_id_has_the_same_length_limit_as_make_experiences_run_id():
+    assert MAX_RUN_ID_CHARS == REQUEST_MAX_RUN_ID_CHARS
+
+
+def test_a_lora_spec_gets_its_defaults_alpha_equal_to_rank_and_every_allowed_module():
+    assert check_lora(LoraSpec(rank=8), OPERATOR) == LoraSpec(8, 8.0, ("q_proj", "v_proj"))
+    assert check_lora(LoraSpec(16, 32.0, ("v_proj",)), OPERATOR) == LoraSpec(16, 32.0, ("v_proj",))
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    (LoraSpec(rank=0), "lora.rank"), (LoraSpec(rank=17), "lora.rank"),
+    (LoraSpec(rank=4, alpha=-1.0), "lora.alpha"), (LoraSpec(rank=4, alpha=float("nan")), "lora.alpha"),
+    (LoraSpec(rank=4, target_modules=("lm_head",)), "lora.target_modules"),
+    (LoraSpec(rank=4, target_modules=("q_proj", "q_proj")), "lora.target_modules"),
+])
+def test_a_lora_spec_outside_the_operators_limits_is_invalid_naming_the_field(spec, field):
+    with pytest.raises(InvalidRequest) as raised:
+        check_lora(spec, OPERATOR)
+    assert raised.value.field == field
+    if field == "lora.rank":
+        assert "max_lora_rank" in raised.value.reason and "16" in raised.value.reason
+
+
+def test_limits_left_zero_take_the_defaults_and_asked_ones_stay_within_the_ceilings():
+    assert resolve_limits(RunLimits(), OPERATOR) == OPERATOR.defaults
+    assert resolve_limits(RunLimits(max_streams=4, weight=3), OPERATOR) == RunLimits(4, 8, 1000, 3)
+    for name, value in [("max_streams", 5), ("max_groups_ahead", 17), ("max_tokens_per_request", 5001), ("weight", 11)]:
+        with pytest.raises(InvalidRequest) as raised:
+            resolve_limits(RunLimits(**{name: value}), OPERATOR)
+        assert raised.value.field == f"limits.{name}"
+
+
+def test_operator_limits_refuse_a_default_above_its_ceiling():
+    with pytest.raises(ValueError, match="max_streams: default 5 not in 1..4"):
+        OperatorLimits(defaults=RunLimits(5, 8, 1000, 1), ceilings=RunLimits(4, 16, 5000, 10))
+
+
+def test_lora_runs_are_refused_while_the_deployment_serves_no_adapters():
+    check_servable(None, OPERATOR)
+    with pytest.raises(FailedPrecondition, match="LoRA runs are not served by this deployment yet"):
+        check_servable(LoraSpec(4), OPERATOR)
+    check_servable(LoraSpec(4), OperatorLimits(serves_lora=True))  # the one place to lift
+
+
+def test_the_settings_defaults_give_rank_16_on_the_attention_and_mlp_projections():
+    limits = ExperienceSettings(max_concurrent_streams=4).run_limits()
+    assert limits.max_lora_rank == 16 and limits.lora_target_modules == DEFAULT_LORA_TARGET_MODULES
+    assert limits.defaults.max_streams == 4 == limits.ceilings.max_streams  # the default capped at the service's
+
+
+# --- identities and ownership -----------------------------------------------------------------------------------
+
+def test_a_caller_is_named_by_its_tokens_hash_never_the_token():
+    assert ALICE.principal.startswith("sha256:") and "alice" not in ALICE.principal
+    assert caller_of(b"alice-token", admin=True).principal == ALICE.principal  # the same token, either file
+    assert ALICE.display == ALICE.principal[:len("sha256:") + 12] and ANONYMOUS.display == "anonymous"
+
+
+def test_the_owner_and_admin_tokens_may_use_a_run_others_may_not():
+    registry = RunRegistry(OPERATOR, clock=lambda: 1.5)
+    run = registry.create("r", ALICE, None, RunLimits()).run
+    assert (run.owner, run.created_at_unix_s, run.lora) == (ALICE.principal, 1.5, None)
+    assert may_use(run, ALICE) and may_use(run, ADMIN) and not may_use(run, BOB)
+    for action in (lambda: registry.get("r", BOB), lambda: registry.delete("r", BOB),
+                   lambda: registry.authorize_update("r", BOB), lambda: registry.streaming("r", BOB).__enter__()):
+        with pytest.raises(PermissionDenied, match="^run_id: "):
+            action()
+    assert registry.get("r", ADMIN).run == run
+
+
+def test_a_base_model_runs_weights_are_the_deployments_updating_them_needs_an_admin_token():
+    registry = RunRegistry(OPERATOR)
+    run = registry.create("r", ALICE, None, RunLimits()).run
+    with pytest.raises(PermissionDenied, match="needs an admin token"):
+        registry.authorize_update("r", ALICE)
+    assert registry.authorize_update("r", ADMIN) == run
+    lora_run = Run("adapter", ALICE.principal, LoraSpec(4, 4.0, ("q_proj",)), OPERATOR.defaults, 0.0)
+    assert check_update(lora_run, ALICE) == lora_run  # an adapter's owner will update it without admin
+
+
+def test_everything_is_anonymous_and_allowed_with_tokens_off():
+    registry = RunRegistry(OPERATOR)
+    registry.create("r", ANONYMOUS, None, RunLimits())
+    assert registry.get("r", ANONYMOUS).run.owner_display == "anonymous"
+    assert [s.run.run_id for s in registry.list(ANONYMOUS)] == ["r"]
+
+
+# --- the registry ---------------------------------------------------------------------------------------------
+
+def test_create_checks_id_spec_and_limits_then_lora_then_duplicates_then_max_runs():
+    registry = RunRegistry(OPERATOR)
+    with pytest.raises(InvalidRequest, match="^lora.rank"):
+        registry.create("r", ALICE, LoraSpec(rank=64), RunLimits())
+    with pytest.raises(FailedPrecondition):
+        registry.create("r", ALICE, LoraSpec(rank=8), RunLimits())
+    registry.create("r", ALICE, None, RunLimits())
+    with pytest.raises(AlreadyExists, match="^run_id: "):
+        registry.create("r", BOB, None, RunLimits())
+    registry.create("s", BOB, None, RunLimits())
+    with pytest.raises(Overloaded, match="^max_runs: "):
+        registry.create("t", BOB, None, RunLimits())
+    assert len(registry) == 2
+
+
+def test_list_shows_a_caller_its_own_runs_and_an_admin_all_of_them():
+    registry = RunRegistry(OPERATOR)
+    registry.create("b-run", BOB, None, RunLimits())
+    registry.create("a-run", ALICE, None, RunLimits())
+    assert [s.run.run_id for s in registry.list(ALICE)] == ["a-run"]
+    assert [s.run.run_id for s in registry.list(ADMIN)] == ["a-run", "b-run"]
+    assert registry.list(Caller("sha256:other")) == ()
+
+
+def test_stream_slots_are_counted_limited_and_released_however_the_stream_ends():
+    registry = RunRegistry(OPERATOR)
+    registry.create("r", ALICE, None, RunLimits(max_streams=2))
+    with registry.streaming("r", ALICE) as run, registry.streaming("r", ADMIN):
+        assert run.run_id == "r" and registry.get("r", ALICE).streams_open == 2
+        with pytest.raises(Overloaded, match="^max_streams: "):
+            registry.streaming("r", ALICE).__enter__()
+        with pytest.raises(FailedPrecondition, match="2 MakeExperiences streams open"):
+            registry.delete("r", ALICE)
+    with pytest.raises(RuntimeError), registry.streaming("r", ALICE):
+        raise RuntimeError("the stream failed")
+    assert registry.get("r", ALICE).streams_open == 0
+    assert registry.delete("r", ALICE).run.run_id == "r"
+    with pytest.raises(NotFound, match="^run_id: "):
+        registry.get("r", ALICE)
+
+
+def test_a_run_id_no_run_was_created_for_names_statistics_only_unchecked_and_uncounted():
+    registry = RunRegistry(OPERATOR)
+    with registry.streaming("someone-elses-stats", BOB) as run, registry.streaming("", BOB) as none:
+        assert run is None and none is None
+
+
+# --- the status table ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("error", "code"), [
+    (PermissionDenied("run_id: not yours"), grpc.StatusCode.PERMISSION_DENIED),
+    (NotFound("run_id: no run"), grpc.StatusCode.NOT_FOUND),
+    (AlreadyExists("run_id: taken"), grpc.StatusCode.ALREADY_EXISTS),
+])
+def test_the_run_errors_have_their_codes_both_ways(error, code):
+    assert code_of(error) == code
+    received = received_error(code, str(error))
+    assert isinstance(received, type(error)) and received.code() == code
+
+
+def test_a_peers_permission_denied_is_relayed_as_internal_not_as_the_callers_own():
+    relayed = attributed_error("generator a:1", received_error(grpc.StatusCode.PERMISSION_DENIED, "needs admin"))
+    assert type(relayed) is FastexpError and code_of(relayed) == grpc.StatusCode.INTERNAL
