@@ -152,13 +152,32 @@ def _serve_gateway(
     if settings.gateway_port is None:
         return None
     tokens = _gateway_tokens(settings)
-    name = settings.gateway_model_name or Path(policy.path).name
+    name = _gateway_model_name(settings, policy)
     gateway = Gateway(fleet, policy.tokenizer, name, lambda: upstream.require_ready().max_model_len,
                       settings.gateway_call_timeout_s)
     running = start_gateway(create_app(gateway, sessions, tokens), settings.host, settings.gateway_port,
                             settings.grace_period_s, settings.tls_cert_file, settings.tls_key_file)
     logger.info("OpenAI-compatible gateway on %s:%d (model %s)", settings.host, running.port, name)
     return running
+
+
+def _agent_runner(
+    settings: ExperienceSettings, policy: _Policy, sessions: SessionRegistry, gateway: RunningGateway | None
+) -> AgentRunner | None:
+    """Agent episodes through the gateway, when it runs and the operator configured ``agents`` (None otherwise)."""
+    if gateway is None or not settings.agents:
+        if settings.agents:
+            logger.warning("agents are configured but gateway_port is not: agent episodes are off")
+        return None
+    scheme = "https" if settings.tls_cert_file else "http"
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    return AgentRunner({n: AgentServer(a.url, a.timeout_s) for n, a in settings.agents.items()}, sessions,
+                       f"{scheme}://{host}:{gateway.port}/v1", _gateway_model_name(settings, policy), policy.tokenizer)
+
+
+def _gateway_model_name(settings: ExperienceSettings, policy: _Policy) -> str:
+    """The model name the gateway serves (and agent sessions use): ``gateway_model_name`` or the policy's folder."""
+    return settings.gateway_model_name or Path(policy.path).name
 
 
 def _gateway_tokens(settings: ExperienceSettings) -> tuple[bytes, ...]:
@@ -211,11 +230,14 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         fleet, scorer, generator_address=generators, scorer_address=settings.scorer_address,
         settings=settings.probe_settings(),
     )
+    sessions = SessionRegistry()
+    gateway = _serve_gateway(settings, policy, fleet, upstream, sessions)
+    agents = _agent_runner(settings, policy, sessions, gateway)
     maker = ExperienceMaker(
         fleet, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=RunStore(settings.max_runs),
         max_groups_ahead=settings.max_groups_ahead, sync_timeout_s=settings.update_weights_timeout_s,
         episodes=_episode_runner(settings, policy, fleet, environment_channel, upstream),
-        forward_threads=_forward_threads(settings, fleet),
+        forward_threads=_forward_threads(settings, fleet), agents=agents,
     )
     fleet.weight_source = maker.sync_replica
     upstream.on_generator_info = _on_generator_reached(maker, policy)
@@ -238,14 +260,6 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",
         settings.host, running.port, generators, settings.scorer_address,
     )
-    sessions = SessionRegistry()
-    gateway = _serve_gateway(settings, policy, fleet, upstream, sessions)
-    agents = None
-    if gateway is not None and settings.agents:
-        scheme = "https" if settings.tls_cert_file else "http"
-        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-        agents = AgentRunner({n: AgentServer(a.url, a.timeout_s) for n, a in settings.agents.items()}, sessions,
-                             f"{scheme}://{host}:{gateway.port}/v1", policy.tokenizer)
     return ExperienceService(running, upstream, fleet, watchers, (scorer_channel, environment_channel), sessions,
                              gateway, agents)
 

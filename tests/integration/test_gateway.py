@@ -222,13 +222,13 @@ async def test_a_session_records_token_exact_rows_and_splits_on_drift(stack, tok
 
 
 async def _episode(stack, name):
-    return await stack.agents.run_episode(name, "run-a", QUESTION, QUESTION[0]["content"], "5", "", 0, 1,
+    return await stack.agents.run_episode(name, QUESTION, QUESTION[0]["content"], "5", "", 0, 1,
                                           Deadline.from_remaining(300))
 
 
 async def test_an_agent_episode_is_one_token_exact_row_and_a_rewriting_agent_splits(stack, tokenizer):
     episode = await _episode(stack, "calc")
-    assert episode.metrics["num_rows"] == 1 and episode.metrics["drift_splits"] == 0 and episode.metrics["calls"] == 2
+    assert episode.metrics["num_rows"] == 1 and episode.metrics["drift_splits"] == 0 and episode.metrics["num_calls"] == 2
     (row,) = episode.rows
     assert row.num_turns == 2 and row.sample_index == 1 and len(row.action_mask) == len(row.output_token_ids)
     observation = [t for t, m in zip(row.output_token_ids, row.action_mask, strict=True) if not m]

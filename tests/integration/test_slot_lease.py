@@ -21,6 +21,7 @@ from services.experience.fleet.replicas import FleetSettings
 from services.experience.pipeline.events import ScoredGroup
 from services.experience.pipeline.maker import ExperienceMaker, ForwardModels
 from services.experience.pipeline.producer import Producer
+from services.experience.pipeline.rollouts import RolloutParts
 from services.experience.pipeline.versions import VersionClock
 from services.experience.workers.logprobs import LogProbModel
 from services.generator.hf_engine import HFEngine
@@ -90,7 +91,7 @@ class Announcing:
 
 
 async def test_closing_a_stream_mid_flight_ends_every_lease_exactly_once(fleet):
-    run = Producer(fleet, InProcessRuleScorer(), VersionClock(), max_groups_ahead=2).start(
+    run = Producer(RolloutParts(fleet, InProcessRuleScorer()), VersionClock(), max_groups_ahead=2).start(
         _request("closed", 6), Deadline.from_remaining(120)
     )
     async with asyncio.timeout(60):

@@ -18,6 +18,7 @@ from services.experience.config import ExperienceConfig, ExperienceRequest, Prom
 from services.experience.pipeline.events import Done, RoundStarted, SampleFinished, SamplePreview, ScoredGroup
 from services.experience.pipeline.forwarder import Forwarder, ForwardModels
 from services.experience.pipeline.producer import Producer
+from services.experience.pipeline.rollouts import RolloutParts
 from services.experience.pipeline.versions import VersionClock
 from services.experience.pipeline.weight_sync import WeightSync
 from services.experience.workers.inputs import chunks
@@ -64,7 +65,7 @@ async def _next_group(run) -> ScoredGroup:
 
 
 async def test_the_producer_emits_each_group_whole_and_in_sample_order_then_done(engine):
-    run = Producer(InProcessGenerator(engine), InProcessRuleScorer(), VersionClock(), 64).start(
+    run = Producer(RolloutParts(InProcessGenerator(engine), InProcessRuleScorer()), VersionClock(), 64).start(
         _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
     )
     events = [await asyncio.wait_for(run.events.get(), 60) for _ in range(5)]
@@ -88,7 +89,7 @@ class PreviewingGenerator(InProcessGenerator):
 
 
 async def test_sample_previews_become_sample_finished_events_in_the_requests_indices(engine):
-    run = Producer(PreviewingGenerator(engine), InProcessRuleScorer(), VersionClock(), 64).start(
+    run = Producer(RolloutParts(PreviewingGenerator(engine), InProcessRuleScorer()), VersionClock(), 64).start(
         _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
     )
     events = [await asyncio.wait_for(run.events.get(), 60)]
@@ -104,7 +105,7 @@ async def test_sample_previews_become_sample_finished_events_in_the_requests_ind
 
 async def test_the_producers_window_admits_a_prompt_only_when_a_streamed_group_releases_its_slot(engine):
     generator = RecordingGenerator(engine)
-    run = Producer(generator, InProcessRuleScorer(), VersionClock(), max_groups_ahead=1).start(
+    run = Producer(RolloutParts(generator, InProcessRuleScorer()), VersionClock(), max_groups_ahead=1).start(
         _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
     )
     first = await _next_group(run)
@@ -121,7 +122,7 @@ async def test_the_producers_window_admits_a_prompt_only_when_a_streamed_group_r
 
 async def test_the_forwarder_returns_each_groups_outputs_as_an_independent_forward_computes_them(engine, actor):
     request = _request(2, micro_rollout_batch_size=2 * N)
-    run = Producer(InProcessGenerator(engine), InProcessRuleScorer(), VersionClock(), 64).start(
+    run = Producer(RolloutParts(InProcessGenerator(engine), InProcessRuleScorer()), VersionClock(), 64).start(
         request, Deadline.from_remaining(120)
     )
     groups = [await _next_group(run), await _next_group(run)]

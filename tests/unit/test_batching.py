@@ -52,7 +52,7 @@ def test_split_batches_are_laid_out_as_if_built_alone(seed, groups, n, per_batch
     config = ExperienceConfig(n, get_estimator("gae"), lambd=0.9, advantage=AdvantageOptions(advantages_norm=True))
     whole, _ = estimate_experience(rollout, torch.arange(len(completions)).float(), {"m": torch.ones(len(completions))},
                                    forward, config, RunState(RunningMoments(), KLController(0.1)), 3, (9,))
-    parts = split_experience(whole, per_batch * n)
+    parts = split_experience(whole, per_batch)
     assert [p.batch_index for p in parts] == list(range(3, 3 + len(parts)))
     assert [p.dropped_prompt_indices for p in parts] == [(9,)] + [()] * (len(parts) - 1)
     start = 0

@@ -141,6 +141,7 @@ class AdvantageEstimator:
     formula: str
     source: str
     why_min: str = ""
+    groups_rows: bool = False  # its token stage views rows as (G, n): it takes one row per episode
 
 
 ESTIMATORS: dict[str, AdvantageEstimator] = {
@@ -183,7 +184,7 @@ ESTIMATORS: dict[str, AdvantageEstimator] = {
             "cpgd", identity, cpgd_advantages, 2, False,
             "s_i = Σ_t r_t; A_t = returns_t = (s_i − mean_g s)/(pop_std_g s + 1e-6)",
             "Liu et al. 2025, arXiv 2505.12504",
-            "the group statistics need more than one sample",
+            "the group statistics need more than one sample", groups_rows=True,
         ),
     )
 }

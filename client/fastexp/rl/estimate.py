@@ -18,6 +18,7 @@ from fastexp.rl.kl import compute_approx_kl
 from fastexp.rl.options import EstimateConfig
 from fastexp.rl.processing import (
     clip_with_fraction,
+    episode_ids,
     overlong_penalty,
     running_normalize,
     sequence_mean_kl,
@@ -47,6 +48,10 @@ def estimate_experience(
        reference ran (``kl_coef == 0``, no ``kl_target``, no ``use_kl_loss``): then no KL term anywhere.
     2. ``R = reward + overlong_penalty(response_length)`` when ``overlong_buffer_len > 0``.
     3. ``R = estimator.shape_rewards(R as (G, n))`` (group baselines).
+
+    Stages 2-5 run per *episode*: a row is its own episode except where an agent episode was split into several
+    consecutive rows of one (prompt, sample) (:func:`~fastexp.rl.processing.episode_ids`); such an episode's reward
+    is its first row's, its length the sum of its rows', and each of its rows gets the episode's shaped R.
     4. ``reward_running_norm``: update the run's moments with R, then ``R = (R - mean) / std`` (or ``R / std``).
     5. ``reward_clip``: ``R = clamp(R, -c, c)``; ``reward_clip_frac`` = rows changed.
     6. ``r_t = -beta * kl_t + [t = last] * R`` with the run's beta (0 in the reward with ``use_kl_loss``).
@@ -60,24 +65,29 @@ def estimate_experience(
     gets the requested value).
 
     Shape:
-        rollout rows: B = G * n, grouped by prompt (n consecutive rows per prompt, sample order).
+        rollout rows: B >= G * n, grouped by prompt (its n samples in order, a split episode's rows consecutive).
         reward: (B,) float32; forward tensors: (B, A) float32.
 
     Returns:
         ``(experience, state after this batch)``.
 
     Raises:
-        ValueError: B is not a multiple of ``n_samples_per_prompt``; ``gae`` without ``forward.values``.
+        ValueError: the episodes are not whole groups of ``n_samples_per_prompt``; split episodes with an estimator
+            whose token stage groups rows (``cpgd``); ``gae`` without ``forward.values``.
     """
     n = config.n_samples_per_prompt
     batch = reward.shape[0]
-    if batch % n:
-        raise ValueError(f"{batch} rows are not whole groups of {n}")
+    episodes = episode_ids(rollout.prompt_index, rollout.sample_index)
+    count = int(episodes[-1]) + 1 if batch else 0
+    if count % n:
+        raise ValueError(f"{count} episodes are not whole groups of {n}")
+    if count != batch and config.estimator.groups_rows:
+        raise ValueError(f"{config.estimator.name} groups rows by n: it takes one row per episode")
     mask = rollout.action_mask
     kl = None  # no reference: the request has no KL anywhere (the service's ``ExperienceConfig.needs_reference``)
     if forward.base_action_log_probs is not None:
         kl = compute_approx_kl(forward.action_log_probs, forward.base_action_log_probs, mask, config.kl.kl_estimator)
-    shaped = _shape_rewards(reward.float(), rollout.response_length, config, state)
+    shaped = _shape_rewards(reward.float(), rollout.response_length, episodes, count, config, state)
     kl_coef = state.kl.value
     in_reward = 0.0 if config.kl.use_kl_loss or kl is None else kl_coef
     kl_terms = kl if kl is not None else torch.zeros(mask.shape, dtype=torch.float32)
@@ -137,9 +147,24 @@ class _ShapedRewards(NamedTuple):
 
 
 def _shape_rewards(
+    reward: torch.Tensor, response_length: torch.Tensor, episodes: torch.Tensor, count: int, config: EstimateConfig,
+    state: RunState,
+) -> _ShapedRewards:
+    """Stages 2-5 of :func:`estimate_experience` over the ``count`` episodes of (B,) rows (``episodes``: each
+    row's episode); the shaped reward comes back per row."""
+    first = torch.ones_like(episodes, dtype=torch.bool)
+    first[1:] = episodes[1:] != episodes[:-1]
+    shaped = _shape_episode_rewards(
+        reward[first], torch.zeros(count, dtype=response_length.dtype).index_add_(0, episodes, response_length),
+        config, state,
+    )
+    return shaped._replace(reward=shaped.reward[episodes])
+
+
+def _shape_episode_rewards(
     reward: torch.Tensor, response_length: torch.Tensor, config: EstimateConfig, state: RunState
 ) -> _ShapedRewards:
-    """Stages 2-5 of :func:`estimate_experience` over (B,) rewards."""
+    """Stages 2-5 over (E,) episode rewards, E = G * n."""
     options, batch, n = config.reward, reward.shape[0], config.n_samples_per_prompt
     if options.overlong_buffer_len > 0:
         reward = reward + overlong_penalty(

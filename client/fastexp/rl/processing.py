@@ -7,6 +7,8 @@ follow; after the advantages: :func:`whiten` and :func:`clip_with_fraction` agai
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from fastexp.rl.running import RunningMoments
@@ -109,3 +111,16 @@ def zero_variance_groups(rewards: torch.Tensor, n_samples_per_prompt: int) -> to
     """
     grouped = rewards.view(-1, n_samples_per_prompt)
     return (grouped == grouped[:, :1]).all(dim=1)
+
+
+def episode_ids(prompt_index: Sequence[int], sample_index: Sequence[int]) -> torch.Tensor:
+    """Each row's episode: consecutive rows with the same (prompt, sample) are one episode (an agent episode the
+    agent's framework rewrote is split into such rows; every other row is an episode of its own).
+
+    Shape:
+        prompt_index, sample_index: (B,); returns (B,) int64, episode numbers 0..E-1 in row order.
+    """
+    pairs = torch.tensor([list(prompt_index), list(sample_index)], dtype=torch.int64)
+    starts = torch.ones(pairs.shape[1], dtype=torch.int64)
+    starts[1:] = (pairs[:, 1:] != pairs[:, :-1]).any(dim=0).long()
+    return starts.cumsum(0) - 1

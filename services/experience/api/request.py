@@ -9,7 +9,7 @@ import math
 import uuid
 from typing import Any
 
-from fastexp.rl.advantages import ALIASES, ESTIMATORS, get_estimator
+from fastexp.rl.advantages import ALIASES, ESTIMATORS, AdvantageEstimator, get_estimator
 from fastexp.rl.kl import KL_ESTIMATORS
 from fastexp.rl.options import DEFAULT_KL_COEF, DEFAULT_KL_HORIZON, AdvantageOptions, KLOptions, RewardOptions
 from fastexp.rl.rollout_correction import DEFAULT_THRESHOLD, RolloutCorrectionOptions
@@ -148,7 +148,7 @@ def _decode_config(
         normalization_scope=_decode_normalization_scope(message),
         skip_actor_forward=message.skip_actor_forward,
         episodes=_decode_episodes(message),
-        agent=_decode_agent(message, estimator.name),
+        agent=_decode_agent(message, estimator),
         rollout_correction=_decode_rollout_correction(message),
     )
 
@@ -191,7 +191,7 @@ def _decode_episodes(message: experience_pb2.MakeExperiencesRequest) -> EpisodeO
     return EpisodeOptions(message.environment, max_turns, message.max_total_tokens)
 
 
-def _decode_agent(message: experience_pb2.MakeExperiencesRequest, estimator: str) -> AgentOptions | None:
+def _decode_agent(message: experience_pb2.MakeExperiencesRequest, estimator: AdvantageEstimator) -> AgentOptions | None:
     """The request's agent (its name is checked against the operator's map by the servicer)."""
     if not message.HasField("agent"):
         return None
@@ -204,8 +204,8 @@ def _decode_agent(message: experience_pb2.MakeExperiencesRequest, estimator: str
         raise InvalidRequest("dynamic_sampling", "not with an agent yet (episodes are not resampled)")
     if message.partial_rollout == experience_pb2.PARTIAL_ROLLOUT_ABORT:
         raise InvalidRequest("partial_rollout", "ABORT is not supported with an agent (episodes finish)")
-    if estimator == "cpgd":  # its token stage views rows as (G, n): a drift-split episode has several rows
-        raise InvalidRequest("advantage_estimator", "cpgd needs one row per sample; agent episodes may split")
+    if estimator.groups_rows:  # its token stage views rows as (G, n): a drift-split episode has several rows
+        raise InvalidRequest("advantage_estimator", f"{estimator.name} takes one row per sample; agent episodes may split")
     return AgentOptions(agent.name, agent.max_calls or None)
 
 

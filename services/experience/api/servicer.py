@@ -93,6 +93,8 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
             raise
         if decoded.config.episodes is not None and not self._maker.runs_episodes:
             raise InvalidRequest("environment", "this experience service runs no multi-turn episodes")
+        if decoded.config.agent is not None:
+            self._maker.check_agent(decoded.config.agent.name)  # INVALID_ARGUMENT: not one of the operator's
         if not request.request_id and current_request_id():  # the trainer's x-request-id names the stream
             decoded = dataclasses.replace(decoded, request_id=current_request_id())
         bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer

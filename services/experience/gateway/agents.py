@@ -6,12 +6,13 @@ carries a URL), with a deadline::
 
     POST <url>  {"episode_id": str, "messages": [...] (the prompt), "prompt": str, "reference": str, "label": str,
                  "session": {"base_url": str, "api_key": str, "model": str}}
-    -> 200 {"reward": float, "metrics": {name: float}}
+    -> 200 {"reward": float | null, "metrics": {name: float}}
 
 The agent calls ``base_url`` with ``api_key`` (any OpenAI client); when it answers, the session is closed and its
 calls become rows (:func:`~services.experience.gateway.recording.rows_of`): token-exact, ``action_mask`` 1 on the
-sampled ids only, split where the agent's framework rewrote history (metrics ``num_rows``, ``drift_splits``). An
-agent that fails, times out or answers something else fails its episode (:class:`EpisodeFailed`: its group only).
+sampled ids only, split where the agent's framework rewrote history (metrics ``num_rows``, ``drift_splits``). A
+``null`` reward leaves it to the scorer (its recipes score the episode's last reply). An agent that fails, times out
+or answers something else fails its episode (:class:`EpisodeFailed`: its group only).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from services.common.errors import EpisodeFailed, InvalidRequest
 from services.common.generation import CompletionRecord
 from services.experience.gateway.recording import Row, rows_of
 from services.experience.gateway.sessions import SessionRegistry
+from services.experience.pipeline.events import AgentEpisode
 
 
 @dataclass(frozen=True)
@@ -37,15 +39,6 @@ class AgentServer:
 
     url: str
     timeout_s: float
-
-
-@dataclass(frozen=True)
-class AgentEpisode:
-    """One finished agent episode: its rows (one unless the framework drifted), reward and metrics."""
-
-    rows: tuple[CompletionRecord, ...]
-    reward: float
-    metrics: dict[str, float]
 
 
 def row_record(row: Row, prompt_index: int, sample_index: int, text: str) -> CompletionRecord:
@@ -63,29 +56,33 @@ def row_record(row: Row, prompt_index: int, sample_index: int, text: str) -> Com
     )
 
 
-def _outcome(payload: Any, name: str) -> tuple[float, dict[str, float]]:
-    """The agent's answer as (reward, metrics).
+def _outcome(payload: Any, name: str) -> tuple[float | None, dict[str, float]]:
+    """The agent's answer as (reward, metrics); reward None when the agent leaves it to the scorer.
 
     Raises:
-        EpisodeFailed: not ``{"reward": number, "metrics": {name: number}}``.
+        EpisodeFailed: not ``{"reward": number | null, "metrics": {name: number}}``.
     """
     if not isinstance(payload, Mapping):
         raise EpisodeFailed(f"agent {name!r}: the answer is not a JSON object")
     reward, metrics = payload.get("reward"), payload.get("metrics") or {}
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+    if reward is None:
+        pass
+    elif isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise EpisodeFailed(f"agent {name!r}: 'reward' must be a finite number")
     if not isinstance(metrics, Mapping) or not all(
             isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()):
         raise EpisodeFailed(f"agent {name!r}: 'metrics' must map names to numbers")
-    return float(reward), {str(k): float(v) for k, v in metrics.items()}
+    return (None if reward is None else float(reward)), {str(k): float(v) for k, v in metrics.items()}
 
 
 class AgentRunner:
     """Runs agent episodes against the operator's agent servers through the gateway (module docs)."""
 
-    def __init__(self, agents: Mapping[str, AgentServer], sessions: SessionRegistry, base_url: str,
+    def __init__(self, agents: Mapping[str, AgentServer], sessions: SessionRegistry, base_url: str, model: str,
                  tokenizer: Any, client: httpx.AsyncClient | None = None) -> None:
+        """``base_url``: the gateway's ``/v1`` as agents reach it; ``model``: the model name sessions serve."""
         self._agents = dict(agents)
+        self._model = model
         self._sessions = sessions
         self._base_url = base_url
         self._tokenizer = tokenizer
@@ -97,7 +94,7 @@ class AgentRunner:
             raise InvalidRequest("agent.name", f"no agent {name!r} here (configured: {sorted(self._agents)})")
 
     async def run_episode(
-        self, name: str, model: str, messages: Sequence[Mapping[str, str]], prompt: str, reference: str, label: str,
+        self, name: str, messages: Sequence[Mapping[str, str]], prompt: str, reference: str, label: str,
         prompt_index: int, sample_index: int, deadline: Deadline, max_calls: int | None = None,
     ) -> AgentEpisode:
         """One episode (module docs); the session is closed however it ends.
@@ -110,6 +107,7 @@ class AgentRunner:
         self.check(name)
         agent = self._agents[name]
         timeout = deadline.timeout(agent.timeout_s)
+        model = self._model
         session = self._sessions.open(model, timeout, max_calls)
         body = {"episode_id": session.name, "messages": list(messages), "prompt": prompt, "reference": reference,
                 "label": label, "session": {"base_url": self._base_url, "api_key": session.key, "model": model}}
@@ -132,8 +130,10 @@ class AgentRunner:
                 [t for s in row.segments for t in s.token_ids], skip_special_tokens=False))
             for row in rows
         )
+        final = calls[-1].choices[0].reply.content if calls[-1].choices else ""
         return AgentEpisode(records, reward, {**metrics, "num_rows": float(len(rows)),
-                                              "drift_splits": float(session.drifts), "num_calls": float(len(calls))})
+                                              "drift_splits": float(session.drifts), "num_calls": float(len(calls))},
+                            final)
 
     async def close(self) -> None:
         await self._client.aclose()

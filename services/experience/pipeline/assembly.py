@@ -49,8 +49,23 @@ def split_forward(forward: ForwardOutputs, rows: Sequence[int], widths: Sequence
     return pieces
 
 
-def split_experience(experience: Experience, rows_per_batch: int) -> list[Experience]:
-    """Cut a padded Experience into consecutive batches of ``rows_per_batch`` rows (the last may be shorter).
+def group_batches(prompt_index: Sequence[int], groups_per_batch: int) -> list[slice]:
+    """Consecutive row slices of ``groups_per_batch`` whole prompt groups each (the last may hold fewer); a group
+    is a run of rows with one prompt index (n rows, more where agent episodes were split).
+
+    Raises:
+        ValueError: ``groups_per_batch < 1``.
+    """
+    if groups_per_batch < 1:
+        raise ValueError(f"groups_per_batch must be >= 1, got {groups_per_batch}")
+    starts = [row for row in range(len(prompt_index)) if row == 0 or prompt_index[row] != prompt_index[row - 1]]
+    cuts = [*starts[::groups_per_batch], len(prompt_index)]
+    return [slice(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
+def split_experience(experience: Experience, groups_per_batch: int) -> list[Experience]:
+    """Cut a padded Experience into consecutive batches of ``groups_per_batch`` whole prompt groups (the last may
+    hold fewer; :func:`group_batches`).
 
     Each batch keeps the fields of the whole (scalars, ``kl_coef``, clip fractions, the normalization statistics)
     and gets ``batch_index`` = its position after the first's; ``dropped_prompt_indices`` and
@@ -58,17 +73,13 @@ def split_experience(experience: Experience, rows_per_batch: int) -> list[Experi
     widest prompt and response among its own rows (A >= 1), so it is laid out as if it had been built alone.
 
     Raises:
-        ValueError: ``experience`` is in the packed layout, or ``rows_per_batch < 1``.
+        ValueError: ``experience`` is in the packed layout, or ``groups_per_batch < 1``.
     """
     if experience.packed_seq_lens is not None:
         raise ValueError("split_experience takes the padded layout")
-    if rows_per_batch < 1:
-        raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
-    total = experience.reward.shape[0]
     prompt_width = experience.sequences.shape[1] - experience.action_mask.shape[1]
     batches = []
-    for number, start in enumerate(range(0, total, rows_per_batch)):
-        rows = slice(start, min(total, start + rows_per_batch))
+    for number, rows in enumerate(group_batches(experience.prompt_index, groups_per_batch)):
         response_length = experience.response_length[rows]
         num_actions = max(1, int(response_length.max()))
         left = prompt_width - int((experience.total_length[rows] - response_length).max())

@@ -11,7 +11,7 @@ batches. Every event is immutable; only the consumer counts them into :class:`St
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,6 +98,30 @@ class Environments(Protocol):
     async def step(self, session_id: str, action: str, deadline: Deadline) -> EpisodeStep: ...
 
     async def end(self, session_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class AgentEpisode:
+    """One finished agent episode: its rows (one unless the agent's framework rewrote the conversation: then
+    consecutive rows of the same sample), its reward (None: the agent left it to the scorer, which scores the
+    ``final_text``) and metrics."""
+
+    rows: tuple[CompletionRecord, ...]
+    reward: float | None
+    metrics: dict[str, float]
+    final_text: str  # the episode's last reply (the scorer's response when the agent gives no reward)
+
+
+class Agents(Protocol):
+    """Where agent episodes run (the gateway's ``AgentRunner``: the operator's agent servers, their model calls
+    recorded token-exact)."""
+
+    def check(self, name: str) -> None: ...
+
+    async def run_episode(
+        self, name: str, messages: Sequence[Mapping[str, str]], prompt: str, reference: str, label: str,
+        prompt_index: int, sample_index: int, deadline: Deadline, max_calls: int | None = None,
+    ) -> AgentEpisode: ...
 
 
 class Scorer(Protocol):

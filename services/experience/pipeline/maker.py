@@ -33,7 +33,7 @@ from fastexp.rl.running import KLController, RunningMoments, RunState
 from fastexp.types import Experience
 from services.common import metrics
 from services.common.deadlines import Deadline
-from services.common.errors import FastexpError, StreamFailed
+from services.common.errors import FastexpError, InvalidRequest, StreamFailed
 from services.common.weight_checks import TensorSpec
 from services.common.weights import ReceivedUpdate
 from services.experience.config import ExperienceConfig, ExperienceRequest
@@ -42,6 +42,7 @@ from services.experience.pipeline.assembly import split_experience
 from services.experience.pipeline.batcher import Inbox, Step
 from services.experience.pipeline.episodes import EpisodeRunner
 from services.experience.pipeline.events import (
+    Agents,
     Dropped,
     Event,
     ForwardedGroup,
@@ -57,6 +58,7 @@ from services.experience.pipeline.events import (
 )
 from services.experience.pipeline.forwarder import EarlyForwards, Forwarder, ForwardModels
 from services.experience.pipeline.producer import Producer, ProducerRun
+from services.experience.pipeline.rollouts import RolloutParts
 from services.experience.pipeline.run_store import RunStore
 from services.experience.pipeline.versions import VersionClock
 from services.experience.pipeline.weight_sync import WeightSync
@@ -89,16 +91,26 @@ class ExperienceMaker:
         sync_timeout_s: float = 600.0,
         episodes: EpisodeRunner | None = None,
         forward_threads: Callable[[], int | None] | None = None,
+        agents: Agents | None = None,
     ) -> None:
         self.policy = policy if policy is not None else VersionClock()
         self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version, threads=forward_threads)
         self._weights = WeightSync(generator, self._forwarder, self.policy, sync_timeout_s)
         self._stages = _Stages(
-            Producer(generator, scorer, self.policy, max_groups_ahead, episodes), self._forwarder, self.policy,
+            Producer(RolloutParts(generator, scorer, episodes, agents), self.policy, max_groups_ahead), self._forwarder,
+            self.policy,
             runs if runs is not None else RunStore(),
         )
         self._consumers: set[_Consumer] = set()
         self.runs_episodes = episodes is not None  # multi-turn requests are accepted
+        self._agents = agents
+
+    def check_agent(self, name: str) -> None:
+        """Raises :class:`InvalidRequest` (``agent``/``agent.name``) unless agent episodes run here and ``name`` is
+        one of the operator's agents."""
+        if self._agents is None:
+            raise InvalidRequest("agent", "this experience service runs no agent episodes (set gateway_port and agents)")
+        self._agents.check(name)
 
     def adopt_policy_version(self, version: int) -> None:
         """At start-up, before any stream or update: the generator serves ``version``; the actor replica is
@@ -314,7 +326,7 @@ class _Consumer:
             resampled_groups=self._stats.resampled_groups - self._resampled_reported,
         )
         self._resampled_reported = self._stats.resampled_groups
-        parts = split_experience(experience, config.groups_per_batch * config.n_samples_per_prompt)
+        parts = split_experience(experience, config.groups_per_batch)
         self._batch_index += len(parts)
         return parts
 

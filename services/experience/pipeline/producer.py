@@ -1,11 +1,13 @@
 """The producer stage: generation rounds, off-policy admission, resampling, and scoring each group as it finishes.
 
-For one stream, :meth:`Producer.start` runs background tasks that send prompts to the generator and put events on
-the stream's queue (:mod:`~services.experience.pipeline.events`): each prompt group is scored as soon as its n samples are
-in, while the engine keeps generating. Dynamic sampling drops zero-variance groups and starts refill rounds for
-the shortfall; with ``max_staleness`` batch b's prompts start only once the policy reaches v0 + b - s (AReaL's
-staleness control, arXiv 2505.24298); groups the consumer finds too stale come back through
-:meth:`ProducerRun.resample`; with aborting partial rollouts, groups an update interrupts are generated again.
+For one stream, :meth:`Producer.start` runs background tasks that start rounds of prompt groups and put events on
+the stream's queue (:mod:`~services.experience.pipeline.events`). Which prompts a round starts, and when, is decided
+by the pure functions of :mod:`~services.experience.pipeline.admission` (refill rounds for dynamic sampling, batches
+admitted by policy version with ``max_staleness``); how a round's groups are sampled and scored is the request's
+rollout (:mod:`~services.experience.pipeline.rollouts`: single-turn, environment episodes, agent episodes). Each
+finished group is kept or dropped here (dynamic sampling drops zero-variance groups); groups the consumer finds too
+stale come back through :meth:`ProducerRun.resample`; with aborting partial rollouts, groups an update interrupts
+are generated again.
 
 Backpressure: every prompt takes a lease on the stream's window (:mod:`~services.experience.pipeline.window`) before
 it is sent to the generator, so at most ``max_groups_ahead`` groups are generating or waiting. The lease ends when
@@ -16,39 +18,29 @@ is streamed or abandoned, and :meth:`ProducerRun.close` ends whatever is left, h
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import itertools
 import logging
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from fastexp.rl.processing import zero_variance_groups
-from services.common import metrics
 from services.common.deadlines import Deadline
-from services.common.errors import EpisodeFailed, RewardFailed
-from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.generation import CompletionRecord
 from services.experience.config import ExperienceRequest
-from services.experience.pipeline.episodes import EpisodeRunner
+from services.experience.pipeline import admission
 from services.experience.pipeline.events import (
     Done,
     Dropped,
     Event,
     Failed,
-    Generator,
-    GroupFailed,
-    GroupsRerouted,
     GroupsResampled,
-    Rerouted,
     RoundStarted,
-    SampleFinished,
-    SamplePreview,
-    ScoreBatch,
     ScoredGroup,
-    Scorer,
     Scores,
 )
+from services.experience.pipeline.rollouts import ROLLOUTS, RolloutParts, rollout_kind
 from services.experience.pipeline.versions import VersionClock
 from services.experience.pipeline.window import Window
 
@@ -85,18 +77,13 @@ class ProducerRun:
 
 
 class Producer:
-    """Starts a :class:`ProducerRun` per stream over one generator and scorer (and, for multi-turn requests, the
-    episode runner: :mod:`~services.experience.pipeline.episodes`)."""
+    """Starts a :class:`ProducerRun` per stream over the parts its rollouts reach (generator, scorer, and the
+    episode and agent runners where the service has them)."""
 
-    def __init__(
-        self, generator: Generator, scorer: Scorer, policy: VersionClock, max_groups_ahead: int,
-        episodes: EpisodeRunner | None = None,
-    ) -> None:
-        self._generator = generator
-        self._scorer = scorer
+    def __init__(self, parts: RolloutParts, policy: VersionClock, max_groups_ahead: int) -> None:
+        self._parts = parts
         self._policy = policy
         self._max_groups_ahead = max_groups_ahead
-        self._episodes = episodes
 
     def start(self, request: ExperienceRequest, deadline: Deadline) -> ProducerRun:
         """Start producing ``request``'s groups (window: ``max_groups_ahead``, at least a batch's groups; none
@@ -123,28 +110,23 @@ class Producer:
 
     async def _produce_rounds(self, run: ProducerRun) -> None:
         """Run generation rounds until enough groups are kept (all prompts without dynamic sampling)."""
-        prompts, dynamic = run.request.prompts, run.request.config.dynamic_sampling
-        target = dynamic.num_groups if dynamic else len(prompts)
-        rounds_left = 1 + (dynamic.max_extra_rounds if dynamic else 0)
-        next_prompt, kept = 0, 0
-        while kept < target and rounds_left > 0 and next_prompt < len(prompts):
-            indices = range(next_prompt, min(len(prompts), next_prompt + target - kept))
-            next_prompt = indices.stop
-            rounds_left -= 1
+        rounds = admission.first_rounds(run.request.config, len(run.request.prompts))
+        while (indices := admission.next_round(rounds)) is not None:
             await run.events.put(RoundStarted())
-            kept += await self._run_round(run, indices)
+            rounds = admission.after_round(rounds, indices, await self._run_round(run, indices))
 
     async def _produce_admitted(self, run: ProducerRun) -> None:
         """Off-policy admission: batch b's prompts start generating once the policy reaches v0 + b - s, so at
         most s + 1 batches run ahead of the trainer."""
-        config, prompts = run.request.config, run.request.prompts
-        per_batch, staleness = config.groups_per_batch, config.max_staleness or 0
+        config = run.request.config
         try:
             async with asyncio.TaskGroup() as rounds:
-                for batch, start in enumerate(range(0, len(prompts), per_batch)):
-                    await self._policy.wait_for_version(run.start_version + batch - staleness, run.deadline)
+                for batch, indices in enumerate(admission.admitted_batches(len(run.request.prompts),
+                                                                           config.groups_per_batch)):
+                    version = admission.admission_version(run.start_version, batch, config.max_staleness or 0)
+                    await self._policy.wait_for_version(version, run.deadline)
                     await run.events.put(RoundStarted())
-                    rounds.create_task(self._run_round(run, range(start, min(len(prompts), start + per_batch))))
+                    rounds.create_task(self._run_round(run, indices))
         except BaseExceptionGroup as group:
             raise group.exceptions[0] from None
 
@@ -201,51 +183,29 @@ class Producer:
     async def _generate_round(
         self, run: ProducerRun, indices: Sequence[int], abort_on: asyncio.Event | None, resampled: bool
     ) -> tuple[int, list[int]]:
-        """Generate ``indices``' prompts and score each group as it completes.
+        """Roll out ``indices``' groups with the request's rollout, each handed on as it finishes.
 
         Returns (groups kept, prompt indices left unfinished because ``abort_on`` fired first). Groups already
         complete are scored and delivered even when generation failed or was aborted.
         """
-        if run.request.config.episodes is not None and self._episodes is not None:
-            round_: _Round | _EpisodeRound = _EpisodeRound(
-                run, indices, self._episodes, lambda group, scores: self._hand_on(run, group, scores, resampled),
-                resampled,
-            )
-        else:
-            round_ = _Round(run, indices, self._generator, lambda group: self._score_group(run, group, resampled))
-        generating = asyncio.create_task(round_.consume())
+        rollout = ROLLOUTS[rollout_kind(run.request.config)](
+            run, indices, self._parts, lambda group, scores: self._hand_on(run, group, scores, resampled), resampled,
+        )
+        generating = asyncio.create_task(rollout.consume())
         aborted = False
         try:
             aborted = await _until_done_or_aborted(generating, abort_on)
         except asyncio.CancelledError:
             generating.cancel()
-            round_.cancel_scoring()
+            rollout.cancel()
             raise
         finally:
-            results = await round_.scored()
+            results = await rollout.outcomes()
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        unfinished = [i for i in indices if i not in round_.complete] if aborted else []
+        unfinished = [i for i in indices if i not in rollout.complete] if aborted else []
         return sum(results), unfinished
-
-    async def _score_group(self, run: ProducerRun, completions: tuple[CompletionRecord, ...], resampled: bool) -> bool:
-        """Score one group and hand it to the consumer, or drop it (dynamic sampling); True when kept."""
-        request = run.request
-        prompt_index = completions[0].prompt_index
-        spec = request.prompts[prompt_index]
-        try:
-            with metrics.stage_timer("score"):
-                n = len(completions)
-                batch = ScoreBatch(
-                    queries=tuple(spec.text + c.text for c in completions), prompts=(spec.text,) * n,
-                    labels=(spec.label,) * n, references=(spec.reference,) * n,
-                    media=(spec.media,) * n if spec.media is not None else (),
-                )
-                scores = await self._scorer.score(batch, run.deadline)
-        except RewardFailed as error:
-            raise RewardFailed(f"prompt {prompt_index}: {error}") from error
-        return await self._hand_on(run, completions, scores, resampled)
 
     async def _hand_on(
         self, run: ProducerRun, completions: tuple[CompletionRecord, ...], scores: Scores, resampled: bool
@@ -253,115 +213,13 @@ class Producer:
         """Hand a scored group to the consumer, or drop it (dynamic sampling); True when kept."""
         request, prompt_index = run.request, completions[0].prompt_index
         config = request.config
-        if config.dynamic_sampling and bool(zero_variance_groups(scores.rewards, config.n_samples_per_prompt)[0]):
+        if config.dynamic_sampling and _all_equal(scores.rewards):
             await run.events.put(Dropped(prompt_index, resampled))
             run.window.end((prompt_index,))  # never streamed: its lease admits the next prompt now
             logger.debug("%s: dropped prompt %d (all rewards equal)", request.request_id, prompt_index)
             return False
         await run.events.put(ScoredGroup(completions, scores, resampled))
         return True
-
-
-class _Round:
-    """One generation request's bookkeeping: samples grouped by prompt, each complete group's scoring task."""
-
-    def __init__(
-        self,
-        run: ProducerRun,
-        indices: Sequence[int],
-        generator: Generator,
-        score_group: Callable[[tuple[CompletionRecord, ...]], Awaitable[bool]],
-    ) -> None:
-        self._run, self._indices, self._generator, self._score_group = run, indices, generator, score_group
-        self.complete: set[int] = set()
-        self._scoring: set[asyncio.Task[bool]] = set()
-
-    async def consume(self) -> None:
-        """Read the generator's stream; start scoring each group as its last sample arrives."""
-        request, n = self._run.request, self._run.request.config.n_samples_per_prompt
-        generation = GenerationRequest(
-            request_id=f"{request.request_id}-r{next(self._run.round_ids)}",
-            prompts=tuple(request.prompts[i].token_ids for i in self._indices),
-            sampling=request.sampling,
-            n_samples_per_prompt=n,
-            media=tuple(request.prompts[i].media for i in self._indices),
-        )
-        pending: dict[int, list[CompletionRecord]] = {}
-        started = time.perf_counter()
-        async with contextlib.aclosing(self._generator.generate(generation, self._run.deadline)) as records:
-            async for record in records:
-                if isinstance(record, Rerouted):  # a replica failed: its groups come whole from another
-                    self._run.events.put_nowait(GroupsRerouted(record.groups))
-                    continue
-                if isinstance(record, SamplePreview):  # its forwards may run before its group is whole
-                    original = self._indices[record.completion.prompt_index]
-                    self._run.events.put_nowait(
-                        SampleFinished(dataclasses.replace(record.completion, prompt_index=original)))
-                    continue
-                record = dataclasses.replace(record, prompt_index=self._indices[record.prompt_index])
-                group = pending.setdefault(record.prompt_index, [])
-                group.append(record)
-                if len(group) == n:
-                    metrics.STAGE_SECONDS.labels("generate").observe(time.perf_counter() - started)
-                    del pending[record.prompt_index]
-                    self.complete.add(record.prompt_index)
-                    completions = tuple(sorted(group, key=lambda c: c.sample_index))
-                    self._scoring.add(asyncio.create_task(self._score_group(completions)))
-                for task in [t for t in self._scoring if t.done()]:
-                    task.result()  # a scoring failure stops the round
-
-    def cancel_scoring(self) -> None:
-        for task in self._scoring:
-            task.cancel()
-
-    async def scored(self) -> list[bool | BaseException]:
-        """Each started scoring task's result (kept or not) or error, once all are done."""
-        return await asyncio.gather(*self._scoring, return_exceptions=True)
-
-
-class _EpisodeRound:
-    """A round of multi-turn groups: each group's n episodes run (:class:`EpisodeRunner`), and the group is handed
-    on as soon as they are done, independently of the other groups. A group whose episode failed in its
-    environment is reported (:class:`GroupFailed`) and the round goes on."""
-
-    def __init__(
-        self,
-        run: ProducerRun,
-        indices: Sequence[int],
-        runner: EpisodeRunner,
-        hand_on: Callable[[tuple[CompletionRecord, ...], Scores], Awaitable[bool]],
-        resampled: bool = False,
-    ) -> None:
-        self._run, self._indices, self._runner, self._hand_on = run, indices, runner, hand_on
-        self._resampled = resampled  # a failed group is then one the consumer awaits: say so
-        self.complete: set[int] = set()
-        self._groups: list[asyncio.Task[bool]] = []
-
-    async def consume(self) -> None:
-        """Run every group's episodes; returns when all are done (their outcomes: :meth:`scored`)."""
-        self._groups = [asyncio.create_task(self._group(index)) for index in self._indices]
-        await asyncio.wait(self._groups)
-
-    async def _group(self, prompt_index: int) -> bool:
-        started = time.perf_counter()
-        try:
-            completions, scores = await self._runner.run_group(self._run.request, prompt_index, self._run.deadline)
-        except EpisodeFailed as error:
-            self.complete.add(prompt_index)
-            await self._run.events.put(GroupFailed(prompt_index, str(error), resampled=self._resampled))
-            self._run.window.end((prompt_index,))  # never streamed: its lease admits the next prompt now
-            return False
-        metrics.STAGE_SECONDS.labels("episodes").observe(time.perf_counter() - started)
-        self.complete.add(prompt_index)
-        return await self._hand_on(completions, scores)
-
-    def cancel_scoring(self) -> None:
-        for task in self._groups:
-            task.cancel()
-
-    async def scored(self) -> list[bool | BaseException]:
-        """Each group's outcome (kept or not) or error, once all are done."""
-        return await asyncio.gather(*self._groups, return_exceptions=True)
 
 
 async def _until_done_or_aborted(generating: asyncio.Task[None], abort_on: asyncio.Event | None) -> bool:
@@ -381,3 +239,8 @@ async def _until_done_or_aborted(generating: asyncio.Task[None], abort_on: async
     generating.cancel()
     await asyncio.gather(generating, return_exceptions=True)
     return True
+
+
+def _all_equal(rewards: torch.Tensor) -> bool:
+    """Whether one group's rewards (R,) carry no signal: all equal (dynamic sampling drops such a group)."""
+    return bool(zero_variance_groups(rewards, rewards.shape[0])[0])
