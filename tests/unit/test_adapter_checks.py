@@ -1,0 +1,118 @@
+"""LoRA adapter checks (names, shapes, dtypes, rank) on a hand-written two-layer spec, and the table of live and
+superseded adapter versions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.errors import InvalidRequest
+from services.common.weight_checks import TensorSpec
+from services.generator.adapters import (
+    AdapterConfig,
+    AdapterTable,
+    check_adapter,
+    expected_tensors,
+    linear_modules,
+)
+
+# Two layers of a Llama-like model: hidden 8, q 8 -> 8, v 8 -> 4 (grouped KV heads), MLP 8 -> 16 -> 8.
+SPEC = {
+    "model.embed_tokens.weight": TensorSpec((32, 8), "bfloat16"),
+    "lm_head.weight": TensorSpec((32, 8), "bfloat16"),
+    "model.norm.weight": TensorSpec((8,), "bfloat16"),
+    **{f"model.layers.{i}.self_attn.q_proj.weight": TensorSpec((8, 8), "bfloat16") for i in range(2)},
+    **{f"model.layers.{i}.self_attn.v_proj.weight": TensorSpec((4, 8), "bfloat16") for i in range(2)},
+    **{f"model.layers.{i}.mlp.up_proj.weight": TensorSpec((16, 8), "bfloat16") for i in range(2)},
+    **{f"model.layers.{i}.input_layernorm.weight": TensorSpec((8,), "bfloat16") for i in range(2)},
+}
+MODULES = linear_modules(SPEC)
+CONFIG = AdapterConfig(rank=2, alpha=4.0, target_modules=("q_proj", "v_proj"))
+
+
+def adapter(config: AdapterConfig = CONFIG) -> dict[str, torch.Tensor]:
+    return {name: torch.ones(shape) for name, shape in expected_tensors(config, MODULES).items()}
+
+
+def test_linear_modules_are_the_2d_layers_without_embeddings_and_head():
+    assert MODULES["model.layers.1.self_attn.v_proj"] == (4, 8)  # (out_features, in_features)
+    assert len(MODULES) == 6
+    assert not any("embed" in m or "lm_head" in m or "norm" in m for m in MODULES)
+
+
+def test_expected_names_and_shapes_follow_peft():
+    expected = expected_tensors(CONFIG, MODULES)
+    assert len(expected) == 8  # 2 layers x (q, v) x (A, B)
+    assert expected["base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight"] == (2, 8)  # (rank, in)
+    assert expected["base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"] == (4, 2)  # (out, rank)
+    # peft's rule: an entry matches the module's last names at a dot boundary, not a substring
+    assert not expected_tensors(AdapterConfig(2, 4.0, ("proj",)), MODULES)
+    assert len(expected_tensors(AdapterConfig(2, 4.0, ("self_attn.q_proj",)), MODULES)) == 4
+
+
+def test_a_good_adapter_passes():
+    check_adapter("run-a", CONFIG, adapter(), MODULES, max_rank=16)
+    check_adapter("run-a", CONFIG, {k: v.bfloat16() for k, v in adapter().items()}, MODULES, max_rank=16)
+
+
+@pytest.mark.parametrize(("change", "field", "reason"), [
+    (lambda t: t.update({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(3, 8)}),
+     "tensors[base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight]", "shape (3, 8); expected (2, 8)"),
+    (lambda t: t.update({"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.ones(2, 8)}),
+     "tensors[base_model.model.model.layers.0.mlp.up_proj.lora_A.weight]", "not a LoRA tensor"),
+    (lambda t: t.update({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.ones(2, 8)}),
+     "tensors[base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight]", "not a LoRA tensor"),
+    (lambda t: t.pop("base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"),
+     "tensors[base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight]", "missing"),
+    (lambda t: t.update({"base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight": torch.ones(4, 2).int()}),
+     "tensors[base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight]", "dtype int32"),
+    (lambda t: t.update({"base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight":
+                         torch.tensor([[1.0, float("nan")]] * 4)}),
+     "tensors[base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight]", "NaN"),
+])
+def test_a_bad_tensor_is_named(change, field, reason):
+    tensors = adapter()
+    change(tensors)
+    with pytest.raises(InvalidRequest) as raised:
+        check_adapter("run-a", CONFIG, tensors, MODULES, max_rank=16)
+    assert raised.value.field == field
+    assert reason in raised.value.reason
+
+
+@pytest.mark.parametrize(("name", "config", "field"), [
+    ("run-a", AdapterConfig(32, 4.0, ("q_proj",)), "config.rank"),
+    ("run-a", AdapterConfig(0, 4.0, ("q_proj",)), "config.rank"),
+    ("run-a", AdapterConfig(2, 0.0, ("q_proj",)), "config.alpha"),
+    ("run-a", AdapterConfig(2, 4.0, ("o_proj",)), "config.target_modules"),
+    ("", CONFIG, "adapter"),
+    ("../etc", CONFIG, "adapter"),
+])
+def test_a_bad_config_or_name_is_named(name, config, field):
+    with pytest.raises(InvalidRequest) as raised:
+        check_adapter(name, config, adapter(CONFIG), MODULES, max_rank=16)
+    assert raised.value.field == field
+
+
+def test_scaling_is_alpha_over_rank_or_its_root_with_rslora():
+    assert AdapterConfig(4, 8.0, ("q_proj",)).scaling == 2.0  # 8 / 4
+    assert AdapterConfig(4, 8.0, ("q_proj",), use_rslora=True).scaling == 4.0  # 8 / sqrt(4)
+
+
+def test_table_versions_and_retirement():
+    table = AdapterTable()
+    first = table.next_slot("a", CONFIG, None)
+    assert (first.version, first.slot_id) == (1, 1)
+    assert table.publish(first) == []
+    running = table.acquire("a")
+    assert running == first
+    second = table.next_slot("a", CONFIG, None)
+    assert second.version == 2 and second.slot_id != first.slot_id
+    assert table.publish(second) == []  # the first still has a request: retired by its release
+    assert table.acquire("a") == second
+    assert table.release(running) is True  # superseded and idle now
+    assert table.release(second) is False  # live: kept
+    third = table.next_slot("a", CONFIG, 7)
+    assert third.version == 7
+    assert table.publish(third) == [second]  # nothing runs on the second: retire at once
+    with pytest.raises(InvalidRequest, match="no adapter named 'b'"):
+        table.acquire("b")
