@@ -1,18 +1,27 @@
 """The calculator agent example (examples/agent_calculator.py) against a real gateway: its evaluator on good and
-hostile input, and its agent server driven over HTTP with a session of the experience service's gateway (three
-services in process, SmolLM2 on the HF backend, one stack for the module): every reply the agent received is what
-the model sampled in the session's recorded rows, decoded."""
+hostile input; its agent server driven over HTTP with a session of the experience service's gateway (three services
+in process, SmolLM2 on the HF backend, one stack for the module): every reply the agent received is what the model
+sampled in the session's recorded rows, decoded; and the demo's stream (MakeExperiences with agent=calculator):
+every row's sampled turns, decoded, are the replies one of the agent's episodes received, rewards are 0 or 1, and
+the rows of an episode are consecutive and share prompt_index and sample_index."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from collections import defaultdict
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from fastexp.request import build_request
+from fastexp.status import FAILED_KEY
+from fastexp.types import turn_spans
+from fastexp.v1 import experience_pb2_grpc
+from fastexp.wire import experience_from_pb
 from services.experience.gateway.messages import Message, ToolCall, parse_reply
 from services.experience.gateway.recording import rows_of
 from services.experience.gateway.serving import start_gateway
@@ -115,13 +124,14 @@ def _episode_body(question: str, reference: str, base_url: str, key: str) -> dic
             "reference": reference, "label": "", "session": {"base_url": base_url, "api_key": key, "model": MODEL}}
 
 
-def assert_received(sampled_text: str, reply: dict) -> None:
-    """``sampled_text`` (a turn's sampled ids, decoded without special tokens) is the reply the agent received:
-    the same text when it made no tool call, else the same content and calls once its tool-call blocks are read."""
+def received(sampled_text: str, reply: dict) -> bool:
+    """Whether ``sampled_text`` (a turn's sampled ids, decoded without special tokens) is the reply the agent
+    received: the same text when it made no tool call, else the same content and calls once its tool-call blocks
+    are read."""
     if not reply["tool_calls"]:
-        assert sampled_text == reply["content"]
+        return sampled_text == reply["content"]
     calls = tuple(ToolCall(name, arguments) for name, arguments in reply["tool_calls"])
-    assert parse_reply(sampled_text) == Message("assistant", reply["content"], calls)
+    return parse_reply(sampled_text) == Message("assistant", reply["content"], calls)
 
 
 async def test_the_agent_server_answers_an_episode_through_the_gateway(stack, transcripts, tokenizer):
@@ -142,7 +152,7 @@ async def test_the_agent_server_answers_an_episode_through_the_gateway(stack, tr
     sampled = [s for row in rows_of(calls) for s in row.segments if s.sampled]  # rows in call order
     assert len(sampled) == len(replies)
     for segment, reply in zip(sampled, replies, strict=True):
-        assert_received(tokenizer.decode(segment.token_ids, skip_special_tokens=True), reply)
+        assert received(tokenizer.decode(segment.token_ids, skip_special_tokens=True), reply)
 
 
 async def test_an_agent_with_a_closed_session_fails_its_episode(stack):
@@ -153,3 +163,52 @@ async def test_an_agent_with_a_closed_session_fails_its_episode(stack):
         response = await client.post(url, json=_episode_body("1+1?", "2", experience.gateway.base_url, session.key),
                                      timeout=600)
     assert response.status_code == 500
+
+
+def _sampled_turns(batch, row: int, tokenizer) -> list[str]:
+    """The row's model turns (the runs of action_mask 1), each decoded without special tokens."""
+    length = int(batch.response_length[row])
+    response = batch.sequences[row, -batch.action_mask.shape[1]:][:length]
+    return [tokenizer.decode(response[start:end].tolist(), skip_special_tokens=True)
+            for start, end in turn_spans(batch.action_mask[row, :length])]
+
+
+async def _demo_stream(experience, problems, n: int):
+    """The demo's request (MakeExperiences with agent=calculator) on the stack's experience service."""
+    request = build_request([[{"role": "user", "content": q}] for q, _ in problems],
+                            references=[a for _, a in problems], n_samples_per_prompt=n,
+                            advantage_estimator="group_norm")
+    request.agent.name, request.agent.max_calls = "calculator", MAX_CALLS
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}") as channel:
+        call = experience_pb2_grpc.ExperienceServiceStub(channel).MakeExperiences(request, timeout=900)
+        batches = [experience_from_pb(message) async for message in call]
+        return batches, dict(await call.trailing_metadata())
+
+
+async def test_the_demo_streams_the_agents_episodes_as_its_rows(stack, transcripts, tokenizer):
+    experience, _ = stack
+    problems, n = example.PROBLEMS[1:3], 2
+    before = len(transcripts)
+    batches, trailers = await _demo_stream(experience, problems, n)
+    assert FAILED_KEY not in trailers
+    episodes = defaultdict(list)  # prompt_index -> the replies of each episode the agent ran for it
+    for transcript in transcripts[before:]:
+        prompt = next(i for i, (q, _) in enumerate(problems) if transcript["messages"][0]["content"] == q)
+        episodes[prompt].append(transcript["replies"])
+    samples = []  # (prompt_index, sample_index) per row, in stream order
+    turns = defaultdict(list)  # (prompt_index, sample_index) -> the sample's decoded model turns, rows in order
+    for batch in batches:
+        metrics = batch.reward_metrics
+        for row, key in enumerate(zip(batch.prompt_index, batch.sample_index, strict=True)):
+            assert batch.reward[row] in (0.0, 1.0)
+            assert metrics["num_rows"][row] == 1 + metrics["drift_splits"][row]  # a drift starts a row
+            samples.append(key)
+            turns[key] += _sampled_turns(batch, row, tokenizer)
+    assert sorted(set(samples)) == [(p, s) for p in range(len(problems)) for s in range(n)]
+    # an episode's rows are consecutive: a sample's key never comes back after another's
+    assert [key for i, key in enumerate(samples) if i == 0 or samples[i - 1] != key] == list(dict.fromkeys(samples))
+    for (prompt, _), decoded in turns.items():  # each sample is one of the agent's episodes, token for token
+        match = next((replies for replies in episodes[prompt] if len(replies) == len(decoded) and all(
+            received(text, reply) for text, reply in zip(decoded, replies, strict=True))), None)
+        assert match is not None, f"no episode of prompt {prompt} received {decoded}"
+        episodes[prompt].remove(match)
