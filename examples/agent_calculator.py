@@ -132,6 +132,7 @@ class Episode:
     tool_errors: int = 0
 
 
+# --8<-- [start:solve]
 async def solve(client: AsyncOpenAI, model: str, messages: list[dict], max_calls: int, max_tokens: int,
                 temperature: float) -> Episode:
     """The agent's loop: call the model with the calculator; run the tool calls it asks for; call again; stop at a
@@ -157,6 +158,7 @@ async def solve(client: AsyncOpenAI, model: str, messages: list[dict], max_calls
             episode.tool_errors += result.startswith("error:")
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return episode
+# --8<-- [end:solve]
 
 
 def reward(answer: str, reference: str) -> float:
@@ -184,6 +186,7 @@ class EpisodeRequest(BaseModel):
     session: SessionInfo
 
 
+# --8<-- [start:server]
 def agent_app(max_calls: int = 4, max_tokens: int = 256, temperature: float = 1.0,
               transcripts: list[dict] | None = None) -> FastAPI:
     """The agent server: ``POST /episode`` -> ``{"reward": 0|1, "metrics": {...}}``; each episode's request messages
@@ -202,6 +205,7 @@ def agent_app(max_calls: int = 4, max_tokens: int = 256, temperature: float = 1.
                 "metrics": {"tool_calls": tool_calls, "tool_errors": done.tool_errors}}
 
     return app
+# --8<-- [end:server]
 
 
 # --- the command line: serve the agent, or the whole demo ---------------------------------------------------------
@@ -258,16 +262,24 @@ def sampled_text(experience, row: int, tokenizer) -> str:
     return tokenizer.decode(experience.sequences[row, -mask.shape[0]:][mask].tolist())
 
 
+#: Per-row figures of an agent episode in ``reward_metrics``: the service's (rows, drift splits, calls) and this
+#: agent's own (its answer's ``metrics``).
+EPISODE_METRICS = ("num_rows", "drift_splits", "num_calls", "tool_calls", "tool_errors")
+
+
 def print_batches(address: str, model: str, problems: list[tuple[str, str]], n_samples_per_prompt: int,
                   max_calls: int) -> None:
+    """Stream and print per batch: rows, reward mean, the episode metrics, and row 0's sampled text."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     for experience in stream_batches(address, problems, n_samples_per_prompt, max_calls):
-        metrics = {k: round(float(v.mean()), 3) for k, v in experience.reward_metrics.items()}
+        metrics = experience.reward_metrics
+        figures = ", ".join(f"{name} {float(metrics[name].nanmean()):.2f}" for name in EPISODE_METRICS
+                            if name in metrics)
         print(f"batch {experience.batch_index}: {len(experience.prompt_index)} rows, reward mean "
-              f"{float(experience.reward.mean()):.3f}, metrics {metrics}")
-        print(f"  sampled (row 0): {sampled_text(experience, 0, tokenizer)!r}")
+              f"{float(experience.reward.mean()):.2f}, {figures}")
+        print(f"  row 0 sampled: {sampled_text(experience, 0, tokenizer)!r}")
 
 
 if __name__ == "__main__":
