@@ -36,6 +36,9 @@ _EXPORTS = {
     "weight_chunks": "fastexp.weights",
     "save_value_model": "fastexp.critic",
     "ClientTLS": "fastexp.security",
+    "Run": "fastexp.runs",
+    "RunLimits": "fastexp.runs",
+    "LoraSpec": "fastexp.runs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -37,8 +37,16 @@ from fastexp.channels import client_channel, message_options
 from fastexp.critic import save_value_model
 from fastexp.packing import unpack_experience
 from fastexp.request import DEFAULT_SAMPLING, PromptLike, RequestOptions, Sampling, build_request, encode_image
+from fastexp.runs import Run, RunLimits, create_run_request, run_from_pb
 from fastexp.security import ClientTLS
-from fastexp.status import FAILED_KEY, INVALID_PROMPTS_KEY, UNDELIVERED_KEY, indices_in, stream_counters
+from fastexp.status import (
+    FAILED_KEY,
+    INVALID_PROMPTS_KEY,
+    RUN_ID_KEY,
+    UNDELIVERED_KEY,
+    indices_in,
+    stream_counters,
+)
 from fastexp.types import Experience, Target
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc
 from fastexp.weights import weight_chunks
@@ -47,7 +55,7 @@ from fastexp.wire import experience_from_pb
 SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].full_name
 
 __all__ = [
-    "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "RequestOptions", "Sampling", "build_request",
+    "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "RequestOptions", "Run", "RunLimits", "Sampling", "build_request",
     "encode_image", "invalid_prompt_indices", "save_value_model", "undelivered_prompt_indices", "unpack_experience",
     "update_generator_weights", "weight_chunks",
 ]
@@ -86,10 +94,12 @@ class ExperienceClient:
         (per-prompt ``references``, ``labels``, ``images``, ``videos``, and any :class:`RequestOptions` field).
 
         Each yielded Experience holds whole prompt groups; every prompt's group arrives exactly once. Stopping
-        the iteration (or ``close``) cancels the stream, which aborts the remaining generation.
+        the iteration (or ``close``) cancels the stream, which aborts the remaining generation. ``run_id=`` a run
+        of :meth:`create_run` streams within that run's limits; any other id names running statistics only.
 
         Raises:
-            grpc.RpcError: the call failed (INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+            grpc.RpcError: the call failed (INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, ...; with a created
+                run's id: PERMISSION_DENIED when it is another token's, RESOURCE_EXHAUSTED naming max_streams).
         """
         stream = self._stub.MakeExperiences(
             build_request(prompts, options, **columns_and_overrides), timeout=self._timeout_s
@@ -112,6 +122,7 @@ class ExperienceClient:
         checkpoint_dir: str | None = None,
         chunk_bytes: int = 4 * 1024 * 1024,
         timeout_s: float = 600.0,
+        run_id: str | None = None,
     ) -> generation_pb2.UpdateWeightsResponse:
         """Replace the policy's (generator and actor replica) or the critic's weights; returns once they are live.
 
@@ -120,6 +131,9 @@ class ExperienceClient:
                 tensors a step changed; sent one at a time in ``chunk_bytes`` pieces, in their own float dtype.
             target: ``"policy"`` or ``"critic"`` (names as :func:`save_value_model` writes them).
             checkpoint_dir: instead of tensors, a safetensors folder both services can read (shared storage).
+            run_id: the run (:meth:`create_run`) the update is for; only its owner or an admin token may make it.
+                A base-model run's weights are the deployment's: updating them needs an admin token, as without
+                a run.
 
         Returns:
             The response: ``policy_version`` (every experience sampled after a policy update carries it),
@@ -127,12 +141,61 @@ class ExperienceClient:
 
         Raises:
             grpc.RpcError: INVALID_ARGUMENT naming a bad tensor (nothing was applied anywhere),
-                RESOURCE_EXHAUSTED while another update runs, UNAVAILABLE, DEADLINE_EXCEEDED.
+                RESOURCE_EXHAUSTED while another update runs, UNAVAILABLE, DEADLINE_EXCEEDED; with ``run_id``:
+                NOT_FOUND, PERMISSION_DENIED naming ``run_id``.
         """
         return self._stub.UpdateWeights(
             weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target),
-            timeout=timeout_s,
+            timeout=timeout_s, metadata=((RUN_ID_KEY, run_id),) if run_id else None,
         )
+
+    def create_run(
+        self,
+        run_id: str,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+        target_modules: Sequence[str] | None = None,
+        *,
+        max_streams: int = 0,
+        max_groups_ahead: int = 0,
+        max_tokens_per_request: int = 0,
+        weight: int = 0,
+        timeout_s: float = 30.0,
+    ) -> Run:
+        """Create a run owned by this client's token: a LoRA adapter of ``lora_rank`` (``lora_alpha`` None: equal
+        to the rank; ``target_modules`` None: every module the operator allows), or the base model itself when
+        ``lora_rank`` is None. Its limits (:class:`fastexp.runs.RunLimits`) left 0 take the operator's defaults.
+
+        Raises:
+            fastexp.errors.InvalidRequest: ``run_id`` (1..256 of A-Z a-z 0-9 . _ -), ``lora.rank``,
+                ``lora.alpha``, ``lora.target_modules`` or ``limits.*`` (named). FailedPrecondition: a LoRA run on
+                a deployment that does not serve adapters yet. AlreadyExists: the id is taken. Overloaded:
+                ``max_runs``. ValueError: ``lora_alpha`` or ``target_modules`` without ``lora_rank``.
+        """
+        limits = RunLimits(max_streams, max_groups_ahead, max_tokens_per_request, weight)
+        request = create_run_request(run_id, lora_rank, lora_alpha, target_modules, limits)
+        return run_from_pb(self._stub.CreateRun(request, timeout=timeout_s))
+
+    def get_run(self, run_id: str, timeout_s: float = 30.0) -> Run:
+        """The run now (live policy version, open streams, limits in force).
+
+        Raises:
+            fastexp.errors.NotFound: no such run. PermissionDenied: another token's run (naming ``run_id``).
+        """
+        return run_from_pb(self._stub.GetRun(experience_pb2.GetRunRequest(run_id=run_id), timeout=timeout_s))
+
+    def list_runs(self, timeout_s: float = 30.0) -> list[Run]:
+        """This client's token's runs (every run for an admin token), by run id."""
+        return [run_from_pb(r) for r in self._stub.ListRuns(experience_pb2.ListRunsRequest(), timeout=timeout_s).runs]
+
+    def delete_run(self, run_id: str, timeout_s: float = 30.0) -> Run:
+        """Delete the run; returns its last state.
+
+        Raises:
+            fastexp.errors.NotFound, PermissionDenied: as :meth:`get_run`. FailedPrecondition: streams of the run
+            are open (delete it once they end).
+        """
+        return run_from_pb(self._stub.DeleteRun(experience_pb2.DeleteRunRequest(run_id=run_id), timeout=timeout_s))
 
     def offload_models(self, timeout_s: float = 600.0) -> experience_pb2.ModelPlacementResponse:
         """Move the service's actor, reference and critic to host memory (a trainer sharing the accelerator; the

@@ -4,7 +4,8 @@
 handler reads :func:`current_caller` to decide ownership (a run belongs to the token that created it). A caller
 is named by the SHA-256 of its bearer token (``principal``), which identifies the same token across calls and
 both token files without keeping or logging the token. With authentication off (no token files: a loopback or
-``insecure`` deployment) every call is :data:`ANONYMOUS`, which then owns everything it makes.
+``insecure`` deployment) every call is :data:`ANONYMOUS`: it owns everything it makes and may do everything, as
+any caller of such a deployment may (UpdateWeights included).
 
 No gRPC here: cores (the experience service's run registry) take a :class:`Caller` as a plain value.
 """
@@ -36,8 +37,8 @@ class Caller:
         return f"{scheme}:{digest[:DISPLAY_HEX_DIGITS]}" if sep else self.principal
 
 
-#: Every call's identity when authentication is off.
-ANONYMOUS = Caller(ANONYMOUS_PRINCIPAL)
+#: Every call's identity when authentication is off: allowed everything, as calls without tokens are there.
+ANONYMOUS = Caller(ANONYMOUS_PRINCIPAL, admin=True)
 
 _CALLER: ContextVar[Caller] = ContextVar("fastexp_caller", default=ANONYMOUS)
 

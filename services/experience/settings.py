@@ -10,7 +10,7 @@ from pydantic_settings import SettingsConfigDict
 
 from fastexp.security import ClientTLS
 from services.common.models import SMOLLM2_ALIAS
-from services.common.security import read_tokens
+from services.common.security import AuthInterceptor, read_tokens
 from services.common.settings import GenerationLimits
 from services.experience.fleet.readiness import ProbeSettings
 from services.experience.fleet.replicas import FleetSettings
@@ -156,6 +156,17 @@ class ExperienceSettings(GenerationLimits):
             discovery_interval_s=self.generator_discovery_interval_s, sync_timeout_s=self.update_weights_timeout_s,
             max_samples_in_flight=self.generator_max_samples_in_flight,
         )
+
+    def auth(self) -> AuthInterceptor | None:
+        """The bearer-token check (:meth:`ServiceSettings.auth`), with ``UpdateWeights`` open to call tokens on calls
+        that name a run (``fastexp-run-id``): the servicer lets the run's owner through, and only an admin token
+        for a base-model run, whose weights are the deployment's.
+
+        Raises:
+            SecurityConfigError: a token file is unreadable or empty.
+        """
+        interceptor = super().auth()
+        return interceptor.scoped_to_runs(frozenset({"UpdateWeights"})) if interceptor is not None else None
 
     def run_limits(self) -> OperatorLimits:
         """The limits on runs, as the plain record the run registry takes: a run's max_streams up to

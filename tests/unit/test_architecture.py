@@ -8,8 +8,9 @@ client package needs only grpcio, protobuf, numpy and torch; its math (``fastexp
 Inside the experience service, packages by role: ``api`` (the gRPC edge: decoding, prompts, the servicer),
 ``pipeline`` (the stages and their records), ``workers`` (the models: forwards, log-probs, critic, offload,
 vision), ``fleet`` (generator replicas, routing, clients, readiness), ``runs`` (runs, their owners and limits;
-no other package), and ``config`` (the decoded request as plain values). Imports are followed transitively; imports under ``if TYPE_CHECKING:`` are annotations, not dependencies.
-Each check reports every violation at once (one test per rule, not one per file).
+no other package), and ``config`` (the decoded request as plain values). Imports are followed transitively; imports
+under ``if TYPE_CHECKING:`` are annotations, not dependencies. Each check reports every violation at once (one test
+per rule, not one per file).
 """
 
 from __future__ import annotations

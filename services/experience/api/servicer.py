@@ -13,11 +13,12 @@ from typing import Any
 
 import grpc
 
-from fastexp.status import FAILED_KEY, INVALID_PROMPTS_KEY, UNDELIVERED_KEY
+from fastexp.status import FAILED_KEY, INVALID_PROMPTS_KEY, RUN_ID_KEY, UNDELIVERED_KEY
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from fastexp.wire import experience_to_pb
 from services.common.deadlines import Deadline
 from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
+from services.common.identity import current_caller
 from services.common.logs import bind_request_id, current_request_id
 from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits
@@ -25,14 +26,18 @@ from services.common.weights import UpdateBounds
 from services.common.weights_wire import staged_update
 from services.experience.api.prompts import InvalidPrompts
 from services.experience.api.request import decode_request
+from services.experience.api.runs import RunMethods
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.pipeline.events import StreamStats
 from services.experience.pipeline.maker import ExperienceMaker
+from services.experience.runs.limits import OperatorLimits
+from services.experience.runs.registry import Run, RunRegistry
 from services.experience.workers.vision import VisionProcessor
 
 
-class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
-    """``fastexp.v1.ExperienceService`` over an :class:`ExperienceMaker`.
+class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServicer):
+    """``fastexp.v1.ExperienceService`` over an :class:`ExperienceMaker` and the service's ``runs``
+    (:class:`RunRegistry`; the run RPCs are :class:`RunMethods`).
 
     ``generator_info()`` returns what the generator serves, or raises NotReady (UNAVAILABLE, naming what the
     service waits for) while the generator or scorer cannot be reached (``UpstreamMonitor.require_ready``).
@@ -49,8 +54,10 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
         vision: VisionProcessor | None = None,
         media_limits: MediaLimits | None = None,
         checkpoint_roots: tuple[Path, ...] = (),
+        runs: RunRegistry | None = None,
     ) -> None:
         self._maker = maker
+        self._runs = runs if runs is not None else RunRegistry(OperatorLimits())
         self._update_bounds = UpdateBounds(lambda target: self._maker.update_spec(target), checkpoint_roots)
         self._vision = vision
         self._media_limits = media_limits or MediaLimits()
@@ -68,24 +75,30 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
         if self._streams >= self._max_concurrent_streams:
             raise Overloaded(f"max_concurrent_streams: {self._streams} streams are being served; retry later")
-        self._streams += 1  # counted before the first await: streams arriving together cannot all pass the check
-        try:
-            async for batch in self._stream(request, context):
-                yield batch
-        finally:
-            self._streams -= 1
+        # a created run's slot (its owner's, within its max_streams), taken before the first await as well; a
+        # run_id no run was created for names running statistics only
+        with self._runs.streaming(request.run_id, current_caller()) as run:
+            self._streams += 1  # counted before the first await: streams arriving together cannot all pass the check
+            try:
+                async for batch in self._stream(request, context, run):
+                    yield batch
+            finally:
+                self._streams -= 1
 
     async def _stream(
-        self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext
+        self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext, run: Run | None
     ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
-        """One admitted stream: decode, run the pipeline, encode each batch; trailers however it ends."""
+        """One admitted stream: decode (within ``run``'s limits), run the pipeline, encode each batch; trailers
+        however it ends."""
         self._maker.require_models_loaded("MakeExperiences")
+        limits = self._limits if run is None else dataclasses.replace(
+            self._limits, max_tokens_per_request=run.limits.max_tokens_per_request)
         info = self._generator_info()  # NotReady (UNAVAILABLE) naming what the service waits for
         try:
             # images are decoded and patchified here: off the event loop, one request at a time (the tokenizer
             # and processor are not safe to share between threads)
             decoded = await asyncio.get_running_loop().run_in_executor(self._decoder, functools.partial(
-                decode_request, request, self._tokenizer, self._limits, info.max_model_len,
+                decode_request, request, self._tokenizer, limits, info.max_model_len,
                 has_critic=self._maker.has_critic, vision=self._vision, media_limits=self._media_limits,
             ))
         except InvalidPrompts as error:
@@ -124,6 +137,9 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
     async def UpdateWeights(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext
     ) -> generation_pb2.UpdateWeightsResponse:
+        run_id = dict(context.invocation_metadata() or ()).get(RUN_ID_KEY)
+        if run_id:  # its owner or an admin token, and an admin token for a base-model run's (shared) weights
+            self._runs.authorize_update(run_id, current_caller())
         self._generator_info()  # NotReady: the update could not reach the generator
         if self._updating.locked():
             raise Overloaded("another weight update is in progress")
@@ -143,6 +159,9 @@ class ExperienceServicer(experience_pb2_grpc.ExperienceServiceServicer):
                                      "they end")
         moved, names = await self._maker.offload_models()
         return experience_pb2.ModelPlacementResponse(moved_bytes=moved, models=names)
+
+    def _policy_version(self) -> int:
+        return self._maker.policy.version
 
     async def ReloadModels(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.ReloadModelsRequest, context: grpc.aio.ServicerContext

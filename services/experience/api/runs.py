@@ -1,0 +1,80 @@
+"""The gRPC edge of runs: ``CreateRun``, ``GetRun``, ``ListRuns``, ``DeleteRun`` over a
+:class:`~services.experience.runs.registry.RunRegistry`, and the run records to and from the wire.
+
+Each method decodes the request into the registry's plain values, asks the registry as the calling identity
+(:func:`services.common.identity.current_caller`, set by the auth interceptor) and encodes the answer; the registry
+raises the domain errors the error interceptor maps (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED,
+ALREADY_EXISTS, FAILED_PRECONDITION, RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from fastexp.v1 import experience_pb2
+from services.common.identity import current_caller
+from services.experience.runs.limits import LoraSpec, RunLimits
+from services.experience.runs.registry import RunRegistry, RunStatus
+
+
+def lora_from_pb(message: experience_pb2.LoraSpec) -> LoraSpec:
+    """The adapter a CreateRun asks for, as sent (defaults are the registry's to fill)."""
+    return LoraSpec(message.rank, message.alpha, tuple(message.target_modules))
+
+
+def limits_from_pb(message: experience_pb2.RunLimits) -> RunLimits:
+    """The limits a CreateRun asks for (0: the operator's default)."""
+    return RunLimits(message.max_streams, message.max_groups_ahead, message.max_tokens_per_request, message.weight)
+
+
+def run_to_pb(status: RunStatus, policy_version: int) -> experience_pb2.Run:
+    """``status`` on the wire; ``policy_version`` is the live version its streams sample. Groups in flight and
+    queued are left absent: nothing reports them per run yet."""
+    run, limits = status.run, status.run.limits
+    message = experience_pb2.Run(
+        run_id=run.run_id, policy_version=policy_version, streams_open=status.streams_open,
+        created_at_unix_s=run.created_at_unix_s, owner=run.owner_display,
+        limits=experience_pb2.RunLimits(
+            max_streams=limits.max_streams, max_groups_ahead=limits.max_groups_ahead,
+            max_tokens_per_request=limits.max_tokens_per_request, weight=limits.weight,
+        ),
+    )
+    if run.lora is not None:
+        message.lora.CopyFrom(experience_pb2.LoraSpec(
+            rank=run.lora.rank, alpha=run.lora.alpha, target_modules=list(run.lora.target_modules)))
+    return message
+
+
+class RunMethods:
+    """The run RPCs of ``fastexp.v1.ExperienceService`` (module docs), mixed into its servicer, which provides
+    ``_runs`` (the registry) and :meth:`_policy_version`."""
+
+    _runs: RunRegistry
+
+    def _policy_version(self) -> int:
+        """The live policy version of the deployment's base model."""
+        raise NotImplementedError
+
+    def _run_pb(self, status: RunStatus) -> experience_pb2.Run:
+        return run_to_pb(status, self._policy_version())
+
+    async def CreateRun(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.CreateRunRequest, context: grpc.aio.ServicerContext
+    ) -> experience_pb2.Run:
+        lora = lora_from_pb(request.lora) if request.HasField("lora") else None
+        return self._run_pb(self._runs.create(request.run_id, current_caller(), lora, limits_from_pb(request.limits)))
+
+    async def GetRun(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.GetRunRequest, context: grpc.aio.ServicerContext
+    ) -> experience_pb2.Run:
+        return self._run_pb(self._runs.get(request.run_id, current_caller()))
+
+    async def ListRuns(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.ListRunsRequest, context: grpc.aio.ServicerContext
+    ) -> experience_pb2.ListRunsResponse:
+        return experience_pb2.ListRunsResponse(runs=[self._run_pb(s) for s in self._runs.list(current_caller())])
+
+    async def DeleteRun(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.DeleteRunRequest, context: grpc.aio.ServicerContext
+    ) -> experience_pb2.Run:
+        return self._run_pb(self._runs.delete(request.run_id, current_caller()))
