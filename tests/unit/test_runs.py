@@ -1,5 +1,6 @@
 """Runs without a network: the pure checks of a run's id, LoRA spec and limits against the operator's, the ownership
-decisions, and the registry's bookkeeping (creation, listing, stream slots released however a stream ends)."""
+decisions, the registry's bookkeeping (creation, listing, stream slots released however a stream ends), the status
+codes of the run errors, and a run on the wire and back."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from fastexp.errors import (
     Overloaded,
     PermissionDenied,
 )
+from fastexp.runs import LoraSpec as ClientLora
+from fastexp.runs import RunLimits as ClientLimits
 from fastexp.status import attributed_error, code_of, received_error
 from services.common.identity import ANONYMOUS, Caller, caller_of
 from services.experience.api.request import MAX_RUN_ID_CHARS as REQUEST_MAX_RUN_ID_CHARS
@@ -208,3 +211,26 @@ def test_the_run_errors_have_their_codes_both_ways(error, code):
 def test_a_peers_permission_denied_is_relayed_as_internal_not_as_the_callers_own():
     relayed = attributed_error("generator a:1", received_error(grpc.StatusCode.PERMISSION_DENIED, "needs admin"))
     assert type(relayed) is FastexpError and code_of(relayed) == grpc.StatusCode.INTERNAL
+
+
+# --- the wire -----------------------------------------------------------------------------------------------------
+
+def test_a_run_goes_to_the_wire_and_back_to_the_trainers_record():
+    from fastexp.runs import create_run_request, run_from_pb
+    from services.experience.api.runs import limits_from_pb, lora_from_pb, run_to_pb
+    from services.experience.runs.registry import RunStatus
+
+    request = create_run_request("r", lora_rank=4, target_modules=["q_proj"], limits=ClientLimits(max_streams=2))
+    assert lora_from_pb(request.lora) == LoraSpec(4, 0.0, ("q_proj",))
+    assert limits_from_pb(request.limits) == RunLimits(max_streams=2)
+    assert not create_run_request("base").HasField("lora")
+    with pytest.raises(ValueError, match="need lora_rank"):
+        create_run_request("base", lora_alpha=8.0)
+    run = Run("r", ALICE.principal, LoraSpec(4, 4.0, ("q_proj",)), OPERATOR.defaults, 12.5)
+    record = run_from_pb(run_to_pb(RunStatus(run, streams_open=1), policy_version=3))
+    assert (record.run_id, record.policy_version, record.streams_open, record.created_at_unix_s) == ("r", 3, 1, 12.5)
+    assert record.lora == ClientLora(4, 4.0, ("q_proj",)) and record.owner == ALICE.display
+    assert record.limits == ClientLimits(1, 8, 1000, 1)
+    assert record.groups_in_flight is None and record.groups_queued is None
+    base = run_from_pb(run_to_pb(RunStatus(Run("b", "anonymous", None, OPERATOR.defaults, 0.0), 0), 0))
+    assert base.lora is None and base.owner == "anonymous"
