@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from transformers import AutoTokenizer
 
 from fastexp import Sampling, build_request, save_value_model, unpack_experience, weight_chunks
@@ -20,16 +20,10 @@ from fastexp.rl.rollout_correction import RolloutCorrectionOptions
 from fastexp.rl.running import KLController, RunningMoments, RunState
 from fastexp.tensor_codec import to_numpy
 from fastexp.types import ForwardOutputs, Rollout
-from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc, scoring_pb2, scoring_pb2_grpc
+from fastexp.v1 import generation_pb2, scoring_pb2
 from fastexp.wire import experience_from_pb
 from services.experience.config import ExperienceConfig
-from services.experience.server import start_experience
-from services.experience.settings import ExperienceSettings
-from services.generator.hf_engine import HFEngine
-from services.generator.server import start_generator
-from services.generator.settings import GeneratorSettings
-from services.scorer.server import build_scorer, start_scorer
-from services.scorer.settings import ScorerSettings
+from tests.support.stack import MATH_VERIFY_OR_ZERO, three_services
 
 PROMPTS = [
     [{"role": "user", "content": "What is 2 + 3?"}],
@@ -51,37 +45,13 @@ def critic_path(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 async def stack(tiny_model_path, critic_path):
-    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
-    generator = await start_generator(
-        GeneratorSettings(port=0, max_model_len=256, checkpoint_roots=[tiny_model_path]), engine)
-    scorer_settings = ScorerSettings(port=0, sources=[
-        {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1,
-         "fallback_reward": 0.0}])
-    scorer_core = build_scorer(scorer_settings)
-    scorer = await start_scorer(scorer_settings, scorer_core)
-    experience = await start_experience(
-        ExperienceSettings(
-            port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
-            actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
-            forward_micro_batch_size=3, critic_model=critic_path,
-        )
-    )
-    await experience.wait_ready(60)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
-    yield {
-        "experience": experience_pb2_grpc.ExperienceServiceStub(channel),
-        "health": health_pb2_grpc.HealthStub(channel),
-        "generator": generation_pb2_grpc.GenerationServiceStub(
-            grpc.aio.insecure_channel(f"127.0.0.1:{generator.port}")),
-        "scorer": scoring_pb2_grpc.ScoringServiceStub(grpc.aio.insecure_channel(f"127.0.0.1:{scorer.port}")),
-    }
-    await channel.close()
-    await experience.running.stop(1)
-    await experience.close()
-    await scorer.stop(1)
-    await scorer_core.close()
-    await generator.stop(1)
-    await engine.close()
+    async with three_services(
+        tiny_model_path, generator={"checkpoint_roots": [tiny_model_path]},
+        scorer={"sources": [MATH_VERIFY_OR_ZERO]},
+        experience={"forward_micro_batch_size": 3, "critic_model": critic_path},
+    ) as running:
+        yield {"experience": running.experience_stub, "health": running.health, "generator": running.generator_stub,
+               "scorer": running.scorer_stub}
 
 
 async def _collect(stub, request):

@@ -10,20 +10,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
 from fastexp import Sampling, build_request
-from fastexp.v1 import experience_pb2_grpc
-from services.experience.server import start_experience
-from services.experience.settings import ExperienceSettings
-from services.generator.hf_engine import HFEngine
-from services.generator.server import start_generator
-from services.generator.settings import GeneratorSettings
-from services.scorer.server import build_scorer, start_scorer
-from services.scorer.settings import ScorerSettings
 from tests.support.http_servers import serving
 from tests.support.judge_server import JudgeLog, judge_app
+from tests.support.stack import three_services
 
 TEMPLATE = "Question: {prompt}\nAnswer: {response}\nScore it from 0 to 9 in \\boxed{}."
 NUM_PROMPTS, N_SAMPLES = 2, 2
@@ -33,28 +25,13 @@ NUM_PROMPTS, N_SAMPLES = 2, 2
 async def stack(tiny_model_path):
     app = judge_app()
     with serving(app) as url:
-        engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
-        generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
-        scorer_settings = ScorerSettings(port=0, sources=[
+        judge = {"sources": [
             {"type": "judge", "name": "hanging", "backend": "openai", "url": f"{url}/hang/v1", "model": "judge",
              "template": TEMPLATE, "score_range": [0, 9], "max_attempts": 1, "cache": {"enabled": False}},
-        ], recipes={"default": [("model", "hanging", 1.0)]})
-        scorer_core = build_scorer(scorer_settings)
-        scorer = await start_scorer(scorer_settings, scorer_core)
-        experience = await start_experience(ExperienceSettings(
-            port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
-            actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32", score_timeout_s=300,
-        ))
-        await experience.wait_ready(120)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
-        yield experience_pb2_grpc.ExperienceServiceStub(channel), app.state.log
-        await channel.close()
-        await experience.running.stop(1)
-        await experience.close()
-        await scorer.stop(1)
-        await scorer_core.close()
-        await generator.stop(1)
-        await engine.close()
+        ], "recipes": {"default": [("model", "hanging", 1.0)]}}
+        async with three_services(tiny_model_path, scorer=judge, experience={"score_timeout_s": 300},
+                                  ready_timeout_s=120) as running:
+            yield running.experience_stub, app.state.log
 
 
 async def test_cancelling_a_stream_ends_its_judge_calls_in_flight(stack):

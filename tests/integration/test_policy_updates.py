@@ -10,51 +10,23 @@ import torch
 
 from fastexp import Sampling, build_request
 from fastexp.tensor_codec import to_numpy
-from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc
+from fastexp.v1 import generation_pb2
 from fastexp.weights import weight_chunks
 from fastexp.wire import experience_from_pb
-from services.experience.server import start_experience
-from services.experience.settings import ExperienceSettings
-from services.generator.hf_engine import HFEngine
-from services.generator.server import start_generator
-from services.generator.settings import GeneratorSettings
-from services.scorer.server import build_scorer, start_scorer
-from services.scorer.settings import ScorerSettings
+from tests.support.stack import three_services
 
 N = 2
 
 
 @pytest.fixture(scope="module")
 async def stack(tiny_model_path, tmp_path_factory):
-    # one sample per generate() call: an update can land (and an abort can cut in) between any two samples
-    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=1)
-    generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
     checkpoints = tmp_path_factory.mktemp("checkpoints")
-    scorer_settings = ScorerSettings(port=0, sources=[
-        {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}])
-    scorer_core = build_scorer(scorer_settings)
-    scorer = await start_scorer(scorer_settings, scorer_core)
-    experience = await start_experience(ExperienceSettings(
-        port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
-        actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
-        checkpoint_roots=[checkpoints],  # the generator has none: it refuses checkpoint_dir updates
-    ))
-    await experience.wait_ready(60)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
-    generator_channel = grpc.aio.insecure_channel(f"127.0.0.1:{generator.port}")
-    yield {
-        "experience": experience_pb2_grpc.ExperienceServiceStub(channel),
-        "generator": generation_pb2_grpc.GenerationServiceStub(generator_channel),
-        "checkpoints": checkpoints,
-    }
-    for closing in (channel, generator_channel):
-        await closing.close()
-    await experience.running.stop(1)
-    await experience.close()
-    await scorer.stop(1)
-    await scorer_core.close()
-    await generator.stop(1)
-    await engine.close()
+    # one sample per generate() call: an update can land (and an abort can cut in) between any two samples
+    async with three_services(
+        tiny_model_path, engine={"max_batch_size": 1},
+        experience={"checkpoint_roots": [checkpoints]},  # the generator has none: it refuses checkpoint_dir updates
+    ) as running:
+        yield {"experience": running.experience_stub, "generator": running.generator_stub, "checkpoints": checkpoints}
 
 
 def _model(path):

@@ -14,16 +14,10 @@ import pytest
 import torch
 
 from fastexp import Sampling, build_request, weight_chunks
-from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc, tensor_pb2
+from fastexp.v1 import generation_pb2, tensor_pb2
 from services.common.weight_checks import TensorSpec, max_update_bytes
 from services.common.weights import WeightStager
-from services.experience.server import start_experience
-from services.experience.settings import ExperienceSettings
-from services.generator.hf_engine import HFEngine
-from services.generator.server import start_generator
-from services.generator.settings import GeneratorSettings
-from services.scorer.server import build_scorer, start_scorer
-from services.scorer.settings import ScorerSettings
+from tests.support.stack import MATH_VERIFY_OR_ZERO, three_services
 
 TOKEN_CAP = 1000  # prompts x samples x max_new_tokens
 
@@ -40,29 +34,9 @@ def roots(tmp_path_factory, tiny_model_path) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 async def stack(tiny_model_path, roots):
     bounds = {"max_tokens_per_request": TOKEN_CAP, "checkpoint_roots": [roots["root"]]}
-    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
-    generator = await start_generator(GeneratorSettings(port=0, max_model_len=256, **bounds), engine)
-    scorer_settings = ScorerSettings(port=0, sources=[
-        {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1,
-         "fallback_reward": 0.0}])
-    scorer_core = build_scorer(scorer_settings)
-    scorer = await start_scorer(scorer_settings, scorer_core)
-    experience = await start_experience(ExperienceSettings(
-        port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
-        actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32", **bounds,
-    ))
-    await experience.wait_ready(60)
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for port in (experience.running.port, generator.port)]
-    yield {"experience": experience_pb2_grpc.ExperienceServiceStub(channels[0]),
-           "generator": generation_pb2_grpc.GenerationServiceStub(channels[1])}
-    for channel in channels:
-        await channel.close()
-    await experience.running.stop(1)
-    await experience.close()
-    await scorer.stop(1)
-    await scorer_core.close()
-    await generator.stop(1)
-    await engine.close()
+    async with three_services(tiny_model_path, generator=bounds, scorer={"sources": [MATH_VERIFY_OR_ZERO]},
+                              experience=bounds) as running:
+        yield {"experience": running.experience_stub, "generator": running.generator_stub}
 
 
 async def _greedy(generator) -> list[int]:

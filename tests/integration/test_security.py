@@ -16,14 +16,10 @@ from pydantic import ValidationError
 from fastexp import ExperienceClient, Sampling, build_request, update_generator_weights
 from fastexp.security import ClientTLS, SecurityConfigError
 from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc
-from services.experience.server import start_experience
-from services.experience.settings import ExperienceSettings
-from services.generator.hf_engine import HFEngine
-from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings
-from services.scorer.server import build_scorer, start_scorer
 from services.scorer.settings import ScorerSettings
 from tests.support.certs import make_pki
+from tests.support.stack import MATH_VERIFY_OR_ZERO, three_services
 
 CALL_TOKEN = "trainer-token-5f1c"  # noqa: S105 - test credentials
 ADMIN_TOKEN = "admin-token-93ab"  # noqa: S105
@@ -47,27 +43,13 @@ def _server_security(pki, folder) -> dict:
 async def secured(tiny_model_path, pki):
     pki, folder = pki
     security = _server_security(pki, folder)
-    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
-    generator = await start_generator(GeneratorSettings(port=0, max_model_len=256, **security), engine)
-    scorer_settings = ScorerSettings(port=0, sources=[
-        {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward",
-         "workers": 1, "fallback_reward": 0.0}], **security)
-    scorer_core = build_scorer(scorer_settings)
-    scorer = await start_scorer(scorer_settings, scorer_core)
-    experience = await start_experience(ExperienceSettings(
-        port=0, generator_address=f"localhost:{generator.port}", scorer_address=f"localhost:{scorer.port}",
-        actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
-        upstream_tls_ca_file=pki.ca, upstream_tls_cert_file=pki.client_cert, upstream_tls_key_file=pki.client_key,
-        upstream_token_file=folder / "admin-tokens", **security,
-    ))
-    await experience.wait_ready(60)
-    yield {"pki": pki, "experience": f"localhost:{experience.running.port}", "generator": f"localhost:{generator.port}"}
-    await experience.running.stop(1)
-    await experience.close()
-    await scorer.stop(1)
-    await scorer_core.close()
-    await generator.stop(1)
-    await engine.close()
+    async with three_services(
+        tiny_model_path, host="localhost", generator=security, scorer={"sources": [MATH_VERIFY_OR_ZERO], **security},
+        experience={"upstream_tls_ca_file": pki.ca, "upstream_tls_cert_file": pki.client_cert,
+                    "upstream_tls_key_file": pki.client_key, "upstream_token_file": folder / "admin-tokens",
+                    **security},
+    ) as running:
+        yield {"pki": pki, "experience": running.experience_address, "generator": running.generator_address}
 
 
 def _tls(pki, rogue: bool = False, client_cert: bool = True) -> ClientTLS:

@@ -7,26 +7,21 @@ UpdateWeights while one is in progress is refused and versions stay consistent; 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import REGISTRY
 
 from fastexp import Sampling, build_request
-from fastexp.v1 import experience_pb2_grpc, generation_pb2, generation_pb2_grpc
+from fastexp.v1 import generation_pb2
 from fastexp.weights import weight_chunks
 from fastexp.wire import experience_from_pb
-from services.experience.server import start_experience
-from services.experience.settings import ExperienceSettings
-from services.generator.hf_engine import HFEngine
-from services.generator.server import start_generator
-from services.generator.settings import GeneratorSettings
-from services.scorer.server import build_scorer, start_scorer
-from services.scorer.settings import ScorerSettings
 from tests.support.gates import gated
+from tests.support.stack import three_services
 
 TIMEOUT_S = 5.0  # the experience service's generate_timeout_s and score_timeout_s here
 MAX_STREAMS = 2
@@ -34,39 +29,24 @@ MAX_STREAMS = 2
 
 @pytest.fixture(scope="module")
 async def stack(tiny_model_path, tmp_path_factory):
-    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
     staging = {name: tmp_path_factory.mktemp(f"staging-{name}") for name in ("generator", "experience")}
-    generator = await start_generator(GeneratorSettings(
-        port=0, max_model_len=256, weights_staging_dir=str(staging["generator"])), engine)
-    scorer_settings = ScorerSettings(port=0, sources=[
-        {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}])
-    scorer_core = build_scorer(scorer_settings)
-    scorer = await start_scorer(scorer_settings, scorer_core)
-    async with (gated("generator", f"127.0.0.1:{generator.port}") as (generator_address, generate_gate),
-                gated("scorer", f"127.0.0.1:{scorer.port}") as (scorer_address, score_gate)):
-        experience = await start_experience(ExperienceSettings(
-            port=0, generator_address=generator_address, scorer_address=scorer_address,
-            actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
-            generate_timeout_s=TIMEOUT_S, score_timeout_s=TIMEOUT_S, max_concurrent_streams=MAX_STREAMS,
-            weights_staging_dir=str(staging["experience"]),
-        ))
-        await experience.wait_ready(60)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}")
-        generator_channel = grpc.aio.insecure_channel(f"127.0.0.1:{generator.port}")
+    gates = {}
+
+    @contextlib.asynccontextmanager
+    async def through_a_gate(name: str, address: str):
+        async with gated(name, address) as (gated_address, gates[name]):
+            yield gated_address
+
+    async with three_services(
+        tiny_model_path, generator={"weights_staging_dir": str(staging["generator"])}, route=through_a_gate,
+        experience={"generate_timeout_s": TIMEOUT_S, "score_timeout_s": TIMEOUT_S,
+                    "max_concurrent_streams": MAX_STREAMS, "weights_staging_dir": str(staging["experience"])},
+    ) as running:
         yield {
-            "experience": experience_pb2_grpc.ExperienceServiceStub(channel),
-            "health": health_pb2_grpc.HealthStub(channel),
-            "generator": generation_pb2_grpc.GenerationServiceStub(generator_channel),
-            "generate_gate": generate_gate, "generator_address": generator_address, "score_gate": score_gate, "staging": staging,
+            "experience": running.experience_stub, "health": running.health, "generator": running.generator_stub,
+            "generate_gate": gates["generator"], "generator_address": running.upstream_addresses["generator"],
+            "score_gate": gates["scorer"], "staging": staging,
         }
-        for closing in (channel, generator_channel):
-            await closing.close()
-        await experience.running.stop(1)
-        await experience.close()
-    await scorer.stop(1)
-    await scorer_core.close()
-    await generator.stop(1)
-    await engine.close()
 
 
 def _request(num_prompts: int = 1):
