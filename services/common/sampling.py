@@ -1,15 +1,14 @@
 """Validating a request's sampling options and size against the operator's limits (generator and experience).
 
-The record itself, :class:`fastexp.sampling.SamplingOptions`, is the trainer SDK's; the services build it only
-through :func:`sampling_from_pb`, which checks every field.
+The record itself, :class:`fastexp.sampling.SamplingOptions`, is the trainer SDK's and checks each field's range;
+the services build it only through :func:`sampling_from_pb`, which adds the operator's limits.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from fastexp.sampling import SamplingOptions
+from fastexp.sampling import InvalidSampling, SamplingOptions
 from fastexp.v1 import generation_pb2
 from services.common.errors import InvalidRequest, Overloaded
 
@@ -36,55 +35,37 @@ def sampling_from_pb(
     max_new_tokens_limit: int,
     field: str = "sampling",
 ) -> SamplingOptions:
-    """Validate ``message`` into :class:`SamplingOptions`; unset fields take that record's defaults.
+    """Validate ``message`` into :class:`SamplingOptions`: each field's range is the record's own check
+    (:class:`~fastexp.sampling.InvalidSampling`); unset fields take the record's defaults, and an unset (0)
+    ``max_new_tokens`` ``default_max_new_tokens``. Then the service's checks: ``max_new_tokens`` at most
+    ``max_new_tokens_limit``, ``min_new_tokens`` at most ``max_new_tokens``.
 
     Raises:
         InvalidRequest: naming the first invalid field, e.g. ``sampling.temperature``.
     """
-    temperature = message.temperature if message.HasField("temperature") else 1.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequest(f"{field}.temperature", f"must be finite and >= 0, got {temperature}")
-    top_p = message.top_p if message.HasField("top_p") else 1.0
-    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
-        raise InvalidRequest(f"{field}.top_p", f"must be in (0, 1], got {top_p}")
-    top_k = message.top_k if message.HasField("top_k") else 0
-    if top_k == -1:  # the seed's and vLLM's spelling of "off"
-        top_k = 0
-    if top_k < 0:
-        raise InvalidRequest(f"{field}.top_k", f"must be >= 0, or -1 (0 and -1 disable), got {top_k}")
-    max_new_tokens = message.max_new_tokens or default_max_new_tokens
-    if max_new_tokens > max_new_tokens_limit:
-        raise InvalidRequest(
-            f"{field}.max_new_tokens", f"at most {max_new_tokens_limit} allowed, got {max_new_tokens}"
+    set_fields = {name: getattr(message, name) for name in _OPTIONAL if message.HasField(name)}
+    try:
+        options = SamplingOptions(
+            **set_fields, max_new_tokens=message.max_new_tokens or default_max_new_tokens,
+            min_new_tokens=message.min_new_tokens, skip_special_tokens=message.skip_special_tokens,
+            ignore_eos=message.ignore_eos,
         )
-    if message.min_new_tokens > max_new_tokens:
+    except InvalidSampling as error:
+        raise InvalidRequest(f"{field}.{error.field}", error.reason) from None
+    if options.max_new_tokens > max_new_tokens_limit:
+        raise InvalidRequest(
+            f"{field}.max_new_tokens", f"at most {max_new_tokens_limit} allowed, got {options.max_new_tokens}"
+        )
+    if options.min_new_tokens > options.max_new_tokens:
         raise InvalidRequest(
             f"{field}.min_new_tokens",
-            f"must not exceed max_new_tokens ({max_new_tokens}), got {message.min_new_tokens}",
+            f"must not exceed max_new_tokens ({options.max_new_tokens}), got {options.min_new_tokens}",
         )
-    first_token_temperature = None
-    if message.HasField("first_token_temperature"):
-        first_token_temperature = message.first_token_temperature
-        if not math.isfinite(first_token_temperature) or first_token_temperature <= 0:
-            raise InvalidRequest(
-                f"{field}.first_token_temperature", f"must be finite and > 0, got {first_token_temperature}"
-            )
-        if temperature == 0:
-            raise InvalidRequest(
-                f"{field}.first_token_temperature", "needs temperature > 0 (greedy decoding has no first-token "
-                "temperature)"
-            )
-    return SamplingOptions(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=message.min_new_tokens,
-        skip_special_tokens=message.skip_special_tokens,
-        seed=message.seed if message.HasField("seed") else None,
-        first_token_temperature=first_token_temperature,
-        ignore_eos=message.ignore_eos,
-    )
+    return options
+
+
+#: ``SamplingParams`` fields with presence: unset ones take :class:`SamplingOptions`' defaults.
+_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "first_token_temperature")
 
 
 def validate_batch(

@@ -205,7 +205,9 @@ async def test_bad_input_is_invalid_argument_and_the_service_keeps_serving(stack
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "n_samples_per_prompt" in info.value.details() and "group std" in info.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await _collect(stub, build_request(PROMPTS, n_samples_per_prompt=2, sampling=Sampling(top_p=2.0)))
+        bad = build_request(PROMPTS, n_samples_per_prompt=2)
+        bad.sampling.top_p = 2.0  # one the SDK refuses to build (Sampling checks its ranges)
+        await _collect(stub, bad)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.top_p" in info.value.details()
     health = await stack["health"].Check(health_pb2.HealthCheckRequest(service=""))
     assert health.status == health_pb2.HealthCheckResponse.SERVING

@@ -55,11 +55,11 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
         (_request(prompts=["ok", []]), "prompts[1].chat", "at least one message"),
         (_wire("n_samples_per_prompt", 0), "n_samples_per_prompt", ">= 1"),
         (_request(n_samples_per_prompt=17), "n_samples_per_prompt", "at most 16"),
-        (_request(sampling=Sampling(temperature=float("nan"))), "sampling.temperature", "finite"),
-        (_request(sampling=Sampling(temperature=-0.5)), "sampling.temperature", ">= 0"),
-        (_request(sampling=Sampling(temperature=float("inf"))), "sampling.temperature", "finite"),
-        (_request(sampling=Sampling(top_p=0.0)), "sampling.top_p", "(0, 1]"),
-        (_request(sampling=Sampling(top_p=1.5)), "sampling.top_p", "(0, 1]"),
+        (_wire("sampling.temperature", float("nan")), "sampling.temperature", "finite"),
+        (_wire("sampling.temperature", -0.5), "sampling.temperature", ">= 0"),
+        (_wire("sampling.temperature", float("inf")), "sampling.temperature", "finite"),
+        (_wire("sampling.top_p", 0.0), "sampling.top_p", "(0, 1]"),
+        (_wire("sampling.top_p", 1.5), "sampling.top_p", "(0, 1]"),
         (_request(sampling=Sampling(max_new_tokens=1000)), "sampling.max_new_tokens", "at most 512"),
         (_request(sampling=Sampling(max_new_tokens=8, min_new_tokens=9)), "sampling.min_new_tokens", "exceed"),
         (_request(prompts=["word " * 100]), "prompts[0]", "limit is 64"),
@@ -207,7 +207,7 @@ def test_top_k_minus_one_is_off_as_in_the_seed_and_vllm(tokenizer):
     decoded = decode_request(_request(sampling=Sampling(top_k=-1)), tokenizer, LIMITS, MAX_MODEL_LEN)
     assert decoded.sampling.top_k == 0
     with pytest.raises(InvalidRequest, match="sampling.top_k"):
-        decode_request(_request(sampling=Sampling(top_k=-2)), tokenizer, LIMITS, MAX_MODEL_LEN)
+        decode_request(_wire("sampling.top_k", -2), tokenizer, LIMITS, MAX_MODEL_LEN)
 
 
 def test_prompt_overflow_truncates_left_or_skips_and_keeps_the_message_indices(tokenizer):
