@@ -30,7 +30,8 @@ ImageLike = bytes | str | os.PathLike | Any
 #: :class:`~fastexp.video.VideoSampling`), or its frames in time order, each an ImageLike.
 VideoLike = str | os.PathLike | bytes | Sequence[ImageLike]
 
-#: Sampling parameters for a request (see ``fastexp.v1.SamplingParams``; the services check their ranges).
+#: Sampling parameters for a request (see ``fastexp.v1.SamplingParams``): the record checks each field's range;
+#: the operator's limits are the services' to check.
 Sampling = SamplingOptions
 DEFAULT_SAMPLING = Sampling()
 
@@ -53,11 +54,13 @@ class RequestOptions:
     """
 
     n_samples_per_prompt: int  # samples per prompt: the group a baseline is taken over (seed default: 1)
-    sampling: SamplingOptions = DEFAULT_SAMPLING  # max_new_tokens 256 (seed: generate_max_len 1024)
+    sampling: SamplingOptions = DEFAULT_SAMPLING  # its max_new_tokens default: the service's
+    # (default_max_new_tokens, 256 unless the operator changes it; seed: generate_max_len 1024)
     micro_rollout_batch_size: int = 0  # rows per ExperienceBatch, whole groups (0: one group per batch)
-    advantage_estimator: str = "group_norm"  # group_norm, rloo, reinforce, ..., gae (seed default: gae)
+    advantage_estimator: str | None = None  # group_norm, rloo, reinforce, ..., gae (default: the service's
+    # (group_norm); the seed's: gae)
     kl_coef: float | None = None  # beta of the KL penalty in the reward (None: the service's 0.01, the seed's)
-    kl_estimator: str = "k1"  # k1, k2 or k3 (Schulman's estimators)
+    kl_estimator: str | None = None  # k1, k2 or k3, Schulman's estimators (default: the service's (k1))
     use_kl_loss: bool = False  # the trainer adds KL to its loss: no KL in the reward (GRPO)
     kl_target: float | None = None  # set: adaptive beta towards this KL (Ziegler et al. 2019)
     kl_horizon: int | None = None  # adaptive beta's horizon (None: the service's 10000, the seed's)

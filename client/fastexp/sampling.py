@@ -33,7 +33,8 @@ class SamplingOptions:
 
     ``temperature`` (finite, >= 0; 0 means greedy decoding); ``top_p`` in (0, 1]; ``top_k`` >= 0, where 0 and -1
     (the seed's and vLLM's spelling, stored as 0) disable top-k. ``max_new_tokens`` (>= 1): most tokens sampled per
-    response (None: unset on the wire, the service's ``default_max_new_tokens``). ``min_new_tokens`` (>= 0)
+    response; default: the service's (its ``default_max_new_tokens``, 256 unless the operator changes it: None
+    stays unset on the wire; the services always decode a number). ``min_new_tokens`` (>= 0)
     suppresses EOS until that many tokens were sampled. Sample ``j`` of a prompt uses ``seed + j`` when ``seed``
     (0 to 2**64 - 1) is set (vLLM); the HF backend seeds the whole request once.
     ``first_token_temperature`` (FIRE, Chen et al. 2024, arXiv 2410.21236): the first response token's softmax
@@ -50,7 +51,7 @@ class SamplingOptions:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_new_tokens: int | None = 256
+    max_new_tokens: int | None = None
     min_new_tokens: int = 0
     skip_special_tokens: bool = False
     seed: int | None = None

@@ -40,7 +40,9 @@ def test_options_left_unset_stay_unset_on_the_wire():
     assert not message.reward_processing.HasField("overlong_buffer_penalty_factor")
     assert not message.dynamic_sampling.HasField("max_extra_rounds")
     assert not message.rollout_correction.HasField("threshold")
-    assert message.advantage_estimator == "group_norm"  # not optional on the wire: the client still sends it
+    # plain strings and counts on the wire: unset is empty / 0, which the service reads as "its default"
+    assert message.advantage_estimator == "" and message.kl.kl_estimator == ""
+    assert message.sampling.max_new_tokens == 0
 
 
 def test_options_set_to_the_services_default_are_sent():

@@ -43,8 +43,9 @@ def test_valid_chat_request_is_rendered_with_the_chat_template(tokenizer):
     assert prompt.text.startswith("<|im_start|>system") and prompt.text.endswith("<|im_start|>assistant\n")
     assert list(prompt.token_ids) == tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
     assert prompt.reference == "5"
-    assert decoded.sampling.max_new_tokens == 256  # the SDK's default is sent explicitly
-    assert decoded.config.estimator.name == "group_norm"
+    # left unset by the SDK, so the service's defaults: LIMITS.default_max_new_tokens, group_norm, k1
+    assert decoded.sampling.max_new_tokens == 32
+    assert decoded.config.estimator.name == "group_norm" and decoded.config.kl.kl_estimator == "k1"
 
 
 @pytest.mark.parametrize(
