@@ -1,10 +1,12 @@
 """Structured logs with a request id carried across services.
 
-A call's request id comes from the caller's ``x-request-id`` gRPC metadata (bound for the call by the server's
-observing interceptor, :mod:`services.common.metrics`), or from the experience request itself; outbound calls send
-it on (:func:`outbound_metadata`), so one trainer stream's lines can be followed through experience, generator and
-scorer. Every log record carries ``request_id`` (``-`` outside a call). ``json`` logs are one object per line
-(python-json-logger); ``text`` logs are for a terminal. Tokens and secrets are never logged.
+A call's request id comes from the caller's ``x-request-id`` gRPC metadata (the key is
+:data:`fastexp.channels.REQUEST_ID_KEY`; bound for the call by the server's observing interceptor,
+:mod:`services.common.observing`), or from the experience request itself; outbound calls send it on (the client
+interceptor of the services' channels, :class:`fastexp.channels.ClientEdge`, reads :func:`current_request_id`), so
+one trainer stream's lines can be followed through experience, generator and scorer. Every log record carries
+``request_id`` (``-`` outside a call). ``json`` logs are one object per line (python-json-logger); ``text`` logs
+are for a terminal. Tokens and secrets are never logged.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Literal
 
 from pythonjsonlogger.json import JsonFormatter
 
-REQUEST_ID_KEY = "x-request-id"
+from fastexp.channels import REQUEST_ID_KEY
+
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("fastexp_request_id", default="-")
 
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
@@ -55,14 +58,8 @@ def bind_request_id(request_id: str | None) -> None:
 
 
 def request_id_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
-    """The ``x-request-id`` value of a call's invocation metadata, if any."""
+    """The request id (``x-request-id``) of a call's invocation metadata, if any."""
     for key, value in metadata or ():
         if key == REQUEST_ID_KEY:
             return value.decode(errors="replace") if isinstance(value, bytes) else value
     return None
-
-
-def outbound_metadata() -> tuple[tuple[str, str], ...]:
-    """Metadata for an outbound call: the bound request id, if any."""
-    request_id = current_request_id()
-    return ((REQUEST_ID_KEY, request_id),) if request_id else ()

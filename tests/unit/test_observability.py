@@ -1,5 +1,6 @@
 """The observing interceptor: every call counted by its final status code and timed, the caller's x-request-id
-bound to the call (and sent on by outbound calls); JSON logs carry it."""
+bound to the call (and sent on by the call's own outbound calls over a services' channel, whose ClientEdge reads
+it); JSON logs carry it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from fastexp.channels import REQUEST_ID_KEY
+from services.common.channels import open_channel
 from services.common.errors import InvalidRequest
-from services.common.logs import configure_logging, outbound_metadata
+from services.common.logs import configure_logging
 from services.common.server import create_server
 
 SERVICE = "fastexp.test.Echo"
@@ -24,8 +27,9 @@ def _count(method: str, code: str) -> float:
     return value or 0.0
 
 
-async def _request_id(request: bytes, context) -> bytes:
-    return ",".join(value for _, value in outbound_metadata()).encode()
+async def _received(request: bytes, context) -> bytes:
+    """The request id this call arrived with ("" without one)."""
+    return dict(context.invocation_metadata()).get(REQUEST_ID_KEY, "").encode()
 
 
 async def _reject(request: bytes, context) -> bytes:
@@ -37,9 +41,10 @@ async def _stream(request: bytes, context):
         yield b"x"
 
 
-def _register(server: grpc.aio.Server) -> None:
+def _register(server: grpc.aio.Server, relay) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-        "RequestId": grpc.unary_unary_rpc_method_handler(_request_id),
+        "RequestId": grpc.unary_unary_rpc_method_handler(relay),
+        "Received": grpc.unary_unary_rpc_method_handler(_received),
         "Reject": grpc.unary_unary_rpc_method_handler(_reject),
         "Stream": grpc.unary_stream_rpc_method_handler(_stream),
     }),))
@@ -47,9 +52,16 @@ def _register(server: grpc.aio.Server) -> None:
 
 @pytest.fixture
 async def channel():
-    running = await create_server(host="127.0.0.1", port=0, register=_register, service_names=[SERVICE],
-                                  max_message_bytes=1024 * 1024)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+    peer: dict[str, grpc.aio.Channel] = {}
+
+    async def relay(request: bytes, context) -> bytes:
+        """Call Received as a service calls its peers: over a channel the services open (open_channel)."""
+        return await peer["channel"].unary_unary(f"/{SERVICE}/Received")(b"", timeout=5)
+
+    running = await create_server(host="127.0.0.1", port=0, register=lambda server: _register(server, relay),
+                                  service_names=[SERVICE], max_message_bytes=1024 * 1024)
+    address = f"127.0.0.1:{running.port}"
+    async with open_channel(address, 1024 * 1024) as peer["channel"], grpc.aio.insecure_channel(address) as channel:
         yield channel
     await running.stop(0)
 
