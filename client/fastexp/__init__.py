@@ -23,6 +23,7 @@ _EXPORTS = {
     "sleep_generator": "fastexp.client",
     "wake_up_generator": "fastexp.client",
     "RequestOptions": "fastexp.request",
+    "AgentOptions": "fastexp.request",
     "Sampling": "fastexp.request",
     "DEFAULT_SAMPLING": "fastexp.request",
     "build_request": "fastexp.request",

@@ -36,6 +36,39 @@ Sampling = SamplingOptions
 DEFAULT_SAMPLING = Sampling()
 
 
+@dataclass(frozen=True)
+class AgentOptions:
+    """Agent episodes (``MakeExperiencesRequest.agent``): each sample is one call of the operator's agent server
+    named ``name`` (``agents`` in the experience settings; a request never carries a URL). The agent runs the
+    user's agent loop against the service's OpenAI-compatible gateway with a session of its own; every model call
+    made with the session is recorded token-exact and becomes the sample's row (split into consecutive rows of one
+    sample where the agent's framework rewrote the conversation); the episode's reward is the agent's (a ``null``
+    one is the scorer's). The protocol: ``services/experience/gateway/agents.py`` and docs/agents.md.
+
+    ``max_calls``: most model calls per episode, >= 1 (None: no limit but the episode's deadline). The request's
+    ``sampling`` does not apply to the agent's calls. Exclusive with ``environment``; an unknown name, dynamic
+    sampling and ``partial_rollout="abort"`` are the service's to refuse (INVALID_ARGUMENT naming the field).
+
+    Raises:
+        TypeError: ``name`` not a str, ``max_calls`` not an int.
+        InvalidOption: (a ValueError) an empty ``name`` (``agent.name``) or ``max_calls`` out of range
+            (``agent.max_calls``).
+    """
+
+    name: str
+    max_calls: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"AgentOptions.name: {type(self.name).__name__}, expected str")
+        if self.max_calls is not None and (not isinstance(self.max_calls, int) or isinstance(self.max_calls, bool)):
+            raise TypeError(f"AgentOptions.max_calls: {type(self.max_calls).__name__}, expected int | None")
+        if not self.name:
+            raise InvalidOption("agent.name", "name one of the operator's agents")
+        if self.max_calls is not None:
+            _Bound(1, _UINT32).check("agent.max_calls", self.max_calls)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RequestOptions:
     """Everything about a request but its prompts (and their references, labels, images and videos).
@@ -91,6 +124,7 @@ class RequestOptions:
     max_prompt_tokens: int = 0  # the seed's prompt_max_len (0: the model's length minus one)
     rollout_is: Literal["off", "token", "sequence"] = "off"  # truncated importance weights (rollout_is_weights)
     rollout_is_threshold: float | None = None  # their truncation C >= 1 (None: the service's default, 2.0)
+    agent: AgentOptions | None = None  # each sample one call of the operator's agent server (None: no agent)
     request_id: str = ""  # names the stream in the services' logs (else the x-request-id metadata, else new)
 
     def __post_init__(self) -> None:
@@ -283,4 +317,6 @@ def _message_fields(o: RequestOptions) -> dict[str, Any]:
             level=experience_pb2.RolloutCorrectionLevel.Value(f"ROLLOUT_CORRECTION_{o.rollout_is.upper()}"),
             threshold=o.rollout_is_threshold,
         ),
+        agent=None if o.agent is None else experience_pb2.AgentOptions(  # max_calls None: 0 on the wire, no limit
+            name=o.agent.name, max_calls=o.agent.max_calls or 0),
     )

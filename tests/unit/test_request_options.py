@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from fastexp import RequestOptions, Sampling, build_request
+from fastexp import AgentOptions, RequestOptions, Sampling, build_request
+from fastexp.request import InvalidOption
 from fastexp.v1 import experience_pb2
 
 
@@ -56,3 +57,34 @@ def test_keyword_overrides_replace_fields_of_the_given_options():
     assert message.gamma == pytest.approx(0.5) and message.n_samples_per_prompt == 4
     assert base.gamma == 0.9  # the options object itself is unchanged
     assert build_request(["a"], n_samples_per_prompt=3).n_samples_per_prompt == 3  # options from keywords alone
+
+
+def test_agent_options_name_the_operators_agent_on_the_wire():
+    message = build_request(["What is 2 + 3?"], n_samples_per_prompt=2, agent=AgentOptions("calculator", max_calls=4))
+    assert message.HasField("agent")
+    assert (message.agent.name, message.agent.max_calls) == ("calculator", 4)
+    assert message.agent == experience_pb2.AgentOptions(name="calculator", max_calls=4)
+    unlimited = build_request(["a"], n_samples_per_prompt=2, agent=AgentOptions("calculator"))
+    assert unlimited.agent.max_calls == 0  # the wire's "no limit but the episode's deadline"
+    assert not build_request(["a"], n_samples_per_prompt=2).HasField("agent")  # no agent: unset
+
+
+@pytest.mark.parametrize(("agent", "field"), [
+    ({"name": ""}, "agent.name"), ({"name": "calculator", "max_calls": 0}, "agent.max_calls"),
+    ({"name": "calculator", "max_calls": 2**32}, "agent.max_calls"),
+])
+def test_agent_options_check_their_fields(agent, field):
+    with pytest.raises(InvalidOption) as raised:
+        AgentOptions(**agent)
+    assert raised.value.field == field and isinstance(raised.value, ValueError)
+
+
+def test_agent_options_are_typed_and_frozen():
+    with pytest.raises(TypeError, match="AgentOptions.max_calls: float"):
+        AgentOptions("calculator", max_calls=4.0)
+    with pytest.raises(TypeError, match="AgentOptions.name: NoneType"):
+        AgentOptions(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="agent: str"):
+        RequestOptions(n_samples_per_prompt=2, agent="calculator")  # the name alone is not the options
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        AgentOptions("calculator").name = "other"  # type: ignore[misc]

@@ -238,3 +238,13 @@ def test_rollout_correction_decodes_with_the_default_threshold(tokenizer):
                             MAX_MODEL_LEN).config
     assert (config.rollout_correction.level, config.rollout_correction.threshold) == ("token", 5.0)
     assert decode_request(_request(), tokenizer, LIMITS, MAX_MODEL_LEN).config.rollout_correction is None
+
+
+def test_the_sdks_agent_options_decode_into_the_services_agent(tokenizer):
+    from fastexp import AgentOptions
+    from services.experience.config import AgentOptions as DecodedAgent
+
+    for sent, decoded in ((AgentOptions("calculator", max_calls=4), DecodedAgent("calculator", 4)),
+                          (AgentOptions("calculator"), DecodedAgent("calculator", None))):
+        message = _request(agent=sent)
+        assert decode_request(message, tokenizer, LIMITS, MAX_MODEL_LEN).config.agent == decoded
