@@ -12,7 +12,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
 from transformers import AutoTokenizer
@@ -20,18 +19,11 @@ from transformers import AutoTokenizer
 from fastexp.request import build_request
 from fastexp.status import FAILED_KEY
 from fastexp.types import turn_spans
-from fastexp.v1 import experience_pb2_grpc
 from fastexp.wire import experience_from_pb
 from services.experience.gateway.messages import Message, ToolCall, parse_reply
 from services.experience.gateway.recording import rows_of
 from services.experience.gateway.serving import start_gateway
-from services.experience.server import start_experience
-from services.experience.settings import ExperienceSettings
-from services.generator.hf_engine import HFEngine
-from services.generator.server import start_generator
-from services.generator.settings import GeneratorSettings
-from services.scorer.server import build_scorer, start_scorer
-from services.scorer.settings import ScorerSettings
+from tests.support.stack import three_services
 
 pytestmark = [pytest.mark.smollm2]
 
@@ -91,25 +83,15 @@ def transcripts() -> list[dict]:
 
 @pytest.fixture(scope="module")
 async def stack(smollm2_path, transcripts):
+    """The three services in process, the gateway on and the example's agent server named ``calculator``."""
     agent = start_gateway(example.agent_app(max_calls=MAX_CALLS, max_tokens=96, transcripts=transcripts),
                           "127.0.0.1", 0, 1)
-    agents = {"calculator": {"url": f"http://127.0.0.1:{agent.port}/episode", "timeout_s": 600}}
-    engine = HFEngine.start(smollm2_path, dtype="float32", max_model_len=2048, max_batch_size=8)
-    generator = await start_generator(GeneratorSettings(port=0, max_model_len=2048), engine)
-    core = build_scorer(ScorerSettings(port=0))
-    scorer = await start_scorer(ScorerSettings(port=0), core)
-    experience = await start_experience(ExperienceSettings(
-        port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
-        actor_model=smollm2_path, reference_model=smollm2_path, dtype="float32", gateway_port=0,
-        gateway_model_name=MODEL, gateway_call_timeout_s=600, agents=agents,
-    ))
-    await experience.wait_ready(120)
-    yield experience, f"http://127.0.0.1:{agent.port}/episode"
-    await experience.running.stop(1)
-    await experience.close()
-    await scorer.stop(1)
-    await generator.stop(1)
-    await core.context.close()
+    url = f"http://127.0.0.1:{agent.port}/episode"
+    experience = {"gateway_port": 0, "gateway_model_name": MODEL, "gateway_call_timeout_s": 600,
+                  "agents": {"calculator": {"url": url, "timeout_s": 600}}}
+    async with three_services(smollm2_path, engine={"max_model_len": 1024, "max_batch_size": 8},
+                              generator={"max_model_len": 1024}, experience=experience, ready_timeout_s=120) as services:
+        yield services, url
     await agent.stop()
 
 
@@ -135,7 +117,8 @@ def received(sampled_text: str, reply: dict) -> bool:
 
 
 async def test_the_agent_server_answers_an_episode_through_the_gateway(stack, transcripts, tokenizer):
-    experience, url = stack
+    services, url = stack
+    experience = services.experience
     question, reference = example.PROBLEMS[0]
     session = experience.sessions.open(MODEL, timeout_s=600, max_calls=MAX_CALLS)
     async with httpx.AsyncClient() as client:
@@ -156,7 +139,8 @@ async def test_the_agent_server_answers_an_episode_through_the_gateway(stack, tr
 
 
 async def test_an_agent_with_a_closed_session_fails_its_episode(stack):
-    experience, url = stack
+    services, url = stack
+    experience = services.experience
     session = experience.sessions.open(MODEL, timeout_s=600)
     experience.sessions.close(session)  # the key is unknown now: the gateway answers 401, the agent fails
     async with httpx.AsyncClient() as client:
@@ -173,23 +157,22 @@ def _sampled_turns(batch, row: int, tokenizer) -> list[str]:
             for start, end in turn_spans(batch.action_mask[row, :length])]
 
 
-async def _demo_stream(experience, problems, n: int):
+async def _demo_stream(services, problems, n: int):
     """The demo's request (MakeExperiences with agent=calculator) on the stack's experience service."""
     request = build_request([[{"role": "user", "content": q}] for q, _ in problems],
                             references=[a for _, a in problems], n_samples_per_prompt=n,
                             advantage_estimator="group_norm")
     request.agent.name, request.agent.max_calls = "calculator", MAX_CALLS
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{experience.running.port}") as channel:
-        call = experience_pb2_grpc.ExperienceServiceStub(channel).MakeExperiences(request, timeout=900)
-        batches = [experience_from_pb(message) async for message in call]
-        return batches, dict(await call.trailing_metadata())
+    call = services.experience_stub.MakeExperiences(request, timeout=900)
+    batches = [experience_from_pb(message) async for message in call]
+    return batches, dict(await call.trailing_metadata())
 
 
 async def test_the_demo_streams_the_agents_episodes_as_its_rows(stack, transcripts, tokenizer):
-    experience, _ = stack
+    services, _ = stack
     problems, n = example.PROBLEMS[1:3], 2
     before = len(transcripts)
-    batches, trailers = await _demo_stream(experience, problems, n)
+    batches, trailers = await _demo_stream(services, problems, n)
     assert FAILED_KEY not in trailers
     episodes = defaultdict(list)  # prompt_index -> the replies of each episode the agent ran for it
     for transcript in transcripts[before:]:
