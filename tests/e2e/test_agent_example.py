@@ -7,6 +7,7 @@ the rows of an episode are consecutive and share prompt_index and sample_index."
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import sys
 from collections import defaultdict
@@ -16,10 +17,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from fastexp.request import build_request
-from fastexp.status import FAILED_KEY
 from fastexp.types import turn_spans
-from fastexp.wire import experience_from_pb
 from services.experience.gateway.messages import Message, ToolCall, parse_reply
 from services.experience.gateway.recording import rows_of
 from services.experience.gateway.serving import start_gateway
@@ -157,29 +155,20 @@ def _sampled_turns(batch, row: int, tokenizer) -> list[str]:
             for start, end in turn_spans(batch.action_mask[row, :length])]
 
 
-async def _demo_stream(services, problems, n: int):
-    """The demo's request (MakeExperiences with agent=calculator) on the stack's experience service."""
-    request = build_request([[{"role": "user", "content": q}] for q, _ in problems],
-                            references=[a for _, a in problems], n_samples_per_prompt=n,
-                            advantage_estimator="group_norm")
-    request.agent.name, request.agent.max_calls = "calculator", MAX_CALLS
-    call = services.experience_stub.MakeExperiences(request, timeout=900)
-    batches = [experience_from_pb(message) async for message in call]
-    return batches, dict(await call.trailing_metadata())
-
-
 async def test_the_demo_streams_the_agents_episodes_as_its_rows(stack, transcripts, tokenizer):
     services, _ = stack
     problems, n = example.PROBLEMS[1:3], 2
     before = len(transcripts)
-    batches, trailers = await _demo_stream(services, problems, n)
-    assert FAILED_KEY not in trailers
+    # the demo's stream, through the fastexp client (blocking: in a thread, the agent server runs in this loop)
+    batches = await asyncio.to_thread(
+        lambda: list(example.stream_batches(services.experience_address, problems, n, MAX_CALLS)))
     episodes = defaultdict(list)  # prompt_index -> the replies of each episode the agent ran for it
     for transcript in transcripts[before:]:
         prompt = next(i for i, (q, _) in enumerate(problems) if transcript["messages"][0]["content"] == q)
         episodes[prompt].append(transcript["replies"])
     samples = []  # (prompt_index, sample_index) per row, in stream order
     turns = defaultdict(list)  # (prompt_index, sample_index) -> the sample's decoded model turns, rows in order
+    num_rows = {}  # (prompt_index, sample_index) -> its episode's rows, as the service counted them
     for batch in batches:
         metrics = batch.reward_metrics
         for row, key in enumerate(zip(batch.prompt_index, batch.sample_index, strict=True)):
@@ -187,7 +176,9 @@ async def test_the_demo_streams_the_agents_episodes_as_its_rows(stack, transcrip
             assert metrics["num_rows"][row] == 1 + metrics["drift_splits"][row]  # a drift starts a row
             samples.append(key)
             turns[key] += _sampled_turns(batch, row, tokenizer)
+            num_rows[key] = int(metrics["num_rows"][row])
     assert sorted(set(samples)) == [(p, s) for p in range(len(problems)) for s in range(n)]
+    assert {key: samples.count(key) for key in num_rows} == num_rows  # an episode's rows all arrived
     # an episode's rows are consecutive: a sample's key never comes back after another's
     assert [key for i, key in enumerate(samples) if i == 0 or samples[i - 1] != key] == list(dict.fromkeys(samples))
     for (prompt, _), decoded in turns.items():  # each sample is one of the agent's episodes, token for token
