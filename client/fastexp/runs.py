@@ -21,7 +21,7 @@ class RunLimits:
     max_streams: int = 0  # its MakeExperiences streams open at once
     max_groups_ahead: int = 0  # backpressure of each stream, in prompt groups (kept for the per-run scheduler)
     max_tokens_per_request: int = 0
-    weight: int = 0  # share weight of generator capacity (kept for the per-run scheduler)
+    weight: int = 0  # share weight of generator capacity (weighted fair share while it is full)
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,8 @@ class ExperienceConfig:
     episodes: EpisodeOptions | None = None  # multi-turn episodes in an environment (None: single-turn)
     agent: AgentOptions | None = None  # agent episodes through the gateway (exclusive with episodes)
     rollout_correction: RolloutCorrectionOptions | None = None  # truncated IS weights (None: off)
+    share_weight: float = 1.0  # the run's weight in the generator's fair share (its RunLimits.weight)
+    max_groups_ahead: int | None = None  # the run's backpressure window (None: the service's max_groups_ahead)
 
     @property
     def needs_reference(self) -> bool:

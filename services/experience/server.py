@@ -239,6 +239,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         max_groups_ahead=settings.max_groups_ahead, sync_timeout_s=settings.update_weights_timeout_s,
         episodes=_episode_runner(settings, policy, fleet, environment_channel, upstream),
         forward_threads=_forward_threads(settings, fleet), agents=agents,
+        max_samples_in_flight=settings.max_samples_in_flight,
     )
     fleet.weight_source = maker.sync_replica
     upstream.on_generator_info = _on_generator_reached(maker, policy)

@@ -105,6 +105,12 @@ class ExperienceSettings(GenerationLimits):
         description="backpressure: most prompt groups of one stream generated or generating and not yet streamed "
         "(at least one batch's groups; the whole request with normalization_scope ROLLOUT)",
     )
+    max_samples_in_flight: int | None = Field(
+        None, ge=1,
+        description="the generator fleet's capacity in samples, shared among runs by weighted fair share (their "
+        "weight limit): past it a group waits for another's generation to end (None: unbounded, every group goes "
+        "at once; set it to about the fleet's engine batch size when several runs share a deployment)",
+    )
     generate_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Generate stream")
     score_timeout_s: float = Field(120.0, gt=0, description="deadline of one Score call")
     environment_step_timeout_s: float = Field(

@@ -118,7 +118,7 @@ async def test_a_trainer_creates_gets_lists_streams_and_deletes_its_run(stack):
     settings = ExperienceSettings()
     assert (created.limits.max_streams, created.limits.weight) == (settings.run_default_max_streams, 2)
     assert created.limits.max_tokens_per_request == settings.max_tokens_per_request  # the service's, by default
-    assert created.groups_in_flight is None and created.groups_queued is None  # not reported per run yet
+    assert created.groups_in_flight == 0 and created.groups_queued == 0  # nothing generating yet
     assert created.created_at_unix_s > 0
     assert await _call(stack, ALICE, "get_run", "alice-base") == created
     assert [r.run_id for r in await _call(stack, ALICE, "list_runs")] == ["alice-base"]

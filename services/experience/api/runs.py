@@ -27,9 +27,9 @@ def limits_from_pb(message: experience_pb2.RunLimits) -> RunLimits:
     return RunLimits(message.max_streams, message.max_groups_ahead, message.max_tokens_per_request, message.weight)
 
 
-def run_to_pb(status: RunStatus, policy_version: int) -> experience_pb2.Run:
-    """``status`` on the wire; ``policy_version`` is the live version its streams sample. Groups in flight and
-    queued are left absent: nothing reports them per run yet."""
+def run_to_pb(status: RunStatus, policy_version: int, usage: tuple[int, int] | None = None) -> experience_pb2.Run:
+    """``status`` on the wire; ``policy_version`` is the live version its streams sample, ``usage`` its groups
+    generating and waiting for generator capacity (absent when not given)."""
     run, limits = status.run, status.run.limits
     message = experience_pb2.Run(
         run_id=run.run_id, policy_version=policy_version, streams_open=status.streams_open,
@@ -39,6 +39,8 @@ def run_to_pb(status: RunStatus, policy_version: int) -> experience_pb2.Run:
             max_tokens_per_request=limits.max_tokens_per_request, weight=limits.weight,
         ),
     )
+    if usage is not None:
+        message.groups_in_flight, message.groups_queued = usage
     if run.lora is not None:
         message.lora.CopyFrom(experience_pb2.LoraSpec(
             rank=run.lora.rank, alpha=run.lora.alpha, target_modules=list(run.lora.target_modules)))
@@ -47,7 +49,7 @@ def run_to_pb(status: RunStatus, policy_version: int) -> experience_pb2.Run:
 
 class RunMethods:
     """The run RPCs of ``fastexp.v1.ExperienceService`` (module docs), mixed into its servicer, which provides
-    ``_runs`` (the registry) and :meth:`_policy_version`."""
+    ``_runs`` (the registry), :meth:`_policy_version` and :meth:`_share_usage`."""
 
     _runs: RunRegistry
 
@@ -55,8 +57,12 @@ class RunMethods:
         """The live policy version of the deployment's base model."""
         raise NotImplementedError
 
+    def _share_usage(self, run_id: str) -> tuple[int, int]:
+        """The run's prompt groups generating now and waiting for generator capacity."""
+        raise NotImplementedError
+
     def _run_pb(self, status: RunStatus) -> experience_pb2.Run:
-        return run_to_pb(status, self._policy_version())
+        return run_to_pb(status, self._policy_version(), self._share_usage(status.run.run_id))
 
     async def CreateRun(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.CreateRunRequest, context: grpc.aio.ServicerContext

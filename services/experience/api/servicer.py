@@ -110,6 +110,9 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
             self._maker.check_agent(decoded.config.agent.name)  # INVALID_ARGUMENT: not one of the operator's
         if not request.request_id and current_request_id():  # the trainer's x-request-id names the stream
             decoded = dataclasses.replace(decoded, request_id=current_request_id())
+        if run is not None:  # its weight in the generator's fair share, its backpressure window
+            decoded = dataclasses.replace(decoded, config=dataclasses.replace(
+                decoded.config, share_weight=float(run.limits.weight), max_groups_ahead=run.limits.max_groups_ahead))
         bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
         deadline = Deadline.from_remaining(context.time_remaining())
         stats = StreamStats()
@@ -162,6 +165,9 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
 
     def _policy_version(self) -> int:
         return self._maker.policy.version
+
+    def _share_usage(self, run_id: str) -> tuple[int, int]:
+        return self._maker.share_usage(run_id)
 
     async def ReloadModels(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.ReloadModelsRequest, context: grpc.aio.ServicerContext

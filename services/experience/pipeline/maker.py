@@ -56,6 +56,7 @@ from services.experience.pipeline.events import (
     Scores,
     StreamStats,
 )
+from services.experience.pipeline.fair_share import FairShare
 from services.experience.pipeline.forwarder import EarlyForwards, Forwarder, ForwardModels
 from services.experience.pipeline.producer import Producer, ProducerRun
 from services.experience.pipeline.rollouts import RolloutParts
@@ -92,18 +93,24 @@ class ExperienceMaker:
         episodes: EpisodeRunner | None = None,
         forward_threads: Callable[[], int | None] | None = None,
         agents: Agents | None = None,
+        max_samples_in_flight: int | None = None,
     ) -> None:
         self.policy = policy if policy is not None else VersionClock()
         self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version, threads=forward_threads)
+        self._share = FairShare(max_samples_in_flight)  # the generator's capacity, shared by the runs
         self._weights = WeightSync(generator, self._forwarder, self.policy, sync_timeout_s)
         self._stages = _Stages(
-            Producer(RolloutParts(generator, scorer, episodes, agents), self.policy, max_groups_ahead), self._forwarder,
-            self.policy,
+            Producer(RolloutParts(generator, scorer, episodes, agents), self.policy, max_groups_ahead, self._share),
+            self._forwarder, self.policy,
             runs if runs is not None else RunStore(),
         )
         self._consumers: set[_Consumer] = set()
         self.runs_episodes = episodes is not None  # multi-turn requests are accepted
         self._agents = agents
+
+    def share_usage(self, tenant: str) -> tuple[int, int]:
+        """``tenant``'s (a run id's) prompt groups generating now and waiting for generator capacity."""
+        return self._share.groups_in_flight(tenant), self._share.queued(tenant)
 
     def check_agent(self, name: str) -> None:
         """Raises :class:`InvalidRequest` (``agent``/``agent.name``) unless agent episodes run here and ``name`` is

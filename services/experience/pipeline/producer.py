@@ -40,6 +40,7 @@ from services.experience.pipeline.events import (
     ScoredGroup,
     Scores,
 )
+from services.experience.pipeline.fair_share import FairShare, ShareLeases
 from services.experience.pipeline.rollouts import ROLLOUTS, RolloutParts, rollout_kind
 from services.experience.pipeline.versions import VersionClock
 from services.experience.pipeline.window import Window
@@ -55,6 +56,7 @@ class ProducerRun:
     deadline: Deadline
     start_version: int  # v0: the policy version when the request started
     window: Window  # one lease per group generating or not yet streamed
+    share: ShareLeases  # the groups' hold on the service's generator capacity while they generate
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     resamples: asyncio.Queue[int] = field(default_factory=asyncio.Queue)  # prompt indices to generate again
     round_ids: itertools.count = field(default_factory=itertools.count)
@@ -74,23 +76,30 @@ class ProducerRun:
             await asyncio.gather(*self.tasks, return_exceptions=True)
         finally:
             self.window.close()
+            self.share.close()
 
 
 class Producer:
     """Starts a :class:`ProducerRun` per stream over the parts its rollouts reach (generator, scorer, and the
     episode and agent runners where the service has them)."""
 
-    def __init__(self, parts: RolloutParts, policy: VersionClock, max_groups_ahead: int) -> None:
+    def __init__(self, parts: RolloutParts, policy: VersionClock, max_groups_ahead: int,
+                 share: FairShare | None = None) -> None:
+        """``share``: the service's generator capacity, shared by the streams' runs (None: unbounded)."""
         self._parts = parts
         self._policy = policy
         self._max_groups_ahead = max_groups_ahead
+        self._share = share if share is not None else FairShare(None)
 
     def start(self, request: ExperienceRequest, deadline: Deadline) -> ProducerRun:
         """Start producing ``request``'s groups (window: ``max_groups_ahead``, at least a batch's groups; none
         with ``normalization_scope = rollout``, which needs the whole request before its first batch)."""
         config = request.config
-        window = None if config.rollout_scope else max(self._max_groups_ahead, config.groups_per_batch)
-        run = ProducerRun(request, deadline, self._policy.version, Window(window))
+        ahead = config.max_groups_ahead if config.max_groups_ahead is not None else self._max_groups_ahead
+        window = None if config.rollout_scope else max(ahead, config.groups_per_batch)
+        share = ShareLeases(self._share, config.run_id or request.request_id, config.share_weight,
+                            config.n_samples_per_prompt)
+        run = ProducerRun(request, deadline, self._policy.version, Window(window), share)
         run.tasks = [
             asyncio.create_task(self._produce(run), name=request.request_id),
             asyncio.create_task(self._resample(run), name=f"{request.request_id}-resample"),
@@ -144,19 +153,27 @@ class Producer:
     async def _run_round(self, run: ProducerRun, indices: Sequence[int], resampled: bool = False) -> int:
         """Generate and score ``indices``' groups; returns how many were kept.
 
-        Each prompt takes a window lease first (backpressure): the prompts with room now go to the generator
-        together, the rest as leases end. Resampled groups keep the lease they hold.
+        Each prompt takes a window lease first (backpressure; resampled groups keep the one they hold), then its
+        samples of the service's generator capacity (:mod:`~services.experience.pipeline.fair_share`): the
+        prompts with room now go to the generator together, the rest as leases end and capacity frees.
         """
-        if resampled:
-            return await self._run_slice(run, indices, resampled)
-        window, tasks, position = run.window, [], 0
+        tasks, position = [], 0
+
+        async def admit(index: int) -> None:
+            if not resampled:
+                await run.window.lease(index)
+            await run.share.take(index)
+
+        def room() -> bool:
+            return (resampled or run.window.has_room()) and run.share.has_room()
+
         try:
             async with asyncio.TaskGroup() as slices:
                 while position < len(indices):
-                    await window.lease(indices[position])
+                    await admit(indices[position])
                     count = 1
-                    while position + count < len(indices) and window.has_room():
-                        await window.lease(indices[position + count])  # room: returns at once
+                    while position + count < len(indices) and room():
+                        await admit(indices[position + count])  # room: returns at once
                         count += 1
                     part = indices[position : position + count]
                     tasks.append(slices.create_task(self._run_slice(run, part, resampled)))
@@ -169,15 +186,18 @@ class Producer:
         """Generate and score ``indices``' groups; with aborting partial rollouts, groups an update interrupts
         are generated again under the new weights. Returns how many groups were kept."""
         remaining, kept = list(indices), 0
-        while remaining:
-            abort_on = self._policy.update_begun() if run.request.config.abort_partial_rollouts else None
-            kept_now, remaining = await self._generate_round(run, remaining, abort_on, resampled)
-            kept += kept_now
-            if remaining:
-                await run.events.put(GroupsResampled(len(remaining)))
-                logger.info("%s: update began; %d unfinished groups aborted, resampled after it",
-                            run.request.request_id, len(remaining))
-                await self._policy.wait_idle(run.deadline)
+        try:
+            while remaining:
+                abort_on = self._policy.update_begun() if run.request.config.abort_partial_rollouts else None
+                kept_now, remaining = await self._generate_round(run, remaining, abort_on, resampled)
+                kept += kept_now
+                if remaining:  # they keep their capacity: they are generated again after the update
+                    await run.events.put(GroupsResampled(len(remaining)))
+                    logger.info("%s: update began; %d unfinished groups aborted, resampled after it",
+                                run.request.request_id, len(remaining))
+                    await self._policy.wait_idle(run.deadline)
+        finally:
+            run.share.give_back(indices)  # whatever the rollout did not give back as groups finished
         return kept
 
     async def _generate_round(

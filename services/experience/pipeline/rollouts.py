@@ -166,6 +166,7 @@ class SingleTurnRollout(Rollout):
                 group.append(record)
                 if len(group) == n:
                     metrics.STAGE_SECONDS.labels("generate").observe(time.perf_counter() - started)
+                    self._run.share.give_back((record.prompt_index,))  # its samples are in: capacity frees
                     del pending[record.prompt_index]
                     self.complete.add(record.prompt_index)
                     completions = tuple(sorted(group, key=lambda c: c.sample_index))
@@ -198,6 +199,8 @@ class EpisodeRollout(Rollout):
                 self._run.request, prompt_index, self._run.deadline)
         except EpisodeFailed as error:
             return await self._fail_group(prompt_index, error)
+        finally:
+            self._run.share.give_back((prompt_index,))  # its episodes are over: capacity frees
         metrics.STAGE_SECONDS.labels("episodes").observe(time.perf_counter() - started)
         self.complete.add(prompt_index)
         return await self._hand_on(completions, scores)
@@ -224,6 +227,8 @@ class AgentRollout(Rollout):
             episodes = await self._episodes(prompt_index)
         except EpisodeFailed as error:
             return await self._fail_group(prompt_index, error)
+        finally:
+            self._run.share.give_back((prompt_index,))  # its episodes are over: capacity frees
         rewards = await self._rewards(prompt_index, episodes)
         metrics.STAGE_SECONDS.labels("episodes").observe(time.perf_counter() - started)
         self.complete.add(prompt_index)
