@@ -36,7 +36,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fastexp.channels import client_channel, message_options
 from fastexp.critic import save_value_model
 from fastexp.packing import unpack_experience
-from fastexp.request import DEFAULT_SAMPLING, PromptLike, RequestOptions, Sampling, build_request, encode_image
+from fastexp.request import (
+    DEFAULT_SAMPLING,
+    AgentOptions,
+    PromptLike,
+    RequestOptions,
+    Sampling,
+    build_request,
+    encode_image,
+)
 from fastexp.runs import Run, RunLimits, create_run_request, run_from_pb
 from fastexp.security import ClientTLS
 from fastexp.status import (
@@ -55,7 +63,7 @@ from fastexp.wire import experience_from_pb
 SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].full_name
 
 __all__ = [
-    "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "RequestOptions", "Run", "RunLimits", "Sampling", "build_request",
+    "AgentOptions", "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "RequestOptions", "Run", "RunLimits", "Sampling", "build_request",
     "encode_image", "invalid_prompt_indices", "save_value_model", "undelivered_prompt_indices", "unpack_experience",
     "update_generator_weights", "weight_chunks",
 ]

@@ -3,8 +3,12 @@ from the recorded calls (hand-made records)."""
 
 from __future__ import annotations
 
+import pytest
+
+from services.common.errors import InvalidRequest
 from services.experience.gateway.messages import Message, ToolCall, parse_messages, parse_reply
 from services.experience.gateway.recording import CallRecord, Choice, Continue, Fresh, plan_call, rows_of
+from services.experience.gateway.requests import parse_chat
 
 USER = Message("user", "2+3?")
 
@@ -48,3 +52,11 @@ def test_rows_keep_sampled_ids_with_their_log_probs_and_mask_the_rendered_ones()
     segments = rows[0].segments
     assert [(s.token_ids, s.sampled) for s in segments] == [((7, 8), True), ((30, 31), False), ((9,), True)]
     assert segments[1].log_probs == (0.0, 0.0) and segments[2].log_probs == (-0.25,)
+
+
+def test_a_sampling_value_the_record_refuses_is_a_bad_request_naming_the_openai_field():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat({**body, "seed": 2**64})  # past the wire's uint64
+    assert caught.value.field == "seed"
+    assert parse_chat({**body, "seed": 7}).generation.sampling.seed == 7

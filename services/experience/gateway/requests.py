@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fastexp.sampling import SamplingOptions
+from fastexp.sampling import InvalidSampling, SamplingOptions
 from services.common.errors import InvalidRequest
 from services.experience.gateway.messages import Message, parse_messages
 
@@ -47,6 +47,9 @@ class CompletionRequest:
     generation: Generation
     prompt: str | tuple[int, ...]
 
+
+#: SamplingOptions fields by the name OpenAI requests give them.
+_OPENAI_NAMES = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens"}
 
 def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
@@ -91,12 +94,15 @@ def _generation(body: Mapping[str, Any], logprobs: bool) -> Generation:
     _refuse(body)
     max_tokens = _integer(body, "max_completion_tokens", None, 1)
     max_tokens = _integer(body, "max_tokens", max_tokens, 1)
-    sampling = SamplingOptions(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
-        top_k=max(0, _integer(body, "top_k", 0, -1) or 0),  # vLLM: -1 (or 0) is no top-k
-        min_new_tokens=int(_integer(body, "min_tokens", 0, 0) or 0), seed=_integer(body, "seed", None, 0),
-        skip_special_tokens=True, ignore_eos=bool(body.get("ignore_eos", False)),
-    )
+    try:
+        sampling = SamplingOptions(
+            temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
+            top_k=max(0, _integer(body, "top_k", 0, -1) or 0),  # vLLM: -1 (or 0) is no top-k
+            min_new_tokens=int(_integer(body, "min_tokens", 0, 0) or 0), seed=_integer(body, "seed", None, 0),
+            skip_special_tokens=True, ignore_eos=bool(body.get("ignore_eos", False)),
+        )
+    except InvalidSampling as error:  # a range the record itself checks (e.g. a seed past 2**64 - 1)
+        raise InvalidRequest(_OPENAI_NAMES.get(error.field, error.field), error.reason) from None
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping):
         raise InvalidRequest("stream_options", "must be an object")
