@@ -109,7 +109,9 @@ class ExperienceSettings(GenerationLimits):
         None, ge=1,
         description="the generator fleet's capacity in samples, shared among runs by weighted fair share (their "
         "weight limit): past it a group waits for another's generation to end (None: unbounded, every group goes "
-        "at once; set it to about the fleet's engine batch size when several runs share a deployment)",
+        "at once; set it to about the fleet's engine batch size when several runs share a deployment, e.g. "
+        "generator_max_samples_in_flight x replicas: that one places admitted groups on replicas, this one decides "
+        "whose groups are admitted)",
     )
     generate_timeout_s: float = Field(1800.0, gt=0, description="deadline of one Generate stream")
     score_timeout_s: float = Field(120.0, gt=0, description="deadline of one Score call")
