@@ -180,34 +180,48 @@ class SingleTurnRollout(Rollout):
         return await self._hand_on(completions, scores)
 
 
-@register("episodes")
-class EpisodeRollout(Rollout):
-    """Each group's n episodes in the scorer's environment, handed on as soon as they are done, independently of
-    the round's other groups (no turn-synchronous barrier)."""
+class GroupwiseRollout(Rollout):
+    """A rollout whose groups run independently: each group's episodes are run by :meth:`_episodes` and the group
+    is handed on as soon as they are done (no turn-synchronous barrier); a group whose episode failed is reported
+    and the round goes on."""
 
     async def consume(self) -> None:
-        if self._parts.episodes is None:
-            raise RuntimeError("an episode request reached a producer without an episode runner")
         self._tasks = [asyncio.create_task(self._group(index)) for index in self._indices]
         await asyncio.wait(self._tasks)
 
+    @abc.abstractmethod
+    async def _episodes(self, prompt_index: int) -> tuple[tuple[CompletionRecord, ...], Scores]:
+        """The group's rows (in sample order) and their scores.
+
+        Raises:
+            EpisodeFailed: an episode failed (the group's others are cancelled).
+        """
+
     async def _group(self, prompt_index: int) -> bool:
-        assert self._parts.episodes is not None
         started = time.perf_counter()
         try:
-            completions, scores = await self._parts.episodes.run_group(
-                self._run.request, prompt_index, self._run.deadline)
+            rows, scores = await self._episodes(prompt_index)
         except EpisodeFailed as error:
             return await self._fail_group(prompt_index, error)
         finally:
             self._run.share.give_back((prompt_index,))  # its episodes are over: capacity frees
         metrics.STAGE_SECONDS.labels("episodes").observe(time.perf_counter() - started)
         self.complete.add(prompt_index)
-        return await self._hand_on(completions, scores)
+        return await self._hand_on(rows, scores)
+
+
+@register("episodes")
+class EpisodeRollout(GroupwiseRollout):
+    """Each group's n episodes in the scorer's environment (:class:`EpisodeRunner`), which gives the rewards."""
+
+    async def _episodes(self, prompt_index: int) -> tuple[tuple[CompletionRecord, ...], Scores]:
+        if self._parts.episodes is None:
+            raise RuntimeError("an episode request reached a producer without an episode runner")
+        return await self._parts.episodes.run_group(self._run.request, prompt_index, self._run.deadline)
 
 
 @register("agent")
-class AgentRollout(Rollout):
+class AgentRollout(GroupwiseRollout):
     """Each group's n agent episodes, run concurrently and handed on together as one group of rows.
 
     An episode the agent's framework split (drift) gives several consecutive rows of the same sample, each carrying
@@ -215,29 +229,15 @@ class AgentRollout(Rollout):
     estimate_experience`). Episodes whose reward the agent left unset are scored by the scorer on their last reply.
     """
 
-    async def consume(self) -> None:
-        if self._parts.agents is None:
-            raise RuntimeError("an agent request reached a producer without agents")
-        self._tasks = [asyncio.create_task(self._group(index)) for index in self._indices]
-        await asyncio.wait(self._tasks)
+    async def _episodes(self, prompt_index: int) -> tuple[tuple[CompletionRecord, ...], Scores]:
+        episodes = await self._run_agents(prompt_index)
+        return episode_rows(episodes, await self._rewards(prompt_index, episodes))
 
-    async def _group(self, prompt_index: int) -> bool:
-        started = time.perf_counter()
-        try:
-            episodes = await self._episodes(prompt_index)
-        except EpisodeFailed as error:
-            return await self._fail_group(prompt_index, error)
-        finally:
-            self._run.share.give_back((prompt_index,))  # its episodes are over: capacity frees
-        rewards = await self._rewards(prompt_index, episodes)
-        metrics.STAGE_SECONDS.labels("episodes").observe(time.perf_counter() - started)
-        self.complete.add(prompt_index)
-        return await self._hand_on(*episode_rows(episodes, rewards))
-
-    async def _episodes(self, prompt_index: int) -> list[AgentEpisode]:
+    async def _run_agents(self, prompt_index: int) -> list[AgentEpisode]:
         """The group's n episodes; the first failure cancels the others and is raised."""
         agents, request = self._parts.agents, self._run.request
-        assert agents is not None and request.config.agent is not None
+        if agents is None or request.config.agent is None:
+            raise RuntimeError("an agent request reached a producer without agents")
         options, spec = request.config.agent, request.prompts[prompt_index]
         messages = [{"role": r, "content": c} for r, c in spec.messages] or [{"role": "user", "content": spec.text}]
         try:
