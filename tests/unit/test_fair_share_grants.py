@@ -10,13 +10,12 @@ import pytest
 from services.experience.pipeline.fair_share import FairShare, ShareLeases, next_tenant
 
 
-def test_the_tenant_with_the_lowest_held_per_weight_goes_next_ties_to_the_earlier():
-    weights = {"a": 3.0, "b": 1.0, "c": 1.0}
-    assert next_tenant(("a", "b"), {"a": 3, "b": 2}, weights) == "a"  # 1.0 < 2.0
-    assert next_tenant(("b", "c"), {"b": 1, "c": 1}, weights) == "b"
-    assert next_tenant(("c", "a"), {}, weights) == "c"
+def test_the_tenant_with_the_lowest_virtual_time_goes_next_ties_to_the_earlier():
+    assert next_tenant(("a", "b"), {"a": 1.0, "b": 2.0}) == "a"
+    assert next_tenant(("b", "c"), {"b": 1.0, "c": 1.0}) == "b"
+    assert next_tenant(("c", "a"), {"a": 0.5, "c": 0.5}) == "c"
     with pytest.raises(ValueError):
-        next_tenant((), {}, weights)
+        next_tenant((), {})
 
 
 async def _serve(share: FairShare, demands: dict[str, tuple[float, int]], grants: int) -> list[str]:
@@ -42,10 +41,32 @@ async def _serve(share: FairShare, demands: dict[str, tuple[float, int]], grants
     return order[share.capacity:]
 
 
-async def test_under_contention_grants_follow_the_weights():
-    order = await _serve(FairShare(4), {"a": (3.0, 200), "b": (1.0, 200)}, 100)
+@pytest.mark.parametrize("capacity", [1, 2, 4, 16])
+async def test_under_contention_grants_follow_the_weights_whatever_the_capacity(capacity):
+    order = await _serve(FairShare(capacity), {"a": (3.0, 200), "b": (1.0, 200)}, 100)
     counts = collections.Counter(order)
     assert counts["a"] == pytest.approx(75, abs=2) and counts["b"] == pytest.approx(25, abs=2)
+
+
+async def test_an_idle_tenant_banks_no_credit():
+    share = FairShare(1)
+    for _ in range(10):  # b alone for a while: its virtual time runs ahead
+        await share.acquire("b", 1.0, 1)
+        share.release("b", 1)
+    await share.acquire("a", 1.0, 1)  # a arrives: it starts at the system's virtual time, not at 0
+    order = []
+
+    async def group(tenant):
+        await share.acquire(tenant, 1.0, 1)
+        order.append(tenant)
+
+    tasks = [asyncio.create_task(group(t)) for t in ("b", "a", "b", "a")]
+    await asyncio.sleep(0)
+    for _ in range(4):
+        share.release(order[-1] if order else "a", 1)
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert order == ["b", "a", "b", "a"]  # they alternate: a's ten idle rounds bought it nothing
 
 
 async def test_a_tenant_alone_takes_all_the_capacity_and_a_newcomer_goes_first():

@@ -4,11 +4,14 @@ Every group a stream sends to the generator first takes ``n_samples_per_prompt``
 (``max_samples_in_flight``) and gives them back as soon as its generation is over (its samples are in, its episodes
 ended, or it failed or was cancelled) — not when it is streamed, so a slow trainer holds only its own window and
 no circular wait can form between streams. While capacity is free a group goes at once, whatever its run's share
-(work-conserving); when it is full, groups queue per *tenant* (a run id, else the stream's request id) and each
-freed sample goes to the tenant with work whose held samples per unit of weight are lowest — weighted fair
-queueing over samples in flight (Demers, Keshav & Shenker 1989, SIGCOMM), so a run over its share waits and none
-starves: a waiting tenant's usage ratio only falls behind while the others are served. Within a tenant, groups go
-in arrival order. :func:`next_tenant` is the decision, pure; :class:`FairShare` holds the state, with one writer.
+(work-conserving); when it is full, groups queue per *tenant* (a run id, else the stream's request id) and freed
+capacity goes by start-time fair queueing (Goyal, Vin & Cheng 1996, SIGCOMM; weighted fair queueing's
+virtual-time form): each tenant has a virtual time that a granted group advances by ``samples / weight``, the
+waiting tenant with the lowest virtual time goes next, and a tenant that becomes active again starts at the system's
+virtual time (the start tag of the last group granted), so it neither banks credit while idle nor waits behind
+the others' history. Over any stretch where several tenants have work, their granted samples follow their weights,
+whatever the capacity; a run over its share waits and none starves. Within a tenant, groups go in arrival order.
+:func:`next_tenant` is the decision, pure; :class:`FairShare` holds the state, with one writer.
 """
 
 from __future__ import annotations
@@ -19,21 +22,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
-def next_tenant(waiting: Sequence[str], held: Mapping[str, int], weights: Mapping[str, float]) -> str:
-    """The tenant whose oldest waiting group goes next: the lowest ``held / weight`` among ``waiting`` (tenants with
-    a group queued, in the order their first waiting group arrived; ties go to the earlier).
+def next_tenant(waiting: Sequence[str], virtual: Mapping[str, float]) -> str:
+    """The tenant whose oldest waiting group goes next: the lowest virtual time among ``waiting`` (tenants with a
+    group queued, in the order their first waiting group arrived; ties go to the earlier).
 
     Raises:
         ValueError: nobody is waiting.
     """
     if not waiting:
         raise ValueError("no tenant is waiting")
-    return min(waiting, key=lambda tenant: held.get(tenant, 0) / weights[tenant])
+    return min(waiting, key=lambda tenant: virtual[tenant])
 
 
 @dataclass
 class _Waiter:
     samples: int
+    weight: float
     granted: asyncio.Future[None]
 
 
@@ -47,7 +51,8 @@ class FairShare:
         self.capacity = capacity
         self._held: collections.Counter[str] = collections.Counter()
         self._groups: collections.Counter[str] = collections.Counter()  # groups holding capacity, per tenant
-        self._weights: dict[str, float] = {}
+        self._virtual: dict[str, float] = {}  # each tenant's virtual time (module docs)
+        self._system_virtual = 0.0  # the start tag of the last group granted
         self._queues: dict[str, collections.deque[_Waiter]] = {}  # insertion order = arrival of the first waiter
 
     @property
@@ -79,11 +84,12 @@ class FairShare:
         """
         if weight <= 0:
             raise ValueError(f"a tenant's weight must be > 0, got {weight}")
-        self._weights[tenant] = weight
+        if not self._held[tenant] and tenant not in self._queues:  # (re)activated: no credit banked while idle
+            self._virtual[tenant] = max(self._virtual.get(tenant, 0.0), self._system_virtual)
         if self.has_room(samples):
-            self._grant(tenant, samples)
+            self._grant(tenant, samples, weight)
             return
-        waiter = _Waiter(samples, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(samples, weight, asyncio.get_running_loop().create_future())
         self._queues.setdefault(tenant, collections.deque()).append(waiter)
         self._dispatch()  # the newcomer may be the one that goes next, and fit
         try:
@@ -103,14 +109,16 @@ class FairShare:
             del self._held[tenant], self._groups[tenant]
         self._dispatch()
 
-    def _grant(self, tenant: str, samples: int) -> None:
+    def _grant(self, tenant: str, samples: int, weight: float) -> None:
+        self._system_virtual = self._virtual[tenant]
+        self._virtual[tenant] += samples / weight
         self._held[tenant] += samples
         self._groups[tenant] += 1
 
     def _dispatch(self) -> None:
         """Grant waiting groups while capacity allows, each time to :func:`next_tenant`."""
         while self._queues:
-            tenant = next_tenant(tuple(self._queues), self._held, self._weights)
+            tenant = next_tenant(tuple(self._queues), self._virtual)
             waiter = self._queues[tenant][0]
             capacity = self.capacity if self.capacity is not None else self.in_flight + waiter.samples
             if self.in_flight > 0 and self.in_flight + waiter.samples > capacity:
@@ -118,7 +126,7 @@ class FairShare:
             self._queues[tenant].popleft()
             if not self._queues[tenant]:
                 del self._queues[tenant]
-            self._grant(tenant, waiter.samples)
+            self._grant(tenant, waiter.samples, waiter.weight)
             waiter.granted.set_result(None)
 
     def _forget(self, tenant: str, waiter: _Waiter) -> None:
