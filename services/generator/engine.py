@@ -7,12 +7,17 @@ batching) and :mod:`services.generator.hf_engine` (transformers ``generate``, th
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from services.common.errors import FailedPrecondition
 from services.common.generation import CompletionRecord, GenerationRequest
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.generator.adapters import AdapterConfig
 
 
 @dataclass(frozen=True)
@@ -77,10 +82,27 @@ class GenerationEngine(Protocol):
         """Version of the weights in use: 0 at start, +1 per weight update."""
         ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[CompletionRecord]:
-        """Yield each of the ``P * n`` completions as soon as it finishes (order unspecified).
+    def generate(self, request: GenerationRequest, adapter: str | None = None) -> AsyncIterator[CompletionRecord]:
+        """Yield each of the ``P * n`` completions as soon as it finishes (order unspecified), sampled with the
+        LoRA adapter named ``adapter`` (its records carry the adapter's version) or the base model (None).
 
         Closing or cancelling the iterator aborts the request's unfinished samples.
+
+        Raises:
+            InvalidRequest: ``adapter``: no adapter of that name is loaded.
+        """
+        ...
+
+    async def load_adapter(
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None
+    ) -> int:
+        """Add LoRA adapter ``name`` over the base model, or replace its weights, from peft-named tensors in memory
+        (:mod:`services.generator.adapters`), checked whole before anything is applied. Requests started after it
+        returns use it. Returns the adapter's version: ``version``, or the previous + 1 (1 for a first load).
+
+        Raises:
+            InvalidRequest: a check failed (naming the field or tensor); the previous version keeps serving.
+            FailedPrecondition: the engine takes no adapters.
         """
         ...
 

@@ -10,7 +10,7 @@ import asyncio
 import gc
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,9 @@ from services.common.errors import FailedPrecondition
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.models import is_vision_language
 from services.common.weights import TensorEntry, copy_into, update_entries
+from services.generator.adapters import AdapterConfig, AdapterSlot, AdapterTable, check_adapter
 from services.generator.engine import ModelDescription, SleepState, TokenizerEngine
+from services.generator.hf_adapters import PeftAdapters, base_state, model_linear_modules
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,8 @@ class HFEngine(TokenizerEngine):
     """A :class:`~services.generator.engine.GenerationEngine` on transformers' ``generate``."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, description: ModelDescription, max_batch_size: int, processor: Any = None
+        self, model: Any, tokenizer: Any, description: ModelDescription, max_batch_size: int, processor: Any = None,
+        max_lora_rank: int = 16,
     ) -> None:
         self._processor = processor  # a vision-language model's processor (expands placeholders, patchifies)
         self._model = model
@@ -97,14 +100,20 @@ class HFEngine(TokenizerEngine):
         self.sleep_state = SleepState()
         self._awake_device = model.device
         self._dropped: dict[str, torch.Size] = {}  # level 2: each parameter's shape, to make room again on wake-up
+        self._modules = model_linear_modules(model)  # what adapters are checked against: (out, in) features
+        self._max_lora_rank = max_lora_rank  # 0: no adapters
+        self._peft = PeftAdapters(model)
+        self.adapters = AdapterTable()
+        self._retired: list[AdapterSlot] = []  # superseded adapter loads no request runs on: removed under the lock
 
     @classmethod
     def start(
         cls, model: str, *, dtype: str = "bfloat16", max_model_len: int = 2048, max_batch_size: int = 32,
-        device: str = "cpu",
+        device: str = "cpu", max_lora_rank: int = 16,
     ) -> HFEngine:
         """Load ``model`` (a folder, or a hub id where a hub is reachable) onto ``device``; a vision-language model
-        (``config.json`` with ``vision_config``) with ``AutoModelForImageTextToText`` and its processor."""
+        (``config.json`` with ``vision_config``) with ``AutoModelForImageTextToText`` and its processor.
+        ``max_lora_rank``: the highest adapter rank :meth:`load_adapter` takes (0: no adapters)."""
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
         processor = AutoProcessor.from_pretrained(model) if is_vision_language(model) else None
@@ -119,22 +128,32 @@ class HFEngine(TokenizerEngine):
             model_name=model, tokenizer=model, max_model_len=limit, backend="hf", eos_token_id=int(eos),
             pad_token_id=int(pad), multimodal=processor is not None,
         )
-        return cls(network, tokenizer, description, max_batch_size, processor)
+        return cls(network, tokenizer, description, max_batch_size, processor, max_lora_rank)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[CompletionRecord]:
+    async def generate(self, request: GenerationRequest, adapter: str | None = None) -> AsyncIterator[CompletionRecord]:
+        """See :class:`~services.generator.engine.GenerationEngine`; with ``adapter``, every chunk runs on that
+        adapter's live version at the request's start (its records carry it), even if a newer one loads.
+
+        Raises:
+            InvalidRequest: ``adapter``: none of that name is loaded.
+        """
         jobs = [(p, s) for p in range(len(request.prompts)) for s in range(request.n_samples_per_prompt)]
         abort = threading.Event()
+        slot = self.adapters.acquire(adapter) if adapter is not None else None
         try:
             for start in range(0, len(jobs), self._max_batch_size):
                 chunk = jobs[start : start + self._max_batch_size]
-                records = await asyncio.to_thread(self._generate_chunk, request, chunk, abort, start == 0)
+                records = await asyncio.to_thread(self._generate_chunk, request, chunk, abort, start == 0, slot)
                 for record in records:
                     yield record
         finally:
             abort.set()
+            if slot is not None and self.adapters.release(slot):
+                self._retired.append(slot)
 
     def _generate_chunk(
-        self, request: GenerationRequest, chunk: list[tuple[int, int]], abort: threading.Event, first: bool
+        self, request: GenerationRequest, chunk: list[tuple[int, int]], abort: threading.Event, first: bool,
+        slot: AdapterSlot | None = None,
     ) -> list[CompletionRecord]:
         """Sample one chunk's rows (``(prompt_index, sample_index)`` pairs) with one ``generate`` call."""
         options = request.sampling
@@ -157,8 +176,9 @@ class HFEngine(TokenizerEngine):
         with self._lock:
             if options.seed is not None and first:
                 torch.manual_seed(options.seed)
-            version = self._policy_version
-            with torch.inference_mode():
+            self._drop_retired()
+            version = self._policy_version if slot is None else slot.version
+            with self._peft.active(slot), torch.inference_mode():
                 output = self._model.generate(
                     input_ids=input_ids.to(self._model.device),
                     attention_mask=attention_mask.to(self._model.device),
@@ -246,9 +266,39 @@ class HFEngine(TokenizerEngine):
 
     def _apply(self, entries: list[TensorEntry], version: int | None) -> int:
         with self._lock:
-            copy_into(self._model.state_dict(keep_vars=True), entries)
+            copy_into(base_state(self._model), entries)
             self._policy_version = self._policy_version + 1 if version is None else version
             return self._policy_version
+
+    async def load_adapter(
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None
+    ) -> int:
+        """Check the adapter (:func:`~services.generator.adapters.check_adapter`), then add it to the model's peft
+        layers between ``generate`` chunks. Requests started after it returns use it; those running on an older
+        version finish on that one, which is removed after the last. Returns the adapter's version (``version``,
+        or the previous + 1; 1 for a first load).
+
+        Raises:
+            InvalidRequest: the adapter fails a check (nothing changes; the previous version keeps serving).
+            FailedPrecondition: the engine takes no adapters (``max_lora_rank`` 0).
+        """
+        if not self._max_lora_rank:
+            raise FailedPrecondition("this engine takes no LoRA adapters (max_loras 0)")
+        check_adapter(name, config, tensors, self._modules, self._max_lora_rank)
+        slot = self.adapters.next_slot(name, config, version)
+        await asyncio.to_thread(self._add_adapter, slot, tensors)
+        self._retired.extend(self.adapters.publish(slot))
+        return slot.version
+
+    def _add_adapter(self, slot: AdapterSlot, tensors: Mapping[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._drop_retired()
+            self._peft.add(slot, tensors)
+
+    def _drop_retired(self) -> None:
+        """Remove the superseded adapter loads no request runs on (the caller holds the lock)."""
+        while self._retired:
+            self._peft.remove(self._retired.pop())
 
     async def check_health(self) -> None:
         return None
@@ -261,7 +311,8 @@ class HFEngine(TokenizerEngine):
     def _sleep(self, level: int) -> int:
         with self._lock:
             device = self._model.device
-            parameters = dict(self._model.named_parameters())  # tied weights once
+            # tied weights once; adapters' (MBs) stay, so they serve again after wake-up and a full update
+            parameters = {n: p for n, p in self._model.named_parameters() if ".lora_" not in n}
             freed = sum(p.numel() * p.element_size() for p in parameters.values())
             if level == 1:
                 if device.type == "cpu":
@@ -290,7 +341,8 @@ class HFEngine(TokenizerEngine):
                 self._model.to(self._awake_device)
             else:
                 for name, p in self._model.named_parameters():
-                    p.data = torch.empty(self._dropped[name], dtype=p.dtype, device=self._awake_device)
+                    if name in self._dropped:
+                        p.data = torch.empty(self._dropped[name], dtype=p.dtype, device=self._awake_device)
                 self._dropped = {}
                 self.sleep_state.needs_weights = True
             self.sleep_state.level = 0

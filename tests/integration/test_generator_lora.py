@@ -1,0 +1,193 @@
+"""LoRA adapters on the generator's engines (vLLM on CPU and the HF fallback; SmolLM2-135M in float32).
+
+Adapters are built here with peft (q_proj/v_proj, A and B drawn from a seeded generator so that they change the
+model's answers) and loaded from memory under a name. Greedy samples with adapter A, adapter B and none are the
+tokens HF + peft picks with the same adapter, and their log-probs match HF + peft's on those tokens; a new version
+of A changes A only; a bad adapter is refused and the old one keeps serving; more adapters than vLLM's slots
+(``max_loras`` 2, ``max_cpu_loras`` 2) all sample, evicted ones rebuilt from the tensors the engine keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+
+from fastexp.sampling import SamplingOptions
+from services.common.errors import InvalidRequest
+from services.common.generation import CompletionRecord, GenerationRequest
+from services.generator.adapters import AdapterConfig
+
+pytestmark = pytest.mark.smollm2
+
+PROMPT = "<|im_start|>user\nWrite one sentence about the sea.<|im_end|>\n<|im_start|>assistant\n"
+NEW_TOKENS = 16
+CONFIG = AdapterConfig(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"))
+#: vLLM's CPU kernels against HF's on the same float32 weights (observed differences are ~1e-4)
+LOG_PROB_TOLERANCE = 2e-3
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path):
+    """HF + peft on the base model in float32, adapters added by name: what the engines must reproduce."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    model = get_peft_model(base, _lora_config(CONFIG), adapter_name="scratch")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    return {"model": model, "prompt": tokenizer.encode(PROMPT, add_special_tokens=False), "loaded": set(), "greedy": {}}
+
+
+def _lora_config(config: AdapterConfig):
+    from peft import LoraConfig
+
+    return LoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules),
+                      lora_dropout=0.0)
+
+
+def make_adapter(reference, seed: int, config: AdapterConfig = CONFIG) -> dict[str, torch.Tensor]:
+    """An adapter's tensors as peft's get_peft_model_state_dict names them, A and B drawn with ``seed``."""
+    from peft import get_peft_model_state_dict
+
+    model = reference["model"]
+    name = f"seed{seed}-r{config.rank}"
+    if name not in reference["loaded"]:
+        model.add_adapter(name, _lora_config(config))
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for parameter_name, parameter in model.named_parameters():
+                if f".{name}." in parameter_name:  # lora_A (rank, in) and lora_B (out, rank) of this adapter
+                    parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
+        reference["loaded"].add(name)
+    return {k: v.clone() for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
+
+
+def reference_greedy(reference, seed: int | None) -> tuple[list[int], torch.Tensor]:
+    """HF + peft greedy tokens (EOS ignored) and their log-probs, with adapter ``seed`` (None: the base)."""
+    if seed not in reference["greedy"]:
+        reference["greedy"][seed] = _greedy_forwards(reference, seed)
+    return reference["greedy"][seed]
+
+
+def _greedy_forwards(reference, seed: int | None) -> tuple[list[int], torch.Tensor]:
+    model, tokens = reference["model"], []
+    context = model.disable_adapter() if seed is None else contextlib.nullcontext()
+    if seed is not None:
+        model.set_adapter(f"seed{seed}-r{CONFIG.rank}")
+    log_probs = []
+    with context, torch.inference_mode():
+        out = model(input_ids=torch.tensor([reference["prompt"]]), use_cache=True)
+        for _ in range(NEW_TOKENS):
+            logits = out.logits[0, -1].float()
+            tokens.append(int(logits.argmax()))
+            log_probs.append(torch.log_softmax(logits, -1)[tokens[-1]])
+            out = model(input_ids=torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, torch.stack(log_probs)
+
+
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+async def engine(request, smollm2_path):
+    """One engine per backend for the module: vLLM with 2 adapter slots and 2 built adapters kept."""
+    if request.param == "vllm":
+        from services.generator.vllm_engine import VLLMEngine
+
+        started = VLLMEngine.start(smollm2_path, dtype="float32", max_model_len=512,
+                                   kv_cache_memory_bytes=256 * 1024**2, max_loras=2, max_cpu_loras=2)
+    else:
+        from services.generator.hf_engine import HFEngine
+
+        started = HFEngine.start(smollm2_path, dtype="float32", max_model_len=512, max_batch_size=4)
+    yield started
+    await started.close()
+
+
+async def greedy(engine, reference, adapter: str | None) -> CompletionRecord:
+    request = GenerationRequest(
+        request_id=f"greedy-{adapter}", prompts=(tuple(reference["prompt"]),), n_samples_per_prompt=1,
+        sampling=SamplingOptions(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True),
+    )
+    async with contextlib.aclosing(engine.generate(request, adapter=adapter)) as records:
+        return [record async for record in records][0]
+
+
+def assert_sampled_as(record: CompletionRecord, reference, seed: int | None) -> None:
+    tokens, log_probs = reference_greedy(reference, seed)
+    assert list(record.output_token_ids) == tokens
+    torch.testing.assert_close(torch.from_numpy(record.output_log_probs), log_probs, atol=LOG_PROB_TOLERANCE, rtol=0)
+
+
+async def test_adapters_sample_as_peft_does(engine, reference):
+    assert await engine.load_adapter("a", CONFIG, make_adapter(reference, seed=1)) == 1
+    assert await engine.load_adapter("b", CONFIG, make_adapter(reference, seed=2)) == 1
+    a, b, base = await asyncio.gather(greedy(engine, reference, "a"), greedy(engine, reference, "b"),
+                                      greedy(engine, reference, None))
+    assert_sampled_as(a, reference, 1)
+    assert_sampled_as(b, reference, 2)
+    assert_sampled_as(base, reference, None)
+    assert len({a.output_token_ids, b.output_token_ids, base.output_token_ids}) == 3
+    assert (a.policy_version, b.policy_version, base.policy_version) == (1, 1, 0)
+
+
+async def test_a_new_version_changes_its_adapter_only(engine, reference):
+    await engine.load_adapter("c", CONFIG, make_adapter(reference, seed=3))
+    await engine.load_adapter("d", CONFIG, make_adapter(reference, seed=4))
+    running = asyncio.ensure_future(greedy(engine, reference, "c"))  # takes version 1 before the load below
+    assert await engine.load_adapter("c", CONFIG, make_adapter(reference, seed=5), version=7) == 7
+    old = await running
+    assert old.policy_version == 1
+    assert_sampled_as(old, reference, 3)  # a request started before the update finishes on what it had
+    new, other = await asyncio.gather(greedy(engine, reference, "c"), greedy(engine, reference, "d"))
+    assert new.policy_version == 7
+    assert_sampled_as(new, reference, 5)
+    assert_sampled_as(other, reference, 4)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ("shape", "tensors[base_model.model.model.layers.3.self_attn.v_proj.lora_B.weight]"),
+    ("name", "tensors[base_model.model.model.layers.3.mlp.up_proj.lora_A.weight]"),
+    ("rank", "config.rank"),
+])
+async def test_a_bad_adapter_is_refused_and_the_old_one_serves(engine, reference, change, field):
+    name = f"kept-{change}"
+    await engine.load_adapter(name, CONFIG, make_adapter(reference, seed=6))
+    config, tensors = CONFIG, make_adapter(reference, seed=7)
+    if change == "shape":
+        tensors["base_model.model.model.layers.3.self_attn.v_proj.lora_B.weight"] = torch.zeros(192, 4)
+    elif change == "name":
+        tensors["base_model.model.model.layers.3.mlp.up_proj.lora_A.weight"] = torch.zeros(8, 576)
+    else:
+        config = AdapterConfig(rank=32, alpha=16.0, target_modules=CONFIG.target_modules)
+    with pytest.raises(InvalidRequest) as raised:
+        await engine.load_adapter(name, config, tensors)
+    assert raised.value.field == field
+    record = await greedy(engine, reference, name)
+    assert record.policy_version == 1
+    assert_sampled_as(record, reference, 6)
+
+
+async def test_more_adapters_than_slots_all_sample(engine, reference):
+    names = [f"many-{seed}" for seed in (8, 9, 10)]
+    for seed, name in zip((8, 9, 10), names, strict=True):
+        await engine.load_adapter(name, CONFIG, make_adapter(reference, seed=seed))
+    # vLLM: loading the third evicted the first from its 2-entry cache; sampling with all three rebuilds the evicted
+    records = await asyncio.gather(*(greedy(engine, reference, name) for name in [*names, None]))
+    for record, seed in zip(records, (8, 9, 10, None), strict=True):
+        assert_sampled_as(record, reference, seed)
+
+
+async def test_an_unknown_adapter_is_an_invalid_request(engine, reference):
+    with pytest.raises(InvalidRequest, match="no adapter named 'nobody'"):
+        await greedy(engine, reference, "nobody")
+
+
+async def test_adapters_serve_on_after_a_full_weight_update(engine, reference, smollm2_path):
+    """A base-weight update drops vLLM's built adapters (``reset_lora_state``) and wraps the HF model's layers in
+    peft's: the same checkpoint loaded again, an adapter samples as before (rebuilt from the kept tensors)."""
+    await engine.load_adapter("after-update", CONFIG, make_adapter(reference, seed=11))
+    await engine.update_weights("checkpoint", smollm2_path)
+    adapted, base = await asyncio.gather(greedy(engine, reference, "after-update"), greedy(engine, reference, None))
+    assert_sampled_as(adapted, reference, 11)
+    assert_sampled_as(base, reference, None)
