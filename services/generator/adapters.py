@@ -94,9 +94,7 @@ def check_adapter(
     """Check a whole adapter before an engine applies any of it.
 
     Args:
-        name: the adapter's name (1-64 characters: letters, digits, ``._-``, not starting with a symbol).
-        config: its LoRA config; ``rank`` at most ``max_rank``, ``alpha`` > 0, ``target_modules`` selecting at
-            least one module.
+        name, config: as :func:`check_config`.
         tensors: peft-named tensors (see the module docstring), every one the config produces on this model,
             each of floating dtype, the expected shape and finite.
         modules: the base's linear layers (:func:`linear_modules`).
@@ -104,6 +102,28 @@ def check_adapter(
     Raises:
         InvalidRequest: naming ``adapter``, ``config.rank``, ``config.alpha``, ``config.target_modules`` or the
             tensor (``tensors[base_model.model....lora_B.weight]``) and why.
+    """
+    expected = check_config(name, config, modules, max_rank)
+    for tensor_name, tensor in tensors.items():
+        check_tensor(tensor_name, tensor.dtype, tuple(tensor.shape), expected)
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidRequest(f"tensors[{tensor_name}]", "holds NaN or infinite values")
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise InvalidRequest(f"tensors[{missing[0]}]", f"missing: target_modules {list(config.target_modules)} "
+                             f"adapt this module ({len(missing)} of {len(expected)} tensors absent)")
+
+
+def check_config(
+    name: str, config: AdapterConfig, modules: Mapping[str, tuple[int, int]], max_rank: int
+) -> dict[str, tuple[int, int]]:
+    """Check an adapter's name and config; returns the tensors it must have (:func:`expected_tensors`).
+
+    ``name``: 1-64 letters, digits, ``._-``, not starting with a symbol; ``config.rank`` at most ``max_rank``,
+    ``alpha`` > 0, ``target_modules`` selecting at least one module.
+
+    Raises:
+        InvalidRequest: naming ``adapter``, ``config.rank``, ``config.alpha`` or ``config.target_modules``.
     """
     if not _NAME.fullmatch(name or ""):
         raise InvalidRequest("adapter", f"{name!r} is not an adapter name (1-64 letters, digits, '.', '_', '-')")
@@ -117,27 +137,26 @@ def check_adapter(
         suffixes = sorted({m.rsplit(".", 1)[-1] for m in modules})
         raise InvalidRequest("config.target_modules", f"{list(config.target_modules)} select no linear layer of "
                              f"the model (its layers end in {suffixes})")
-    for tensor_name, tensor in tensors.items():
-        _check_tensor(tensor_name, tensor, expected)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise InvalidRequest(f"tensors[{missing[0]}]", f"missing: target_modules {list(config.target_modules)} "
-                             f"adapt this module ({len(missing)} of {len(expected)} tensors absent)")
+    return expected
 
 
-def _check_tensor(name: str, tensor: torch.Tensor, expected: Mapping[str, tuple[int, int]]) -> None:
+def check_tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...], expected: Mapping[str, tuple[int, int]]) -> None:
+    """Check one tensor's name, dtype and shape against the adapter's ``expected`` tensors (a stream checks each
+    tensor's first chunk so, before its bytes arrive).
+
+    Raises:
+        InvalidRequest: naming the tensor (``tensors[<name>]``).
+    """
     field = f"tensors[{name}]"
     if name not in expected:
         example = next(iter(expected))
         raise InvalidRequest(field, f"not a LoRA tensor of the config's target modules on this model (names as "
                              f"peft's get_peft_model_state_dict gives them, e.g. {example!r})")
-    if not tensor.dtype.is_floating_point:
-        raise InvalidRequest(field, f"dtype {str(tensor.dtype).removeprefix('torch.')}; must be floating point")
-    if tuple(tensor.shape) != expected[name]:
+    if not dtype.is_floating_point:
+        raise InvalidRequest(field, f"dtype {str(dtype).removeprefix('torch.')}; must be floating point")
+    if tuple(shape) != expected[name]:
         what = "(rank, in_features)" if ".lora_A." in name else "(out_features, rank)"
-        raise InvalidRequest(field, f"shape {tuple(tensor.shape)}; expected {expected[name]} {what}")
-    if not bool(torch.isfinite(tensor).all()):
-        raise InvalidRequest(field, "holds NaN or infinite values")
+        raise InvalidRequest(field, f"shape {tuple(shape)}; expected {expected[name]} {what}")
 
 
 class AdapterTable:

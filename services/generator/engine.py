@@ -17,7 +17,7 @@ from services.common.generation import CompletionRecord, GenerationRequest
 if TYPE_CHECKING:
     import torch
 
-    from services.generator.adapters import AdapterConfig
+    from services.generator.adapters import AdapterConfig, AdapterTable
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,9 @@ class GenerationEngine(Protocol):
     """An inference engine that samples completions (cf. vLLM's ``EngineClient``)."""
 
     description: ModelDescription
+    max_lora_rank: int  # the highest adapter rank load_adapter takes; 0: none
+    lora_modules: Mapping[str, tuple[int, int]]  # the base's linear layers adapters may target: (out, in) features
+    adapters: AdapterTable  # each adapter's live version
 
     @property
     def policy_version(self) -> int:

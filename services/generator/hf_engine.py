@@ -100,8 +100,8 @@ class HFEngine(TokenizerEngine):
         self.sleep_state = SleepState()
         self._awake_device = model.device
         self._dropped: dict[str, torch.Size] = {}  # level 2: each parameter's shape, to make room again on wake-up
-        self._modules = model_linear_modules(model)  # what adapters are checked against: (out, in) features
-        self._max_lora_rank = max_lora_rank  # 0: no adapters
+        self.lora_modules = model_linear_modules(model)  # what adapters are checked against: (out, in) features
+        self.max_lora_rank = max_lora_rank  # 0: no adapters
         self._peft = PeftAdapters(model)
         self.adapters = AdapterTable()
         self._retired: list[AdapterSlot] = []  # superseded adapter loads no request runs on: removed under the lock
@@ -282,9 +282,9 @@ class HFEngine(TokenizerEngine):
             InvalidRequest: the adapter fails a check (nothing changes; the previous version keeps serving).
             FailedPrecondition: the engine takes no adapters (``max_lora_rank`` 0).
         """
-        if not self._max_lora_rank:
+        if not self.max_lora_rank:
             raise FailedPrecondition("this engine takes no LoRA adapters (max_loras 0)")
-        check_adapter(name, config, tensors, self._modules, self._max_lora_rank)
+        check_adapter(name, config, tensors, self.lora_modules, self.max_lora_rank)
         slot = self.adapters.next_slot(name, config, version)
         await asyncio.to_thread(self._add_adapter, slot, tensors)
         self._retired.extend(self.adapters.publish(slot))

@@ -22,6 +22,7 @@ from services.common.sampling import validate_batch
 from services.common.weight_checks import check_complete, check_update
 from services.common.weights import UpdateBounds, model_spec
 from services.common.weights_wire import staged_update
+from services.generator.adapter_wire import receive_adapter
 from services.generator.engine import GenerationEngine
 from services.generator.settings import GeneratorSettings
 
@@ -112,6 +113,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._tokens = metrics.GENERATED_TOKENS.labels(engine.description.backend)
         self._streams = 0  # Generate streams open (Sleep waits for none)
         self._sleeping = asyncio.Lock()  # one Sleep / WakeUp at a time
+        self._loading_adapter = asyncio.Lock()  # one adapter load at a time (receiving them runs concurrently)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -125,7 +127,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         metrics.GENERATION_REQUESTS_IN_FLIGHT.inc(unfinished)
         self._streams += 1
         try:
-            async with contextlib.aclosing(self._engine.generate(decoded)) as records:
+            adapter = request.adapter or None
+            async with contextlib.aclosing(self._engine.generate(decoded, adapter=adapter)) as records:
                 async for record in records:
                     unfinished -= 1
                     metrics.GENERATION_REQUESTS_IN_FLIGHT.dec()
@@ -150,6 +153,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             multimodal=d.multimodal,
             sleep_level=self._engine.sleep_state.level,
             needs_weights=self._engine.sleep_state.needs_weights,
+            max_lora_rank=self._engine.max_lora_rank,
+            adapters=[generation_pb2.AdapterVersion(name=name, version=slot.version)
+                      for name, slot in sorted(self._engine.adapters.live().items())],
         )
 
     async def UpdateWeights(  # noqa: N802 - gRPC method name
@@ -169,6 +175,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return generation_pb2.UpdateWeightsResponse(
             policy_version=version, num_tensors=len(update.entries), num_bytes=update.num_bytes
         )
+
+    async def LoadAdapter(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[generation_pb2.AdapterChunk], context: grpc.aio.ServicerContext
+    ) -> generation_pb2.LoadAdapterResponse:
+        """Receive the adapter into memory, checked as it arrives (:func:`receive_adapter`), and load it; loads
+        apply one at a time."""
+        self._engine.sleep_state.require_weights("LoadAdapter")
+        if not self._engine.max_lora_rank:
+            raise FailedPrecondition("LoadAdapter: this generator takes no LoRA adapters (max_loras 0)")
+        received = await receive_adapter(request_iterator, self._engine.lora_modules, self._engine.max_lora_rank)
+        async with self._loading_adapter:
+            version = await self._engine.load_adapter(received.name, received.config, received.tensors,
+                                                      received.version)
+        return generation_pb2.LoadAdapterResponse(name=received.name, version=version,
+                                                  num_tensors=len(received.tensors), num_bytes=received.num_bytes)
 
     def _update_spec(self, target: str) -> dict:
         """The served model's tensors, which a policy update is checked against as it arrives.

@@ -118,7 +118,9 @@ class VLLMEngine(TokenizerEngine):
         self, engine: Any, description: ModelDescription, tokenizer: Any, modules: Mapping[str, tuple[int, int]]
     ) -> None:
         self._engine = engine
-        self._modules = modules  # the base's linear layers: (out, in) features, what adapters are checked against
+        self.lora_modules = modules  # the base's linear layers: (out, in) features, what adapters are checked against
+        lora_config = engine.vllm_config.lora_config
+        self.max_lora_rank = lora_config.max_lora_rank if lora_config is not None and modules else 0
         self.description = description
         self._tokenizer = tokenizer
         self._policy_version = 0
@@ -266,12 +268,11 @@ class VLLMEngine(TokenizerEngine):
             FailedPrecondition: the engine was started without LoRA (``max_loras`` 0) or its model has no
                 safetensors files to check adapters against.
         """
-        lora_config = self._engine.vllm_config.lora_config
-        if lora_config is None:
+        if self._engine.vllm_config.lora_config is None:
             raise FailedPrecondition("the engine was started without LoRA adapters (max_loras 0)")
-        if not self._modules:
+        if not self.lora_modules:
             raise FailedPrecondition("the served model has no safetensors files to check adapters against")
-        check_adapter(name, config, tensors, self._modules, lora_config.max_lora_rank)
+        check_adapter(name, config, tensors, self.lora_modules, self.max_lora_rank)
         slot = self.adapters.next_slot(name, config, version)
         payload = await asyncio.to_thread(packed, tensors)
         await self._engine.collective_rpc("fastexp_load_adapter", args=(name, slot.slot_id, config.peft_fields(), payload))

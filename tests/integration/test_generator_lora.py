@@ -191,3 +191,72 @@ async def test_adapters_serve_on_after_a_full_weight_update(engine, reference, s
     adapted, base = await asyncio.gather(greedy(engine, reference, "after-update"), greedy(engine, reference, None))
     assert_sampled_as(adapted, reference, 11)
     assert_sampled_as(base, reference, None)
+
+
+@pytest.fixture(scope="module")
+async def stub(engine):
+    """The generator service in process on port 0 over the module's engine (which outlives it)."""
+    import grpc
+
+    from fastexp.v1 import generation_pb2_grpc
+    from services.generator.server import start_generator
+    from services.generator.settings import GeneratorSettings
+
+    running = await start_generator(GeneratorSettings(port=0, max_model_len=512), engine)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    yield generation_pb2_grpc.GenerationServiceStub(channel)
+    await channel.close()
+    await running.stop(1)
+
+
+async def grpc_greedy(stub, reference, adapter: str):
+    from fastexp.v1 import generation_pb2
+
+    request = generation_pb2.GenerateRequest(
+        prompts=[generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=reference["prompt"]))],
+        n_samples_per_prompt=1, adapter=adapter,
+        sampling=generation_pb2.SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True),
+    )
+    return [c async for r in stub.Generate(request, timeout=120) for c in r.completions][0]
+
+
+async def test_load_adapter_streams_chunks_and_generate_takes_its_name(stub, reference):
+    from fastexp.tensor_codec import to_numpy
+    from fastexp.v1 import generation_pb2
+    from services.generator.adapter_wire import adapter_chunks
+
+    tensors = make_adapter(reference, seed=12)
+    answer = await stub.LoadAdapter(adapter_chunks("wired", CONFIG, tensors, version=3, chunk_bytes=4096))
+    assert (answer.name, answer.version, answer.num_tensors) == ("wired", 3, len(tensors))
+    assert answer.num_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest())
+    assert info.max_lora_rank == 16
+    assert generation_pb2.AdapterVersion(name="wired", version=3) in info.adapters
+    completion = await grpc_greedy(stub, reference, "wired")
+    assert completion.policy_version == 3
+    record = CompletionRecord(0, 0, (), tuple(completion.output_token_ids),
+                              to_numpy(completion.output_log_probs).copy(), "length", "", 3)
+    assert_sampled_as(record, reference, 12)
+
+
+async def test_a_corrupted_or_misshapen_stream_is_refused_naming_the_tensor(stub, reference):
+    import grpc
+
+    from services.generator.adapter_wire import adapter_chunks
+
+    await stub.LoadAdapter(adapter_chunks("guarded", CONFIG, make_adapter(reference, seed=13)))
+    messages = list(adapter_chunks("guarded", CONFIG, make_adapter(reference, seed=14), chunk_bytes=4096))
+    corrupted = [*messages]
+    corrupted[5].tensor.data = bytes(len(corrupted[5].tensor.data))  # zeroed bytes: the CRC-32 no longer matches
+    misshapen = make_adapter(reference, seed=14)
+    misshapen["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 576)
+    for stream, reason in ((corrupted, "CRC-32"), (adapter_chunks("guarded", CONFIG, misshapen), "shape (4, 576)")):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.LoadAdapter(iter(stream))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tensors[base_model.model." in raised.value.details() and reason in raised.value.details()
+    completion = await grpc_greedy(stub, reference, "guarded")
+    assert completion.policy_version == 1
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await grpc_greedy(stub, reference, "nobody")
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT

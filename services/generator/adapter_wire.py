@@ -1,0 +1,151 @@
+"""``LoadAdapter`` streams: the messages that carry a LoRA adapter, and their receiver, which assembles the tensors
+in memory (an adapter is MBs: no staging on disk) and checks them as they arrive.
+
+The receiver checks the header's name and config first, each tensor's name, dtype and shape on its first chunk
+(before its bytes are held), and each tensor's CRC-32 once its last byte arrived; the engine then checks the whole
+adapter again (:func:`services.generator.adapters.check_adapter`: nothing missing, finite values) before applying it.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fastexp.types import FLOAT_DTYPES
+from fastexp.v1 import generation_pb2, tensor_pb2
+from fastexp.weights import weight_chunks
+from services.common.errors import InvalidRequest
+from services.generator.adapters import AdapterConfig, check_config, check_tensor
+
+
+def adapter_chunks(
+    name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], *, version: int | None = None,
+    chunk_bytes: int = 4 * 1024 * 1024,
+) -> Iterator[generation_pb2.AdapterChunk]:
+    """The ``LoadAdapter`` messages for adapter ``name``: the header, then each peft-named tensor in its own
+    floating dtype, ``chunk_bytes`` per chunk, its first chunk with its CRC-32 (as :func:`fastexp.weights.weight_chunks`
+    sends weights). ``version``: the version the load makes live (None: the receiver's previous + 1).
+
+    Raises:
+        ValueError: a tensor is not floating point; ``chunk_bytes`` < 1.
+    """
+    yield generation_pb2.AdapterChunk(header=generation_pb2.AdapterHeader(
+        name=name, rank=config.rank, alpha=config.alpha, target_modules=list(config.target_modules),
+        use_rslora=config.use_rslora, num_tensors=len(tensors), version=version,
+    ))
+    chunks = weight_chunks(list(tensors.items()), chunk_bytes=chunk_bytes)
+    next(chunks)  # its WeightsHeader: the adapter's header went first
+    for chunk in chunks:
+        yield generation_pb2.AdapterChunk(tensor=chunk.tensor)
+
+
+@dataclass(frozen=True)
+class ReceivedAdapter:
+    """A ``LoadAdapter`` stream, read: the adapter's name, config, tensors (peft names, CPU) and version."""
+
+    name: str
+    config: AdapterConfig
+    tensors: dict[str, torch.Tensor]
+    version: int | None  # None: the previous + 1
+    num_bytes: int
+
+
+async def receive_adapter(
+    messages: AsyncIterator[generation_pb2.AdapterChunk], modules: Mapping[str, tuple[int, int]], max_rank: int
+) -> ReceivedAdapter:
+    """Read a ``LoadAdapter`` stream into memory, checked as it arrives against the base's linear ``modules``.
+
+    Raises:
+        InvalidRequest: no header first or a second one; a bad name or config (``adapter``, ``config.rank``, ...);
+            a tensor that is not one the config produces, or of the wrong dtype or shape, sent twice, split over
+            non-consecutive chunks, short or long, or failing its CRC-32 (``tensors[<name>]``); a count other than
+            ``header.num_tensors``.
+    """
+    header, assembler = None, None
+    async for message in messages:
+        part = message.WhichOneof("kind")
+        if header is None:
+            if part != "header":
+                raise InvalidRequest("header", "the first message must carry the header")
+            header = message.header
+            config = AdapterConfig(header.rank, header.alpha, tuple(header.target_modules), header.use_rslora)
+            assembler = _Assembler(check_config(header.name, config, modules, max_rank))
+        elif part == "header":
+            raise InvalidRequest("header", "sent twice")
+        else:
+            assembler.add(message.tensor)
+    if header is None:
+        raise InvalidRequest("header", "the stream was empty")
+    tensors = assembler.finish()
+    if header.num_tensors != len(tensors):
+        raise InvalidRequest("header.num_tensors", f"{header.num_tensors} announced, {len(tensors)} arrived")
+    version = header.version if header.HasField("version") else None
+    return ReceivedAdapter(header.name, config, tensors, version, assembler.num_bytes)
+
+
+@dataclass
+class _Assembler:
+    """Joins tensor chunks in memory: one tensor at a time, its bytes checked against its shape and CRC-32."""
+
+    expected: Mapping[str, tuple[int, int]]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_bytes: int = 0
+    _name: str | None = None  # the tensor being received
+    _wire_dtype: int = 0
+    _dtype: str = ""
+    _shape: tuple[int, ...] = ()
+    _parts: list[bytes] = field(default_factory=list)
+    _held: int = 0  # its bytes so far
+    _crc32: int = 0  # the sender's
+
+    def add(self, chunk: generation_pb2.TensorChunk) -> None:
+        if chunk.name != self._name:
+            self._close()
+            self._open(chunk)
+        elif chunk.dtype != self._wire_dtype or tuple(chunk.shape) != self._shape:
+            raise InvalidRequest(f"tensors[{chunk.name}]", "dtype and shape must be the same on every chunk")
+        data = chunk.data  # upb hands out a new bytes object per access: read it once
+        self._held += len(data)
+        if self._held > math.prod(self._shape) * FLOAT_DTYPES[self._dtype].itemsize:
+            raise InvalidRequest(f"tensors[{chunk.name}]", f"more bytes than its shape {list(self._shape)} holds")
+        self._parts.append(data)
+
+    def _open(self, chunk: generation_pb2.TensorChunk) -> None:
+        field_name = f"tensors[{chunk.name}]"
+        if chunk.name in self.tensors:
+            raise InvalidRequest(field_name, "sent twice (chunks of a tensor must be consecutive)")
+        names = {int(v): n.removeprefix("DTYPE_").lower() for n, v in tensor_pb2.DType.items()}
+        dtype = names.get(chunk.dtype, f"DType value {chunk.dtype}")
+        if dtype not in FLOAT_DTYPES:
+            raise InvalidRequest(field_name, f"dtype {dtype} is not a floating-point type")
+        check_tensor(chunk.name, FLOAT_DTYPES[dtype], tuple(chunk.shape), self.expected)
+        if not chunk.HasField("crc32"):
+            raise InvalidRequest(field_name, "the first chunk must carry crc32, the CRC-32 (zlib.crc32) of its bytes")
+        self._name, self._wire_dtype, self._dtype, self._shape = chunk.name, chunk.dtype, dtype, tuple(chunk.shape)
+        self._parts, self._held, self._crc32 = [], 0, chunk.crc32
+
+    def _close(self) -> None:
+        if self._name is None:
+            return
+        data = b"".join(self._parts)
+        field_name = f"tensors[{self._name}]"
+        expected = math.prod(self._shape) * FLOAT_DTYPES[self._dtype].itemsize
+        if len(data) != expected:
+            raise InvalidRequest(field_name, f"{len(data)} of {expected} bytes arrived")
+        if zlib.crc32(data) != self._crc32:
+            raise InvalidRequest(field_name, f"CRC-32 {zlib.crc32(data):#010x} of the received bytes != the "
+                                 f"sender's {self._crc32:#010x} (corrupted in transit); nothing was applied")
+        raw = np.frombuffer(data, dtype=np.uint8).copy()  # little-endian on the wire; fastexp's hosts are too
+        self.tensors[self._name] = torch.from_numpy(raw).view(FLOAT_DTYPES[self._dtype]).reshape(self._shape)
+        self.num_bytes += len(data)
+        self._name, self._parts = None, []
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The tensors received, once the last one is complete."""
+        self._close()
+        return self.tensors
