@@ -2,7 +2,7 @@
 model the service loads as its reference, a log-prob forward of one run's rows with its adapter on, and the
 reference's log-probs from the same module with every adapter off. A LoRA run's reference is the base model, so
 it costs no memory beyond the adapters themselves (rank 16 on every attention and MLP projection of SmolLM2-135M:
-19.5 MB in float32 per adapter; ``benchmarks/adapter_memory.py``).
+19.5 MB of float32 tensors, 21.9 MB resident, per adapter; ``benchmarks/adapter_memory.py``).
 
 Tensors are named as peft's ``get_peft_model_state_dict`` names them:
 ``base_model.model.<module>.lora_A.weight`` of shape ``(rank, in_features)`` and
