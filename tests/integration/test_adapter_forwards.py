@@ -17,7 +17,7 @@ import torch
 from services.common.errors import InvalidRequest
 from services.common.generation import CompletionRecord
 from services.experience.config import PromptSpec
-from services.experience.workers.adapters import AdapterConfig, AdapterForwards
+from services.experience.workers.adapters import AdapterConfig, AdapterForwards, expected_tensors
 from services.experience.workers.inputs import chunks
 from services.experience.workers.logprobs import LogProbModel
 from services.experience.workers.sequences import build_rollout
@@ -195,7 +195,7 @@ def test_a_new_version_of_one_adapter_leaves_the_other_unchanged(forwards, rows,
     assert torch.equal(run_log_probs(forwards, rows, "b", "b").action_log_probs, b_before)
 
 
-def bad_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+def bad_adapters(tensors: dict[str, torch.Tensor], modules) -> dict[str, tuple]:
     """Each bad load: (config, tensors, the field the refusal names)."""
     first = next(iter(tensors))
     b_name = next(name for name in tensors if ".lora_B." in name)
@@ -208,8 +208,8 @@ def bad_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
         "not finite": (CONFIG, {**tensors, b_name: torch.full_like(tensors[b_name], float("nan"))},
                        f"tensors[{b_name}]"),
         "missing": (CONFIG, {k: v for k, v in tensors.items() if k != b_name}, f"tensors[{b_name}]"),
-        "rank over the limit": (over, {k: torch.zeros(over.rank, v.shape[1]) if ".lora_A." in k else
-                                       torch.zeros(v.shape[0], over.rank) for k, v in tensors.items()}, "config.rank"),
+        "rank over the limit": (over, {k: torch.zeros(s) for k, s in expected_tensors(over, modules).items()},
+                                "config.rank"),
         "no target": (AdapterConfig(8, 16.0, ("lm_head",)), {}, "config.target_modules"),
     }
 
@@ -219,7 +219,7 @@ def bad_adapters(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
 def test_a_bad_adapter_is_refused_and_the_old_one_still_serves(forwards, rows, independent, case):
     before = run_log_probs(forwards, rows, "a", "a").action_log_probs
     tensors = independent["make"](f"bad_{case.replace(' ', '_')}", CONFIG, seed=5)  # valid, spoiled below
-    config, bad, field = bad_adapters(tensors)[case]
+    config, bad, field = bad_adapters(tensors, forwards.modules())[case]
     with pytest.raises(InvalidRequest) as refused:
         forwards.load("a", config, bad, version=2)
     assert refused.value.field == field

@@ -172,6 +172,11 @@ class AdapterForwards:
         self._keys: dict[str, str] = {}  # adapter name → peft's name for it (peft's module dicts refuse '.')
         self._next_key = 0
 
+    def modules(self) -> dict[str, tuple[int, int]]:
+        """The base's LoRA-able linear layers, read before any adapter (name → (out, in)): :func:`check_adapter`
+        may run on an upload with them before the forwarder's lock is taken (:meth:`load` checks again)."""
+        return dict(self._modules)
+
     def adapters(self) -> dict[str, LoadedAdapter]:
         """The loaded adapters by name."""
         return dict(self._loaded)
