@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import episodes, fleet, gae, judge, packing, pipeline, stream_overhead, trl_step
+from benchmarks import episodes, fleet, gae, judge, packing, pipeline, runs, stream_overhead, trl_step
 from services.common.models import SMOLLM2_ALIAS, resolve_model
 
 #: The issue's targets; a figure without one is informative (a seed's claim, or a precision).
@@ -38,6 +38,8 @@ TARGETS = {
     "judge_batched_vs_per_response": ">= 3",
     "judge_cache_hit_rate": "informative (items answered from the cache)",
     "judge_cache_calls_saved": "informative (judge prompts not sent)",
+    "runs_concurrent_vs_sequential_tokens_per_s": ">= 1.5",
+    "runs_share_vs_weight_a": "1 ± 0.10",
 }
 SMALL_WORKLOAD = pipeline.Workload(
     num_prompts=4, n_samples_per_prompt=2, max_new_tokens=16, max_num_seqs=4, kv_cache_memory_bytes=256 * 1024**2,
@@ -48,6 +50,8 @@ SMALL_FLEET_WORKLOAD = fleet.FleetWorkload(num_prompts=4, n_samples_per_prompt=2
 SMALL_EPISODE_WORKLOAD = episodes.EpisodeWorkload(
     num_prompts=2, n_samples_per_prompt=2, max_turns=2, max_new_tokens=16, backend="hf"
 )
+SMALL_RUNS_WORKLOAD = runs.RunsWorkload(num_prompts=2, throughput_prompts=2, n_samples_per_prompt=2, max_new_tokens=4,
+                                       backend="hf")
 SMALL_JUDGE_WORKLOAD = judge.JudgeWorkload(
     num_prompts=2, n_samples_per_prompt=2, judge_max_new_tokens=2, policy_max_new_tokens=2, refill_rounds=2
 )
@@ -74,6 +78,7 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
         episode_workload = SMALL_EPISODE_WORKLOAD if small else episodes.EpisodeWorkload()
         results.update(episodes.run(model, episode_workload, out / "logs"))
         results.update(judge.run(model, SMALL_JUDGE_WORKLOAD if small else judge.JudgeWorkload()))
+        results.update(runs.run(model, SMALL_RUNS_WORKLOAD if small else runs.RunsWorkload(), out / "logs"))
         if not small:  # two trainers and the services: minutes even at tiny sizes (tests/integration/test_trl.py
             # covers the integration itself)
             results.update(trl_step.run(model, trl_step.TrlStepWorkload(), out / "logs"))

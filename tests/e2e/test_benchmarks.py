@@ -16,7 +16,7 @@ FIGURES = {
     "stream_vs_raw_bytes", "vllm_vs_hf", "packed_vs_padded", "gae_vectorized_speedup", "gae_max_abs_error",
     "stream_vs_generation", "stream_skip_actor_vs_generation", "stream_lean_vs_generation",
     "reference_free_vs_with_reference", "fleet_two_vs_one_replica", "episodes_async_vs_turn_synchronous",
-    "judge_batched_vs_per_response",
+    "judge_batched_vs_per_response", "runs_concurrent_vs_sequential_tokens_per_s",
 }
 
 
@@ -45,3 +45,8 @@ def test_benchmarks_run_and_write_every_figure(tmp_path):
     items = run.SMALL_JUDGE_WORKLOAD.num_prompts * run.SMALL_JUDGE_WORKLOAD.n_samples_per_prompt
     assert (judged["batched"]["calls"], judged["per_response"]["calls"]) == (1, items), judged
     assert judged["cache"]["items_judged"] >= items and 0 <= written["judge_cache_hit_rate"] <= 1
+    runs = results["runs_inputs"]  # both runs' requests, sequential and concurrent, sampled every fixed-length token
+    workload = run.SMALL_RUNS_WORKLOAD
+    assert runs["tokens_per_pass"] == (
+        2 * workload.throughput_prompts * workload.n_samples_per_prompt * workload.max_new_tokens)
+    assert 0 <= runs["share_a_while_both"] <= 1 and isinstance(written["runs_share_vs_weight_a"], float)

@@ -1,0 +1,132 @@
+"""Two runs on one generator: aggregate throughput together vs one after the other, and each run's share of the
+generator against its weight (issue 33; base-model runs).
+
+Workload: SmolLM2 on the generator's vLLM engine (the launcher's core split), two runs created with ``CreateRun``
+(weights 3 and 1), each streaming ``num_prompts`` chat prompts x ``n_samples_per_prompt`` samples of exactly
+``max_new_tokens`` tokens (``ignore_eos``, so every group costs the same), skip_actor_forward and no reference
+(generation and scoring: what the runs share). Two sets of services, one after the other:
+
+- *throughput* (no ``max_samples_in_flight``: every group goes at once; each run's request the first
+  ``throughput_prompts`` prompts, a trainer's batch that leaves the engine's batch part empty): ``sequential``, run
+  a's request then run b's; ``concurrent``, both at once, each read in its own thread as batches arrive.
+- *share* (``max_samples_in_flight`` = two groups' samples, so the runs contend for the generator): both at once.
+
+Figures (ratios taken here, in this run): ``runs_concurrent_vs_sequential_tokens_per_s`` (aggregate sampled tokens
+per second; target >= 1.5 where one request leaves the engine's batch half empty), and
+``runs_share_vs_weight_a`` = run a's share of the tokens delivered while both runs still had work (until the first
+stream ended) / its weight's share 3/4 (target within 1 +- 0.10).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fastexp import ExperienceClient, RequestOptions, Sampling
+from services.demo.datasets import task_problems
+from services.launcher import LocalCluster
+
+WEIGHTS = {"a": 3, "b": 1}
+
+
+@dataclass(frozen=True)
+class RunsWorkload:
+    """Each run's prompts and sampling; the experience service's capacity in groups."""
+
+    task: str = "basic_arithmetic"
+    num_prompts: int = 24  # each run's request in the share phase
+    throughput_prompts: int = 4  # each run's request in the throughput phase (a trainer's batch of 16 samples)
+    n_samples_per_prompt: int = 4
+    max_new_tokens: int = 48
+    capacity_groups: int = 2
+    seed: int = 0
+    backend: str = "vllm"
+
+
+def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
+    """Measure both runs on ``model`` (a local folder); returns the figures, their inputs and the workload."""
+    problems = task_problems(workload.task, workload.num_prompts, seed=workload.seed)
+    options = RequestOptions(
+        n_samples_per_prompt=workload.n_samples_per_prompt, advantage_estimator="rloo", skip_actor_forward=True,
+        kl_coef=0.0, sampling=Sampling(temperature=1.0, max_new_tokens=workload.max_new_tokens, ignore_eos=True),
+    )
+    prompts = [list(p.messages) for p in problems]
+    batch = prompts[: workload.throughput_prompts]
+    with _services(model, workload.backend, log_dir / "runs-throughput", None) as address:
+        started = time.perf_counter()
+        for run_id in WEIGHTS:
+            _stream(address, run_id, batch, options, [], started)
+        sequential_s = time.perf_counter() - started
+        concurrent, concurrent_s = _both(address, batch, options)
+    capacity = workload.capacity_groups * workload.n_samples_per_prompt
+    with _services(model, workload.backend, log_dir / "runs-share", capacity) as address:
+        contended, _ = _both(address, prompts, options)
+    share = _share_while_both(contended, "a")
+    tokens = sum(t for _, _, t in concurrent)
+    return {
+        "runs_concurrent_vs_sequential_tokens_per_s": (tokens / concurrent_s) / (tokens / sequential_s),
+        "runs_share_vs_weight_a": share / (WEIGHTS["a"] / sum(WEIGHTS.values())),
+        "runs_inputs": {"sequential_s": sequential_s, "concurrent_s": concurrent_s, "tokens_per_pass": tokens,
+                        "share_a_while_both": share, "weights": WEIGHTS},
+        "runs_workload": {**asdict(workload), "model": model},
+    }
+
+
+@contextlib.contextmanager
+def _services(model: str, backend: str, log_dir: Path, max_samples_in_flight: int | None) -> Iterator[str]:
+    """The three services with runs a and b created (weights 3 and 1), warmed up; yields the experience address."""
+    capacity = {} if max_samples_in_flight is None else {"max_samples_in_flight": max_samples_in_flight}
+    overrides = {"generator": {"model": model, "backend": backend},
+                 "experience": {"actor_model": model, "reference_model": model, **capacity}}
+    with LocalCluster(overrides=overrides, log_dir=log_dir) as cluster:
+        address = cluster.address("experience")
+        with ExperienceClient(address) as client:
+            client.wait_until_ready(900)
+            for run_id, weight in WEIGHTS.items():
+                client.create_run(run_id, weight=weight)
+            for _ in client.make_experiences([[{"role": "user", "content": "Hi"}]], n_samples_per_prompt=2,
+                                             advantage_estimator="rloo", sampling=Sampling(max_new_tokens=8)):
+                pass  # warm-up
+        yield address
+
+
+def _both(address: str, prompts, options: RequestOptions) -> tuple[list[tuple[float, str, int]], float]:
+    """Both runs' streams at once, each read in its own thread: their batches' arrivals and the wall seconds."""
+    arrivals: list[tuple[float, str, int]] = []
+    started = time.perf_counter()
+    threads = [threading.Thread(target=_stream, args=(address, r, prompts, options, arrivals, started))
+               for r in WEIGHTS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return arrivals, time.perf_counter() - started
+
+
+def _stream(address: str, run_id: str, prompts, options: RequestOptions, arrivals: list, started: float) -> None:
+    """One run's stream read to the end; each batch's (seconds since ``started``, run, sampled tokens) appended."""
+    with ExperienceClient(address) as client:
+        for experience in client.make_experiences(prompts, options, run_id=run_id):
+            arrivals.append((time.perf_counter() - started, run_id, int(experience.response_length.sum())))
+
+
+def _share_while_both(arrivals: list[tuple[float, str, int]], run_id: str) -> float:
+    """``run_id``'s fraction of the tokens delivered until the first of the streams delivered its last batch."""
+    last = {run: max(t for t, r, _ in arrivals if r == run) for run in WEIGHTS}
+    cut = min(last.values())
+    both = [(r, tokens) for t, r, tokens in arrivals if t <= cut]
+    return sum(tokens for r, tokens in both if r == run_id) / sum(tokens for _, tokens in both)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    from services.common.models import SMOLLM2_ALIAS, resolve_model
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "out/bench")
+    print(json.dumps(run(resolve_model(SMOLLM2_ALIAS), RunsWorkload(), out / "logs"), indent=2))
