@@ -18,7 +18,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks import episodes, fleet, gae, judge, packing, pipeline, runs, stream_overhead, trl_step
+from benchmarks import (
+    adapter_memory,
+    episodes,
+    fleet,
+    gae,
+    judge,
+    packing,
+    pipeline,
+    runs,
+    stream_overhead,
+    trl_step,
+)
 from services.common.models import SMOLLM2_ALIAS, resolve_model
 
 #: The issue's targets; a figure without one is informative (a seed's claim, or a precision).
@@ -40,6 +51,7 @@ TARGETS = {
     "judge_cache_calls_saved": "informative (judge prompts not sent)",
     "runs_concurrent_vs_sequential_tokens_per_s": ">= 1.5",
     "runs_share_vs_weight_a": "1 ± 0.10",
+    "adapter_memory_rss_vs_tensor_bytes": "informative (resident memory per LoRA adapter / its tensor bytes)",
 }
 SMALL_WORKLOAD = pipeline.Workload(
     num_prompts=4, n_samples_per_prompt=2, max_new_tokens=16, max_num_seqs=4, kv_cache_memory_bytes=256 * 1024**2,
@@ -86,6 +98,7 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
         packing.run(model, rows=4, max_response=16, micro_batch_size=2, repeats=1) if small else packing.run(model)
     )
     results.update(gae.run(batch=8, length=256, repeats=1) if small else gae.run())
+    results.update(adapter_memory.run(model, counts=(1, 2), rank=4) if small else adapter_memory.run(model))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(_markdown(results))
