@@ -200,8 +200,9 @@ class ExperienceClient:
         """Delete the run; returns its last state.
 
         Raises:
-            fastexp.errors.NotFound, PermissionDenied: as :meth:`get_run`. FailedPrecondition: streams of the run
-            are open (delete it once they end).
+            fastexp.errors.NotFound: as :meth:`get_run`.
+            fastexp.errors.PermissionDenied: as :meth:`get_run`.
+            fastexp.errors.FailedPrecondition: streams of the run are open (delete it once they end).
         """
         return run_from_pb(self._stub.DeleteRun(experience_pb2.DeleteRunRequest(run_id=run_id), timeout=timeout_s))
 
