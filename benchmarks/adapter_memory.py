@@ -26,8 +26,9 @@ import importlib
 
 import torch
 
+from services.common.lora import AdapterConfig, expected_tensors
 from services.experience.runs.limits import DEFAULT_LORA_TARGET_MODULES
-from services.experience.workers.adapters import AdapterConfig, AdapterForwards, expected_tensors, linear_modules
+from services.experience.workers.adapters import AdapterForwards, linear_modules
 from services.experience.workers.logprobs import LogProbModel
 from services.experience.workers.offload import module_bytes
 

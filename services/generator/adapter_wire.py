@@ -3,7 +3,7 @@ in memory (an adapter is MBs: no staging on disk) and checks them as they arrive
 
 The receiver checks the header's name and config first, each tensor's name, dtype and shape on its first chunk
 (before its bytes are held), and each tensor's CRC-32 once its last byte arrived; the engine then checks the whole
-adapter again (:func:`services.generator.adapters.check_adapter`: nothing missing, finite values) before applying it.
+adapter again (:func:`services.common.lora.check_adapter`: nothing missing, finite values) before applying it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fastexp.types import FLOAT_DTYPES
 from fastexp.v1 import generation_pb2, tensor_pb2
 from fastexp.weights import weight_chunks
 from services.common.errors import InvalidRequest
-from services.generator.adapters import AdapterConfig, check_config, check_tensor
+from services.common.lora import AdapterConfig, check_config, check_tensor
 
 
 def adapter_chunks(

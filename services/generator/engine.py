@@ -17,7 +17,8 @@ from services.common.generation import CompletionRecord, GenerationRequest
 if TYPE_CHECKING:
     import torch
 
-    from services.generator.adapters import AdapterConfig, AdapterTable
+    from services.common.lora import AdapterConfig
+    from services.generator.adapters import AdapterTable
 
 
 @dataclass(frozen=True)

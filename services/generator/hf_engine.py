@@ -25,9 +25,10 @@ from transformers.generation.logits_process import (
 from fastexp.sampling import SamplingOptions
 from services.common.errors import FailedPrecondition
 from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.lora import AdapterConfig, check_adapter
 from services.common.models import is_vision_language
 from services.common.weights import TensorEntry, copy_into, update_entries
-from services.generator.adapters import AdapterConfig, AdapterSlot, AdapterTable, check_adapter
+from services.generator.adapters import AdapterSlot, AdapterTable
 from services.generator.engine import ModelDescription, SleepState, TokenizerEngine
 from services.generator.hf_adapters import PeftAdapters, base_state, model_linear_modules
 
@@ -273,7 +274,7 @@ class HFEngine(TokenizerEngine):
     async def load_adapter(
         self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None
     ) -> int:
-        """Check the adapter (:func:`~services.generator.adapters.check_adapter`), then add it to the model's peft
+        """Check the adapter (:func:`~services.common.lora.check_adapter`), then add it to the model's peft
         layers between ``generate`` chunks. Requests started after it returns use it; those running on an older
         version finish on that one, which is removed after the last. Returns the adapter's version (``version``,
         or the previous + 1; 1 for a first load).

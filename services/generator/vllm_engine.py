@@ -24,10 +24,11 @@ import torch
 from fastexp.sampling import SamplingOptions
 from services.common.errors import FailedPrecondition, NotReady
 from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.lora import AdapterConfig, check_adapter, linear_modules
 from services.common.media import DecodedMedia
 from services.common.models import is_vision_language
 from services.common.weights import model_spec
-from services.generator.adapters import AdapterConfig, AdapterSlot, AdapterTable, check_adapter, linear_modules
+from services.generator.adapters import AdapterSlot, AdapterTable
 from services.generator.engine import ModelDescription, SleepState, TokenizerEngine
 from services.generator.vllm_lora import lora_options, lora_request, packed
 
@@ -257,7 +258,7 @@ class VLLMEngine(TokenizerEngine):
     async def load_adapter(
         self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None
     ) -> int:
-        """Check the adapter (:func:`~services.generator.adapters.check_adapter`), then load it in every worker from
+        """Check the adapter (:func:`~services.common.lora.check_adapter`), then load it in every worker from
         memory (``collective_rpc`` → :meth:`~services.generator.vllm_worker.WeightLoaderExtension.fastexp_load_adapter`)
         without pausing the scheduler. Requests started after it returns use it; those running on an older version
         of ``name`` finish on that one, which is dropped when the last ends. Returns the adapter's version

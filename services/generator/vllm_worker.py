@@ -44,7 +44,7 @@ class WeightLoaderExtension:
 
     def fastexp_load_adapter(self, name: str, slot_id: int, peft_fields: dict, tensors: dict[str, tuple]) -> int:
         """Keep an adapter's tensors as ``slot_id`` and load them into vLLM's LoRA cache (already checked by the
-        engine: :func:`services.generator.adapters.check_adapter`).
+        engine: :func:`services.common.lora.check_adapter`).
 
         Args:
             name, slot_id: the adapter's name and its load's id (vLLM's ``lora_int_id``).

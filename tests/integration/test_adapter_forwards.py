@@ -16,8 +16,9 @@ import torch
 
 from services.common.errors import InvalidRequest
 from services.common.generation import CompletionRecord
+from services.common.lora import AdapterConfig, expected_tensors
 from services.experience.config import PromptSpec
-from services.experience.workers.adapters import AdapterConfig, AdapterForwards, expected_tensors
+from services.experience.workers.adapters import AdapterForwards
 from services.experience.workers.inputs import chunks
 from services.experience.workers.logprobs import LogProbModel
 from services.experience.workers.sequences import build_rollout

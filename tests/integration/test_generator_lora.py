@@ -18,7 +18,7 @@ import torch
 from fastexp.sampling import SamplingOptions
 from services.common.errors import InvalidRequest
 from services.common.generation import CompletionRecord, GenerationRequest
-from services.generator.adapters import AdapterConfig
+from services.common.lora import AdapterConfig
 
 pytestmark = pytest.mark.smollm2
 

@@ -9,15 +9,13 @@ Tensors are named as peft's ``get_peft_model_state_dict`` names them:
 ``base_model.model.<module>.lora_B.weight`` of shape ``(out_features, rank)``, where ``<module>`` is a linear
 layer of the base model (``model.layers.0.self_attn.q_proj``) whose name is an entry of ``target_modules`` or ends
 with ``"." + entry`` (peft's rule for a list). The adapter adds ``scaling * B @ A`` to the module's output
-(``scaling = alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA). The checks are the generator's
-(``services/generator/adapters.py``: same fields, same messages); the experience service may not import another
-service, so they are repeated here until both move to ``services.common``.
+(``scaling = alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA). The config and the checks are the ones the
+generator applies (:mod:`services.common.lora`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -25,23 +23,9 @@ from typing import NamedTuple
 import torch
 
 from services.common.errors import InvalidRequest
+from services.common.lora import NOT_TARGETS, PEFT_PREFIX, AdapterConfig, check_adapter
 from services.experience.workers.inputs import ForwardChunk
 from services.experience.workers.logprobs import LogProbModel
-
-PEFT_PREFIX = "base_model.model."
-# Modules that are not LoRA targets: embeddings and the output head, and vision towers (as on the generator).
-_NOT_TARGETS = ("embed_tokens", "lm_head", "visual.", "vision_tower", "vision_model", "multi_modal_projector")
-
-
-@dataclass(frozen=True)
-class AdapterConfig:
-    """peft ``LoraConfig`` fields of an adapter: ``rank`` (``r``), ``alpha`` (``lora_alpha``), the module-name
-    suffixes it adapts (``target_modules``: ``("q_proj", "v_proj")``) and rsLoRA scaling."""
-
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    use_rslora: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,75 +55,7 @@ def linear_modules(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """The module's LoRA-able ``nn.Linear`` layers: name → ``(out_features, in_features)``, embeddings, the output
     head and vision towers left out (read before any adapter is injected)."""
     return {name: (layer.out_features, layer.in_features) for name, layer in module.named_modules()
-            if isinstance(layer, torch.nn.Linear) and not any(part in name for part in _NOT_TARGETS)}
-
-
-def targets(modules: Mapping[str, tuple[int, int]], target_modules: Sequence[str]) -> dict[str, tuple[int, int]]:
-    """The modules ``target_modules`` select (peft's rule: the name is an entry or ends with ``"." + entry``)."""
-    return {m: shape for m, shape in modules.items() if any(m == t or m.endswith("." + t) for t in target_modules)}
-
-
-def expected_tensors(config: AdapterConfig, modules: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """peft name → shape of every tensor an adapter with ``config`` has on these modules."""
-    expected = {}
-    for module, (out_features, in_features) in targets(modules, config.target_modules).items():
-        expected[f"{PEFT_PREFIX}{module}.lora_A.weight"] = (config.rank, in_features)
-        expected[f"{PEFT_PREFIX}{module}.lora_B.weight"] = (out_features, config.rank)
-    return expected
-
-
-def check_adapter(
-    name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], modules: Mapping[str, tuple[int, int]],
-    max_rank: int,
-) -> dict[str, tuple[int, int]]:
-    """Check a whole adapter before any of it is applied; returns the modules it adapts (name → (out, in)).
-
-    Args:
-        name: the adapter's name, non-empty (a run id).
-        config: ``rank`` in 1..``max_rank``, ``alpha`` > 0 and finite, ``target_modules`` selecting at least one
-            of ``modules``.
-        tensors: peft-named tensors (module docstring): exactly the ones ``config`` produces on this model, each
-            of a floating dtype, the expected shape and finite.
-        modules: the base's linear layers (:func:`linear_modules`).
-
-    Raises:
-        InvalidRequest: naming ``adapter``, ``config.rank``, ``config.alpha``, ``config.target_modules`` or the
-            tensor (``tensors[base_model.model....lora_B.weight]``) and why.
-    """
-    if not isinstance(name, str) or not name:
-        raise InvalidRequest("adapter", f"{name!r} is not an adapter name (a non-empty string)")
-    if not 1 <= config.rank <= max_rank:
-        raise InvalidRequest("config.rank", f"{config.rank}; this service takes ranks 1 to {max_rank} "
-                             "(max_lora_rank)")
-    if not (math.isfinite(config.alpha) and config.alpha > 0):
-        raise InvalidRequest("config.alpha", f"{config.alpha}; must be a positive number")
-    expected = expected_tensors(config, modules)
-    if not expected:
-        suffixes = sorted({m.rsplit(".", 1)[-1] for m in modules})
-        raise InvalidRequest("config.target_modules", f"{list(config.target_modules)} select no linear layer of "
-                             f"the model (its layers end in {suffixes})")
-    for tensor_name, tensor in tensors.items():
-        _check_tensor(tensor_name, tensor, expected)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise InvalidRequest(f"tensors[{missing[0]}]", f"missing: target_modules {list(config.target_modules)} "
-                             f"adapt this module ({len(missing)} of {len(expected)} tensors absent)")
-    return targets(modules, config.target_modules)
-
-
-def _check_tensor(name: str, tensor: torch.Tensor, expected: Mapping[str, tuple[int, int]]) -> None:
-    field = f"tensors[{name}]"
-    if name not in expected:
-        example = next(iter(expected))
-        raise InvalidRequest(field, f"not a LoRA tensor of the config's target modules on this model (names as "
-                             f"peft's get_peft_model_state_dict gives them, e.g. {example!r})")
-    if not tensor.dtype.is_floating_point:
-        raise InvalidRequest(field, f"dtype {str(tensor.dtype).removeprefix('torch.')}; must be floating point")
-    if tuple(tensor.shape) != expected[name]:
-        what = "(rank, in_features)" if ".lora_A." in name else "(out_features, rank)"
-        raise InvalidRequest(field, f"shape {tuple(tensor.shape)}; expected {expected[name]} {what}")
-    if not bool(torch.isfinite(tensor).all()):
-        raise InvalidRequest(field, "holds NaN or infinite values")
+            if isinstance(layer, torch.nn.Linear) and not any(part in name for part in NOT_TARGETS)}
 
 
 class AdapterForwards:
