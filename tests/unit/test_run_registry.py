@@ -20,7 +20,6 @@ from fastexp.runs import LoraSpec as ClientLora
 from fastexp.runs import RunLimits as ClientLimits
 from fastexp.status import attributed_error, code_of, received_error
 from services.common.identity import ANONYMOUS, Caller, caller_of
-from services.experience.api.request import MAX_RUN_ID_CHARS as REQUEST_MAX_RUN_ID_CHARS
 from services.experience.runs.limits import (
     DEFAULT_LORA_TARGET_MODULES,
     MAX_RUN_ID_CHARS,
@@ -57,10 +56,6 @@ def test_other_run_ids_are_invalid_naming_run_id(run_id):
     with pytest.raises(InvalidRequest) as raised:
         check_run_id(run_id)
     assert raised.value.field == "run_id"
-
-
-def test_a_run_id_has_the_same_length_limit_as_make_experiences_run_id():
-    assert MAX_RUN_ID_CHARS == REQUEST_MAX_RUN_ID_CHARS
 
 
 def test_a_lora_spec_gets_its_defaults_alpha_equal_to_rank_and_every_allowed_module():

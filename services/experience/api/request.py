@@ -29,11 +29,11 @@ from services.experience.config import (
     ExperienceConfig,
     ExperienceRequest,
 )
+from services.experience.runs.limits import MAX_RUN_ID_CHARS
 from services.experience.workers.vision import VisionProcessor
 
 DEFAULT_ESTIMATOR = "group_norm"
 MAX_EXTRA_ROUNDS = 16
-MAX_RUN_ID_CHARS = 256
 DEFAULT_MEDIA_LIMITS = MediaLimits()
 MAX_STALENESS = 1024  # policy versions; larger bounds are "unbounded" in practice: leave max_staleness unset
 #: Most model turns a request may ask per episode.
