@@ -27,8 +27,8 @@ class Recording:
         self._generate = engine.generate
         engine.generate = self.generate
 
-    async def generate(self, request):
-        async for record in self._generate(request):
+    async def generate(self, request, adapter=None):
+        async for record in self._generate(request, adapter=adapter):
             self.completions.append(record)
             yield record
 
