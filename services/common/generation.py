@@ -34,6 +34,9 @@ class GenerationRequest:
     # The experience service's routing hint (never sent): requests with one key go to the replica that holds their
     # prefix in its KV cache, e.g. the turns of one multi-turn episode. None: the prompt's own tokens.
     affinity_key: str | None = None
+    # The LoRA adapter to sample with (the generator's name for it: a LoRA run's id); None: the base model. Every
+    # sample then carries the adapter's version as its policy_version.
+    adapter: str | None = None
 
     def media_of(self, index: int) -> EncodedMedia | None:
         return self.media[index] if self.media else None

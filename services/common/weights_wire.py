@@ -1,4 +1,5 @@
-"""``UpdateWeights`` streams on the receiving side: read into staged tensors, and re-sent to a generator.
+"""``UpdateWeights`` streams on the receiving side: read into staged tensors, and re-sent to a generator; and the
+``LoadAdapter`` messages that carry a LoRA adapter to a generator (:func:`adapter_chunks`).
 
 The wire half of :mod:`services.common.weights` (which holds the records and the staging itself, free of
 protobuf): servicers and the fleet's clients use these; the pipeline sees only :class:`ReceivedUpdate`.
@@ -8,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
+
+import torch
 
 from fastexp.v1 import generation_pb2, tensor_pb2
 from fastexp.weights import TARGETS, weight_chunks
 from services.common.errors import InvalidRequest
+from services.common.lora import AdapterConfig
 from services.common.weight_checks import allowed_checkpoint_dir
 from services.common.weights import ReceivedUpdate, UpdateBounds, WeightStager, checkpoint_entries
 
@@ -93,3 +97,24 @@ def entry_chunks(
         ((e.name, e.load()) for e in update.entries), chunk_bytes=chunk_bytes, target=update.target,
         num_tensors=len(update.entries), policy_version=policy_version,
     )
+
+
+def adapter_chunks(
+    name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], *, version: int | None = None,
+    chunk_bytes: int = 4 * 1024 * 1024,
+) -> Iterator[generation_pb2.AdapterChunk]:
+    """The ``LoadAdapter`` messages for adapter ``name``: the header, then each peft-named tensor in its own
+    floating dtype, ``chunk_bytes`` per chunk, its first chunk with its CRC-32 (as :func:`fastexp.weights.weight_chunks`
+    sends weights). ``version``: the version the load makes live (None: the receiver's previous + 1).
+
+    Raises:
+        ValueError: a tensor is not floating point; ``chunk_bytes`` < 1.
+    """
+    yield generation_pb2.AdapterChunk(header=generation_pb2.AdapterHeader(
+        name=name, rank=config.rank, alpha=config.alpha, target_modules=list(config.target_modules),
+        use_rslora=config.use_rslora, num_tensors=len(tensors), version=version,
+    ))
+    chunks = weight_chunks(list(tensors.items()), chunk_bytes=chunk_bytes)
+    next(chunks)  # its WeightsHeader: the adapter's header went first
+    for chunk in chunks:
+        yield generation_pb2.AdapterChunk(tensor=chunk.tensor)

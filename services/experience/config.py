@@ -77,6 +77,7 @@ class ExperienceConfig:
     rollout_correction: RolloutCorrectionOptions | None = None  # truncated IS weights (None: off)
     share_weight: float = 1.0  # the run's weight in the generator's fair share (its RunLimits.weight)
     max_groups_ahead: int | None = None  # the run's backpressure window (None: the service's max_groups_ahead)
+    adapter: str | None = None  # a LoRA run's adapter (its run id): sampled and forwarded with it (None: the base)
 
     @property
     def needs_reference(self) -> bool:

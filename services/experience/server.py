@@ -33,6 +33,7 @@ from services.experience.pipeline.maker import ExperienceMaker
 from services.experience.pipeline.run_store import RunStore
 from services.experience.runs.registry import RunRegistry
 from services.experience.settings import ExperienceSettings
+from services.experience.workers.adapters import AdapterForwards
 from services.experience.workers.critic import ValueModel
 from services.experience.workers.logprobs import LogProbModel
 from services.experience.workers.vision import VisionProcessor
@@ -101,7 +102,10 @@ def _load_policy(settings: ExperienceSettings) -> _Policy:
     critic = None
     if settings.critic_model:
         critic = ValueModel.load(resolve_model(settings.critic_model), **placement)
-    models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, settings.forward_share_prompt)
+    # LoRA runs' adapters go on the actor's module: it holds the base the generator serves
+    adapters = AdapterForwards(actor, settings.max_lora_rank) if settings.lora_runs else None
+    models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, settings.forward_share_prompt,
+                           adapters)
     vision = VisionProcessor.load(actor_path)
     tokenizer = vision.tokenizer if vision is not None else AutoTokenizer.from_pretrained(actor_path)
     return _Policy(models, actor_path, tokenizer, vision)
@@ -242,6 +246,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         max_samples_in_flight=settings.max_samples_in_flight,
     )
     fleet.weight_source = maker.sync_replica
+    fleet.members.live_adapters = maker.clocks.live_adapters  # a replica lacking one is sent it before it serves
     upstream.on_generator_info = _on_generator_reached(maker, policy)
     servicer = ExperienceServicer(
         maker, policy.tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,

@@ -72,6 +72,8 @@ class ExperienceSettings(GenerationLimits):
     )
     run_default_weight: int = Field(1, ge=1, description="a run's share weight when CreateRun leaves it 0")
     run_max_weight: int = Field(100, ge=1, description="largest share weight a run may ask for")
+    lora_runs: bool = Field(True, description="accept LoRA runs (CreateRun with lora): their adapters are loaded on "
+                                              "the actor's module, about 22 MB each at rank 16 on SmolLM2-135M")
     max_lora_rank: int = Field(DEFAULT_MAX_LORA_RANK, ge=1, description="largest LoRA rank a run may ask for")
     lora_target_modules: list[str] = Field(
         default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES), min_length=1,

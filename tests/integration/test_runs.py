@@ -2,7 +2,7 @@
 float32; the generator behind a gated proxy, tests/support/gates.py, to hold streams in flight): the trainer
 client's create/get/list/delete; a run is its creating token's (another call token is refused everything, an admin
 token may do everything); ``max_runs`` and a run's ``max_streams`` answer RESOURCE_EXHAUSTED naming them and a
-cancelled stream gives its slot back; LoRA specs are checked and then refused until adapters are served; with
+cancelled stream gives its slot back; LoRA specs are checked, and a LoRA run streams only once its adapter was sent; with
 tokens off everything is "anonymous"'s and allowed."""
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ async def test_a_runs_streams_past_max_streams_are_refused_and_a_cancelled_strea
         await _call(stack, ALICE, "delete_run", "alice-streams")
 
 
-async def test_a_lora_run_is_checked_against_the_limits_then_refused_until_adapters_are_served(stack):
+async def test_a_lora_run_is_checked_against_the_limits_and_streams_only_once_its_adapter_was_sent(stack):
     with pytest.raises(InvalidRequest) as invalid:
         await _call(stack, ALICE, "create_run", "alice-lora", lora_rank=MAX_LORA_RANK + 1)
     assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and invalid.value.field == "lora.rank"
@@ -259,8 +259,13 @@ async def test_a_lora_run_is_checked_against_the_limits_then_refused_until_adapt
     with pytest.raises(InvalidRequest) as invalid:
         await _call(stack, ALICE, "create_run", "alice-lora", lora_rank=4, target_modules=["lm_head"])
     assert invalid.value.field == "lora.target_modules"
-    with pytest.raises(FailedPrecondition, match="LoRA runs are not served by this deployment yet"):
-        await _call(stack, ALICE, "create_run", "alice-lora", lora_rank=4, lora_alpha=8.0)
+    created = await _call(stack, ALICE, "create_run", "alice-lora", lora_rank=4, lora_alpha=8.0)
+    assert created.lora is not None and (created.lora.rank, created.lora.alpha) == (4, 8.0)
+    assert created.policy_version == 0  # no adapter yet
+    with pytest.raises(FailedPrecondition) as refused:
+        await _stream(stack, ALICE, "alice-lora")
+    assert "run_id: LoRA run 'alice-lora' has no adapter yet" in str(refused.value)
+    await _call(stack, ALICE, "delete_run", "alice-lora")
     with pytest.raises(InvalidRequest) as invalid:
         await _call(stack, ALICE, "create_run", "bad id/with slash")
     assert invalid.value.field == "run_id"

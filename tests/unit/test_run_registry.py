@@ -91,11 +91,13 @@ def test_operator_limits_refuse_a_default_above_its_ceiling():
         OperatorLimits(defaults=RunLimits(5, 8, 1000, 1), ceilings=RunLimits(4, 16, 5000, 10))
 
 
-def test_lora_runs_are_refused_while_the_deployment_serves_no_adapters():
-    check_servable(None, OPERATOR)
-    with pytest.raises(FailedPrecondition, match="LoRA runs are not served by this deployment yet"):
-        check_servable(LoraSpec(4), OPERATOR)
-    check_servable(LoraSpec(4), OperatorLimits(serves_lora=True))  # the one place to lift
+def test_lora_runs_need_adapters_of_their_rank_served():
+    check_servable(None, 0)
+    with pytest.raises(FailedPrecondition, match="^lora: this deployment serves no LoRA adapters"):
+        check_servable(LoraSpec(4), 0)
+    with pytest.raises(FailedPrecondition, match="^lora.rank: 8; .* up to rank 4"):
+        check_servable(LoraSpec(8), 4)
+    check_servable(LoraSpec(4), 4)
 
 
 def test_the_settings_defaults_give_rank_16_on_the_attention_and_mlp_projections():
@@ -148,7 +150,7 @@ def test_create_checks_id_spec_and_limits_then_lora_then_duplicates_then_max_run
     with pytest.raises(InvalidRequest, match="^lora.rank"):
         registry.create("r", ALICE, LoraSpec(rank=64), RunLimits())
     with pytest.raises(FailedPrecondition):
-        registry.create("r", ALICE, LoraSpec(rank=8), RunLimits())
+        registry.create("r", ALICE, LoraSpec(rank=8), RunLimits())  # no adapters served: the default
     registry.create("r", ALICE, None, RunLimits())
     with pytest.raises(AlreadyExists, match="^run_id: "):
         registry.create("r", BOB, None, RunLimits())

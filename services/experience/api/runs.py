@@ -12,9 +12,33 @@ from __future__ import annotations
 import grpc
 
 from fastexp.v1 import experience_pb2
+from services.common.errors import FailedPrecondition, InvalidRequest
 from services.common.identity import current_caller
+from services.experience.config import ExperienceConfig
 from services.experience.runs.limits import LoraSpec, RunLimits
-from services.experience.runs.registry import RunRegistry, RunStatus
+from services.experience.runs.registry import Run, RunRegistry, RunStatus
+
+
+def check_lora_stream(config: ExperienceConfig, run: Run, adapter_version: int) -> None:
+    """Whether a stream of ``run`` (a LoRA run when ``run.lora`` is set) can run as ``config`` asks, its adapter at
+    ``adapter_version`` (0: none sent yet).
+
+    Raises:
+        FailedPrecondition: naming ``run_id``: the run's adapter was never sent (``update_weights(..., run_id=)``).
+        InvalidRequest: naming ``advantage_estimator`` (a critic: the service's value model is no run's own) or
+            ``agent`` (agent episodes sample the base model through the gateway).
+    """
+    if run.lora is None:
+        return
+    if adapter_version == 0:
+        raise FailedPrecondition(f"run_id: LoRA run {run.run_id!r} has no adapter yet; send its weights with "
+                                 "update_weights(tensors, run_id=...) before streaming it")
+    if config.estimator.needs_critic:
+        raise InvalidRequest("advantage_estimator", "a LoRA run has no critic of its own here; use a critic-free "
+                                                    "estimator (grpo, rloo, reinforce_baseline, ...)")
+    if config.agent is not None:
+        raise InvalidRequest("agent", "agent episodes sample the base model; LoRA runs stream single-turn or "
+                                      "environment episodes")
 
 
 def lora_from_pb(message: experience_pb2.LoraSpec) -> LoraSpec:
@@ -49,12 +73,21 @@ def run_to_pb(status: RunStatus, policy_version: int, usage: tuple[int, int] | N
 
 class RunMethods:
     """The run RPCs of ``fastexp.v1.ExperienceService`` (module docs), mixed into its servicer, which provides
-    ``_runs`` (the registry), :meth:`_policy_version` and :meth:`_share_usage`."""
+    ``_runs`` (the registry), :meth:`_policy_version`, :meth:`_share_usage`, :meth:`_served_lora_rank` and
+    :meth:`_run_deleted`."""
 
     _runs: RunRegistry
 
-    def _policy_version(self) -> int:
-        """The live policy version of the deployment's base model."""
+    def _policy_version(self, run: Run) -> int:
+        """The live policy version ``run`` samples: its adapter's, or the deployment's base model's."""
+        raise NotImplementedError
+
+    def _served_lora_rank(self) -> int:
+        """The highest LoRA rank the deployment serves now (0: none)."""
+        raise NotImplementedError
+
+    async def _run_deleted(self, run: Run) -> None:
+        """Free what the deleted ``run`` held outside the registry (its adapter)."""
         raise NotImplementedError
 
     def _share_usage(self, run_id: str) -> tuple[int, int]:
@@ -62,13 +95,14 @@ class RunMethods:
         raise NotImplementedError
 
     def _run_pb(self, status: RunStatus) -> experience_pb2.Run:
-        return run_to_pb(status, self._policy_version(), self._share_usage(status.run.run_id))
+        return run_to_pb(status, self._policy_version(status.run), self._share_usage(status.run.run_id))
 
     async def CreateRun(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.CreateRunRequest, context: grpc.aio.ServicerContext
     ) -> experience_pb2.Run:
         lora = lora_from_pb(request.lora) if request.HasField("lora") else None
-        return self._run_pb(self._runs.create(request.run_id, current_caller(), lora, limits_from_pb(request.limits)))
+        return self._run_pb(self._runs.create(request.run_id, current_caller(), lora, limits_from_pb(request.limits),
+                                              self._served_lora_rank))
 
     async def GetRun(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.GetRunRequest, context: grpc.aio.ServicerContext
@@ -83,4 +117,7 @@ class RunMethods:
     async def DeleteRun(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.DeleteRunRequest, context: grpc.aio.ServicerContext
     ) -> experience_pb2.Run:
-        return self._run_pb(self._runs.delete(request.run_id, current_caller()))
+        status = self._runs.delete(request.run_id, current_caller())
+        last = self._run_pb(status)  # as it was: its live version before its adapter goes
+        await self._run_deleted(status.run)
+        return last

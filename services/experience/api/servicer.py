@@ -20,17 +20,19 @@ from services.common.deadlines import Deadline
 from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
 from services.common.identity import current_caller
 from services.common.logs import bind_request_id, current_request_id
+from services.common.lora import AdapterConfig
 from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits
+from services.common.weight_checks import TensorSpec
 from services.common.weights import UpdateBounds
 from services.common.weights_wire import staged_update
 from services.experience.api.prompts import InvalidPrompts
 from services.experience.api.request import decode_request
-from services.experience.api.runs import RunMethods
+from services.experience.api.runs import RunMethods, check_lora_stream
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.pipeline.events import StreamStats
 from services.experience.pipeline.maker import ExperienceMaker
-from services.experience.runs.limits import OperatorLimits
+from services.experience.runs.limits import OperatorLimits, adapter_config
 from services.experience.runs.registry import Run, RunRegistry
 from services.experience.workers.vision import VisionProcessor
 
@@ -68,7 +70,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         self._limits = limits
         self._generator_info = generator_info
         self._weights_staging_dir = weights_staging_dir
-        self._updating = asyncio.Lock()
+        self._updating: set[str] = set()  # the updates in progress: each LoRA run's id, "" for the base model
 
     async def MakeExperiences(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext
@@ -110,9 +112,11 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
             self._maker.check_agent(decoded.config.agent.name)  # INVALID_ARGUMENT: not one of the operator's
         if not request.request_id and current_request_id():  # the trainer's x-request-id names the stream
             decoded = dataclasses.replace(decoded, request_id=current_request_id())
-        if run is not None:  # its weight in the generator's fair share, its backpressure window
+        if run is not None:  # its weight in the generator's fair share, its backpressure window, its adapter
             decoded = dataclasses.replace(decoded, config=dataclasses.replace(
-                decoded.config, share_weight=float(run.limits.weight), max_groups_ahead=run.limits.max_groups_ahead))
+                decoded.config, share_weight=float(run.limits.weight), max_groups_ahead=run.limits.max_groups_ahead,
+                adapter=None if run.lora is None else run.run_id))
+            check_lora_stream(decoded.config, run, self._maker.adapter_version(run.run_id))
         bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
         deadline = Deadline.from_remaining(context.time_remaining())
         stats = StreamStats()
@@ -141,18 +145,41 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext
     ) -> generation_pb2.UpdateWeightsResponse:
         run_id = dict(context.invocation_metadata() or ()).get(RUN_ID_KEY)
-        if run_id:  # its owner or an admin token, and an admin token for a base-model run's (shared) weights
-            self._runs.authorize_update(run_id, current_caller())
+        # its owner or an admin token, and an admin token for a base-model run's (shared) weights
+        run = self._runs.authorize_update(run_id, current_caller()) if run_id else None
         self._generator_info()  # NotReady: the update could not reach the generator
-        if self._updating.locked():
-            raise Overloaded("another weight update is in progress")
-        async with self._updating:
-            async with staged_update(request_iterator, self._weights_staging_dir, bounds=self._update_bounds) as update:
-                await self._maker.update_weights(update, Deadline.from_remaining(context.time_remaining()))
+        key = run.run_id if run is not None and run.lora is not None else ""  # each LoRA run's, and the base's
+        if key in self._updating:
+            what = f"of run {key!r} " if key else ""
+            raise Overloaded(f"another weight update {what}is in progress")
+        self._updating.add(key)
+        deadline = Deadline.from_remaining(context.time_remaining())
+        try:
+            if run is not None and run.lora is not None:
+                config = adapter_config(run.lora)
+                bounds = UpdateBounds(functools.partial(self._adapter_spec, config))
+                async with staged_update(request_iterator, self._weights_staging_dir, bounds=bounds) as update:
+                    version = await self._maker.update_adapter(run.run_id, config, update, deadline)
+            else:
+                async with staged_update(request_iterator, self._weights_staging_dir, bounds=self._update_bounds) as update:
+                    await self._maker.update_weights(update, deadline)
+                version = self._maker.policy.version
+        finally:
+            self._updating.discard(key)
         return generation_pb2.UpdateWeightsResponse(
-            policy_version=self._maker.policy.version, critic_version=self._maker.critic_version,
+            policy_version=version, critic_version=self._maker.critic_version,
             num_tensors=len(update.entries), num_bytes=update.num_bytes,
         )
+
+    def _adapter_spec(self, config: AdapterConfig, target: str) -> dict[str, TensorSpec]:
+        """What a LoRA run's update is checked against: its adapter's tensors (the policy's, never the critic's).
+
+        Raises:
+            InvalidRequest: ``header.target`` is not the policy.
+        """
+        if target != "policy":
+            raise InvalidRequest("header.target", "a LoRA run's update carries its adapter: target the policy")
+        return self._maker.adapter_spec(config)
 
     async def OffloadModels(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.OffloadModelsRequest, context: grpc.aio.ServicerContext
@@ -163,8 +190,17 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         moved, names = await self._maker.offload_models()
         return experience_pb2.ModelPlacementResponse(moved_bytes=moved, models=names)
 
-    def _policy_version(self) -> int:
-        return self._maker.policy.version
+    def _policy_version(self, run: Run) -> int:
+        return self._maker.policy.version if run.lora is None else self._maker.adapter_version(run.run_id)
+
+    def _served_lora_rank(self) -> int:
+        if not self._maker.serves_adapters:
+            return 0
+        return min(self._generator_info().max_lora_rank, self._runs.limits.max_lora_rank)  # NotReady: no generator
+
+    async def _run_deleted(self, run: Run) -> None:
+        if run.lora is not None:
+            await self._maker.remove_adapter(run.run_id)
 
     def _share_usage(self, run_id: str) -> tuple[int, int]:
         return self._maker.share_usage(run_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 
 import grpc
 import stamina
@@ -32,9 +32,10 @@ from fastexp.wire import sampling_to_pb
 from services.common.deadlines import Deadline
 from services.common.errors import EpisodeFailed, FastexpError, NotReady, RewardFailed, UpstreamTimeout
 from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.lora import AdapterConfig
 from services.common.media_wire import media_to_pb
 from services.common.weights import ReceivedUpdate
-from services.common.weights_wire import entry_chunks
+from services.common.weights_wire import adapter_chunks, entry_chunks
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.pipeline.events import EpisodeStep, ScoreBatch, Scores
 
@@ -88,6 +89,28 @@ class GeneratorClient:
         chunks = weight_chunks(tensors, num_tensors=num_tensors, policy_version=version)
         return await self._send(chunks, deadline)
 
+    async def load_adapter(
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline
+    ) -> int:
+        """Load LoRA adapter ``name`` (peft-named tensors, held in the generator's memory: no disk), live there as
+        ``version``; returns the adapter's version once live.
+
+        Raises:
+            InvalidRequest: the generator rejected it (naming the field or tensor; its previous version serves on).
+            FailedPrecondition: the generator takes no adapters, or sleeps. NotReady, UpstreamTimeout.
+        """
+        chunks = adapter_chunks(name, config, tensors, version=version)
+
+        async def messages() -> AsyncIterator[generation_pb2.AdapterChunk]:
+            while (message := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield message
+
+        try:
+            response = await self._stub.LoadAdapter(messages(), timeout=deadline.timeout(self._update_timeout_s))
+        except grpc.aio.AioRpcError as error:
+            raise translate_rpc_error(self._service, error) from error
+        return response.version
+
     async def _send(self, chunks: Iterator[generation_pb2.WeightsChunk], deadline: Deadline) -> int:
         """Stream ``chunks`` (produced off the event loop: they read tensors) as one ``UpdateWeights`` call."""
 
@@ -116,7 +139,8 @@ class GeneratorClient:
             raise translate_rpc_error(self._service, error) from error
         return GeneratorInfo(
             model_name=info.model_name, backend=info.backend, max_model_len=info.max_model_len,
-            policy_version=info.policy_version, multimodal=info.multimodal,
+            policy_version=info.policy_version, multimodal=info.multimodal, max_lora_rank=info.max_lora_rank,
+            adapters={adapter.name: adapter.version for adapter in info.adapters},
         )
 
     async def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]:
@@ -128,6 +152,7 @@ class GeneratorClient:
             ],
             sampling=sampling_to_pb(request.sampling),
             n_samples_per_prompt=request.n_samples_per_prompt,
+            adapter=request.adapter or "",
         )
         call = self._stub.Generate(message, timeout=deadline.timeout(self._timeout_s))
         try:

@@ -26,8 +26,10 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from services.common import metrics
 from services.common.deadlines import Deadline
@@ -40,7 +42,9 @@ from services.common.errors import (
     UpstreamTimeout,
 )
 from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.lora import AdapterConfig
 from services.common.weights import ReceivedUpdate
+from services.experience.fleet import adapters
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.fleet.replicas import (
     FleetSettings,
@@ -345,6 +349,12 @@ class GeneratorFleet:
         remaining = deadline.remaining()
         expired = remaining is not None and remaining <= 0
         return not (isinstance(error, UpstreamTimeout) and expired)
+
+    async def load_adapter(
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline
+    ) -> int:
+        """Load a LoRA run's adapter on every serving replica (:func:`~services.experience.fleet.adapters.load_adapter`)."""
+        return await adapters.load_adapter(self.members, name, config, tensors, version, deadline)
 
     async def update_weights(self, update: ReceivedUpdate, deadline: Deadline, version: int | None = None) -> int:
         """Apply a checked policy update on every serving replica in parallel; ``version`` (default, and

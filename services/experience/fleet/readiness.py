@@ -25,8 +25,8 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from services.common import metrics
@@ -44,7 +44,8 @@ class GeneratorInfo:
     """What the generator serves (its ``ModelInfo`` as a domain record).
 
     ``max_model_len``: most prompt + response tokens per sequence; ``policy_version``: the version of the
-    weights it samples with now.
+    weights it samples with now; ``max_lora_rank``: the highest LoRA rank it takes (0: no adapters);
+    ``adapters``: the adapters it holds, name → live version.
     """
 
     model_name: str
@@ -52,6 +53,8 @@ class GeneratorInfo:
     max_model_len: int
     policy_version: int
     multimodal: bool = False
+    max_lora_rank: int = 0
+    adapters: Mapping[str, int] = field(default_factory=dict)
 
 
 class GeneratorProbe(Protocol):

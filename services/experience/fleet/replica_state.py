@@ -18,6 +18,7 @@ from cachetools import LRUCache
 
 from services.common.deadlines import Deadline
 from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.lora import AdapterConfig
 from services.common.weights import ReceivedUpdate
 from services.experience.fleet.readiness import GeneratorInfo
 
@@ -76,11 +77,22 @@ class ReplicaClient(Protocol):
         self, tensors: Iterable[tuple[str, torch.Tensor]], num_tensors: int, version: int, deadline: Deadline
     ) -> int: ...
 
+    async def load_adapter(
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline
+    ) -> int: ...
+
     async def close(self) -> None: ...
 
 
+def lacks_adapters(info: GeneratorInfo, live: Mapping[str, int]) -> bool:
+    """Whether a replica (its ``info``) lacks a live adapter, or holds another version of one (``live``: name →
+    version); adapters it holds beyond those are not checked."""
+    return any(info.adapters.get(name) != version for name, version in live.items())
+
+
 #: Sends the live policy's weights to a replica: ``source(client, version)`` with ``version()`` the version to
-#: label them with (read once no update is being applied); returns the version the replica serves afterwards.
+#: label them with (read once no update is being applied), and every LoRA run's live adapter it lacks; returns the
+#: version the replica serves afterwards.
 WeightSource = Callable[[ReplicaClient, Callable[[], int]], Awaitable[int]]
 
 

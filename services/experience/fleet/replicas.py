@@ -11,14 +11,15 @@
   exponential backoff and jitter while down. ``down_after_failures`` failed probes in a row take a serving
   replica out: the streams running on it are stopped, and the fleet sends their groups elsewhere.
 - **Version.** The set serves one policy version (adopted from the first replica reached, then each update's). A
-  replica at any other version (it restarted, joined late, or an update to it failed or was cancelled) is first
-  sent the live weights by :attr:`ReplicaSet.weight_source` (the experience service's actor replica, which holds
-  exactly the live version's weights) and gets work only then, so every completion's ``policy_version`` is true.
+  replica at any other version, or lacking a LoRA run's live adapter (it restarted, joined late, or an update to it
+  failed or was cancelled) is first sent the live weights and adapters by :attr:`ReplicaSet.weight_source` (the
+  experience service's actor replica, which holds exactly those) and gets work only then, so every completion's
+  ``policy_version`` is true.
 
 One owner: only the set writes its :class:`~services.experience.fleet.replica_state.Replica` records. Probes, syncs,
-discovery and the fleet's calls (``take_out``, ``begin_work`` / ``sample_done`` / ``end_work``, ``update_applied`` /
-``update_failed``) change them through checked state transitions (``replica_state.TRANSITIONS``), and each change
-is announced on :attr:`ReplicaSet.changes`, so whoever waits for room or a serving replica waits on it, not polls.
+discovery and the fleet's calls (``take_out``, ``begin_work``/``sample_done``/``end_work``, ``update_applied``/
+``update_failed``) change them through checked state transitions (``replica_state.TRANSITIONS``), announced on
+:attr:`ReplicaSet.changes`: whoever waits for room or a serving replica waits on it, not polls.
 
 Routing, failover and updates over the set: :mod:`~services.experience.fleet.generator_fleet`. Nothing here imports grpc.
 """
@@ -29,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from cachetools import LRUCache
@@ -44,6 +45,7 @@ from services.experience.fleet.replica_state import (
     ReplicaState,
     Stream,
     WeightSource,
+    lacks_adapters,
     next_state,
 )
 
@@ -100,20 +102,18 @@ class ReplicaSet:
     """The known replicas and the version they serve (module docs); the one writer of their records.
 
     ``connect(address)`` opens a replica's client; :meth:`run` keeps discovery and health going until cancelled.
-    Set :attr:`weight_source` before :meth:`run` so that replicas at another version can be brought up to date.
+    Set :attr:`weight_source` (and :attr:`live_adapters`, the LoRA runs' adapters and versions) before :meth:`run`
+    so that replicas at another version, or lacking an adapter, can be brought up to date.
     """
 
-    def __init__(
-        self,
-        targets: Sequence[str],
-        connect: Callable[[str], ReplicaClient],
-        settings: FleetSettings | None = None,
-        resolve: Callable[[Sequence[str]], Awaitable[list[str]]] = resolve_targets,
-    ) -> None:
+    def __init__(self, targets: Sequence[str], connect: Callable[[str], ReplicaClient],
+                 settings: FleetSettings | None = None,
+                 resolve: Callable[[Sequence[str]], Awaitable[list[str]]] = resolve_targets) -> None:
         if not targets:
             raise ValueError("a generator fleet needs at least one target address")
         self.targets = tuple(targets)
         self.weight_source: WeightSource | None = None
+        self.live_adapters: Callable[[], Mapping[str, int]] = dict  # LoRA run adapters a replica must hold to serve
         self.changes = Changes()  # notified on every change of a replica's state, version or load
         self._version: int | None = None
         self._pending_version: int | None = None
@@ -347,7 +347,7 @@ class ReplicaSet:
                 replica.address, replica.version, self.version,
             )
             self._version = replica.version
-        if replica.version not in (self.version, self.pending_version):
+        if replica.version not in (self.version, self.pending_version) or lacks_adapters(info, self.live_adapters()):
             await self._sync(replica)
         elif replica.state is not ReplicaState.SERVING:
             self._serve(replica)
@@ -362,7 +362,7 @@ class ReplicaSet:
         return ahead and not others and self.pending_version is None
 
     async def _sync(self, replica: Replica) -> None:
-        """Send ``replica`` the fleet's current weights; it serves once it has them."""
+        """Send ``replica`` the fleet's current weights and live adapters; it serves once it has them."""
         if self.weight_source is None:
             self._move(replica, ReplicaState.SYNCING,
                        f"serves policy version {replica.version}, the fleet {self.version}; no weight source")

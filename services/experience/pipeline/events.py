@@ -20,6 +20,7 @@ import torch
 from fastexp.types import ForwardOutputs
 from services.common.deadlines import Deadline
 from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.lora import AdapterConfig
 from services.common.media import EncodedMedia
 from services.common.weights import ReceivedUpdate
 
@@ -61,6 +62,12 @@ class Generator(Protocol):
 
     async def update_weights(self, update: ReceivedUpdate, deadline: Deadline, version: int | None = None) -> int:
         """Apply a policy update, live as ``version`` (``None``: the previous + 1); return the version now live."""
+        ...
+
+    async def load_adapter(
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline
+    ) -> int:
+        """Load a LoRA run's adapter (peft-named tensors), live as ``version``; return the version now live."""
         ...
 
 

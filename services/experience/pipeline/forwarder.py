@@ -18,11 +18,14 @@ import torch
 
 from fastexp.types import ForwardOutputs, Rollout
 from services.common import metrics
+from services.common.errors import FailedPrecondition
 from services.common.generation import CompletionRecord
+from services.common.lora import AdapterConfig
 from services.common.weights import TensorEntry, copy_into
 from services.experience.config import ExperienceConfig, ExperienceRequest
 from services.experience.pipeline.assembly import concat_forward, split_forward
 from services.experience.pipeline.events import ForwardedGroup, ScoredGroup
+from services.experience.workers.adapters import AdapterForwards
 from services.experience.workers.critic import ValueModel
 from services.experience.workers.inputs import chunks
 from services.experience.workers.logprobs import LogProbModel
@@ -34,13 +37,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ForwardModels:
-    """The models the experience service runs itself; ``critic`` only when configured (``gae`` needs it)."""
+    """The models the experience service runs itself; ``critic`` only when configured (``gae`` needs it);
+    ``adapters``: the LoRA runs' adapters on the actor's module (None: LoRA runs are not served)."""
 
     actor: LogProbModel
     reference: LogProbModel
     critic: ValueModel | None = None
     micro_batch_size: int = 8
     share_prompt: bool = True  # packed forwards compute each group's prompt once (forward.shared_prompt_chunks)
+    adapters: AdapterForwards | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,54 @@ class Forwarder:
         """The actor replica's parameters by checkpoint name (what a policy update is checked against)."""
         return self._models.actor.tensors()
 
+    def adapter_modules(self) -> dict[str, tuple[int, int]]:
+        """The actor's LoRA-able linear layers (name → (out, in)) an adapter update is checked against.
+
+        Raises:
+            FailedPrecondition: this service serves no LoRA runs (``max_lora_rank`` 0).
+        """
+        return self._require_adapters().modules()
+
+    def adapter_versions(self) -> dict[str, int]:
+        """The loaded adapters' versions, by name."""
+        adapters = self._models.adapters
+        return {} if adapters is None else {name: a.version for name, a in adapters.adapters().items()}
+
+    def adapter_config(self, name: str) -> AdapterConfig:
+        """The config adapter ``name`` was loaded with (KeyError: not loaded)."""
+        return self._require_adapters().adapters()[name].config
+
+    async def load_adapter(self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor],
+                           version: int) -> None:
+        """Load a checked LoRA run's adapter at ``version`` between forward passes (not cancelled half-way).
+
+        Raises:
+            InvalidRequest: :func:`~services.common.lora.check_adapter`'s (the previous version stays).
+        """
+        adapters = self._require_adapters()
+        async with self._lock:
+            self._weights_epoch += 1
+            await asyncio.shield(asyncio.to_thread(adapters.load, name, config, tensors, version))
+
+    async def remove_adapter(self, name: str) -> bool:
+        """Delete a LoRA run's adapter between forward passes; returns whether it was loaded."""
+        adapters = self._models.adapters
+        if adapters is None:
+            return False
+        async with self._lock:
+            return await asyncio.to_thread(adapters.remove, name)
+
+    async def adapter_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """A copy of adapter ``name``'s tensors, peft-named (for a generator replica that lacks it)."""
+        adapters = self._require_adapters()
+        async with self._lock:
+            return await asyncio.to_thread(adapters.tensors, name)
+
+    def _require_adapters(self) -> AdapterForwards:
+        if self._models.adapters is None:
+            raise FailedPrecondition("lora: this experience service serves no LoRA runs (max_lora_rank 0)")
+        return self._models.adapters
+
     def critic_tensors(self) -> dict[str, torch.Tensor] | None:
         """The critic's parameters by checkpoint name, or ``None`` without a critic."""
         return None if self._models.critic is None else self._models.critic.tensors()
@@ -97,7 +150,8 @@ class Forwarder:
         async with self._lock:
             self._offloader.require_loaded("MakeExperiences")
             threads = self._threads() if self._threads is not None else None
-            actor_version = self.actor_version
+            adapter = request.config.adapter
+            actor_version = self.actor_version if adapter is None else self.adapter_versions()[adapter]
             done = {} if early is None else early.usable(self._weights_epoch)
             forwards = await asyncio.to_thread(self._forward_groups, groups, request, threads, done)
         if request.config.skip_actor_forward:  # the generator computed them, at each group's sampling version
@@ -217,13 +271,21 @@ class Forwarder:
         packed = config.packing_samples and models.actor.vision_tokens is None
         parts = chunks(rollout, models.micro_batch_size, packed=packed, share_prompt=models.share_prompt)
         actor, entropy = rollout.rollout_log_probs, None  # skip_actor_forward: the generator's own log-probs
-        if not config.skip_actor_forward:
+        # a LoRA run's policy is the actor's module with its adapter on, and its reference that module's base
+        # (every adapter off: the module's state between passes)
+        reference_model = models.reference if config.adapter is None else models.actor
+        reference = None
+        if config.adapter is not None and not config.skip_actor_forward:
+            assert models.adapters is not None, "LoRA runs are refused where no adapters are served"
+            with metrics.stage_timer("actor"):
+                actor, entropy, reference = models.adapters.log_probs(
+                    config.adapter, parts, config.return_action_entropy, with_reference=config.needs_reference)
+        elif not config.skip_actor_forward:
             with metrics.stage_timer("actor"):
                 actor, entropy = models.actor.action_log_probs(parts, with_entropy=config.return_action_entropy)
-        reference = None
-        if config.needs_reference:
+        if config.needs_reference and reference is None:
             with metrics.stage_timer("reference"):
-                reference, _ = models.reference.action_log_probs(parts)
+                reference, _ = reference_model.action_log_probs(parts)
         values = None
         if config.estimator.needs_critic:
             if models.critic is None:

@@ -34,6 +34,7 @@ from fastexp.types import Experience
 from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FastexpError, InvalidRequest, StreamFailed
+from services.common.lora import AdapterConfig
 from services.common.weight_checks import TensorSpec
 from services.common.weights import ReceivedUpdate
 from services.experience.config import ExperienceConfig, ExperienceRequest
@@ -61,7 +62,7 @@ from services.experience.pipeline.forwarder import EarlyForwards, Forwarder, For
 from services.experience.pipeline.producer import Producer, ProducerRun
 from services.experience.pipeline.rollouts import RolloutParts
 from services.experience.pipeline.run_store import RunStore
-from services.experience.pipeline.versions import VersionClock
+from services.experience.pipeline.versions import PolicyClocks, VersionClock
 from services.experience.pipeline.weight_sync import WeightSync
 
 if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
@@ -96,16 +97,17 @@ class ExperienceMaker:
         max_samples_in_flight: int | None = None,
     ) -> None:
         self.policy = policy if policy is not None else VersionClock()
+        self.clocks = PolicyClocks(self.policy)  # the base policy's, and each LoRA run's adapter's
         self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version, threads=forward_threads)
         self._share = FairShare(max_samples_in_flight)  # the generator's capacity, shared by the runs
-        self._weights = WeightSync(generator, self._forwarder, self.policy, sync_timeout_s)
+        self._weights = WeightSync(generator, self._forwarder, self.clocks, sync_timeout_s)
         self._stages = _Stages(
-            Producer(RolloutParts(generator, scorer, episodes, agents), self.policy, max_groups_ahead, self._share),
-            self._forwarder, self.policy,
-            runs if runs is not None else RunStore(),
+            Producer(RolloutParts(generator, scorer, episodes, agents), self.clocks, max_groups_ahead, self._share),
+            self._forwarder, runs if runs is not None else RunStore(),
         )
         self._consumers: set[_Consumer] = set()
         self.runs_episodes = episodes is not None  # multi-turn requests are accepted
+        self.serves_adapters = models.adapters is not None  # LoRA runs are accepted
         self._agents = agents
 
     def share_usage(self, tenant: str) -> tuple[int, int]:
@@ -148,6 +150,23 @@ class ExperienceMaker:
     async def update_weights(self, update: ReceivedUpdate, deadline: Deadline) -> None:
         """Apply a checked weight update (see :meth:`services.experience.pipeline.weight_sync.WeightSync.update`)."""
         await self._weights.update(update, deadline)
+
+    def adapter_spec(self, config: AdapterConfig) -> dict[str, TensorSpec]:
+        """What a LoRA run's adapter update is checked against (:meth:`WeightSync.adapter_spec`)."""
+        return self._weights.adapter_spec(config)
+
+    async def update_adapter(self, name: str, config: AdapterConfig, update: ReceivedUpdate, deadline: Deadline) -> int:
+        """Apply a LoRA run's adapter update; returns the run's version now live (:meth:`WeightSync.update_adapter`)."""
+        return await self._weights.update_adapter(name, config, update, deadline)
+
+    def adapter_version(self, name: str) -> int:
+        """The live version of LoRA run ``name``'s adapter (0: none was sent yet)."""
+        return self.clocks.live_adapters().get(name, 0)
+
+    async def remove_adapter(self, name: str) -> None:
+        """Forget a deleted LoRA run's adapter and version here (generator replicas keep theirs until replaced)."""
+        await self._forwarder.remove_adapter(name)
+        self.clocks.forget(name)
 
     async def offload_models(self) -> tuple[int, tuple[str, ...]]:
         """Move the models to host memory (:meth:`services.experience.pipeline.forwarder.Forwarder.offload`)."""
@@ -204,7 +223,6 @@ class _Stages:
 
     producer: Producer
     forwarder: Forwarder
-    policy: VersionClock
     runs: RunStore
 
 
@@ -297,7 +315,7 @@ class _Consumer:
         oldest = None
         if self._config.max_staleness is not None:
             oldest = run.start_version + self._batch_index - self._config.max_staleness
-            await self._stages.policy.wait_for_version(oldest, self._deadline)
+            await run.policy.wait_for_version(oldest, self._deadline)
         take = batcher.take_batch(self.inbox, self._config, oldest)
         self.inbox = take.inbox
         if take.abandoned:

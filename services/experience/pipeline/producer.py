@@ -42,7 +42,7 @@ from services.experience.pipeline.events import (
 )
 from services.experience.pipeline.fair_share import FairShare, ShareLeases
 from services.experience.pipeline.rollouts import ROLLOUTS, RolloutParts, rollout_kind
-from services.experience.pipeline.versions import VersionClock
+from services.experience.pipeline.versions import PolicyClocks, VersionClock
 from services.experience.pipeline.window import Window
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class ProducerRun:
     start_version: int  # v0: the policy version when the request started
     window: Window  # one lease per group generating or not yet streamed
     share: ShareLeases  # the groups' hold on the service's generator capacity while they generate
+    policy: VersionClock  # the clock of the policy it samples (the base's, or its LoRA run's adapter's)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     resamples: asyncio.Queue[int] = field(default_factory=asyncio.Queue)  # prompt indices to generate again
     round_ids: itertools.count = field(default_factory=itertools.count)
@@ -83,11 +84,12 @@ class Producer:
     """Starts a :class:`ProducerRun` per stream over the parts its rollouts reach (generator, scorer, and the
     episode and agent runners where the service has them)."""
 
-    def __init__(self, parts: RolloutParts, policy: VersionClock, max_groups_ahead: int,
+    def __init__(self, parts: RolloutParts, clocks: PolicyClocks, max_groups_ahead: int,
                  share: FairShare | None = None) -> None:
-        """``share``: the service's generator capacity, shared by the streams' runs (None: unbounded)."""
+        """``clocks``: the base policy's and each LoRA run's version clocks; ``share``: the service's generator
+        capacity, shared by the streams' runs (None: unbounded)."""
         self._parts = parts
-        self._policy = policy
+        self._clocks = clocks
         self._max_groups_ahead = max_groups_ahead
         self._share = share if share is not None else FairShare(None)
 
@@ -99,7 +101,8 @@ class Producer:
         window = None if config.rollout_scope else max(ahead, config.groups_per_batch)
         share = ShareLeases(self._share, config.run_id or request.request_id, config.share_weight,
                             config.n_samples_per_prompt)
-        run = ProducerRun(request, deadline, self._policy.version, Window(window), share)
+        policy = self._clocks.of(config.adapter)
+        run = ProducerRun(request, deadline, policy.version, Window(window), share, policy)
         run.tasks = [
             asyncio.create_task(self._produce(run), name=request.request_id),
             asyncio.create_task(self._resample(run), name=f"{request.request_id}-resample"),
@@ -133,7 +136,7 @@ class Producer:
                 for batch, indices in enumerate(admission.admitted_batches(len(run.request.prompts),
                                                                            config.groups_per_batch)):
                     version = admission.admission_version(run.start_version, batch, config.max_staleness or 0)
-                    await self._policy.wait_for_version(version, run.deadline)
+                    await run.policy.wait_for_version(version, run.deadline)
                     await run.events.put(RoundStarted())
                     rounds.create_task(self._run_round(run, indices))
         except BaseExceptionGroup as group:
@@ -188,14 +191,14 @@ class Producer:
         remaining, kept = list(indices), 0
         try:
             while remaining:
-                abort_on = self._policy.update_begun() if run.request.config.abort_partial_rollouts else None
+                abort_on = run.policy.update_begun() if run.request.config.abort_partial_rollouts else None
                 kept_now, remaining = await self._generate_round(run, remaining, abort_on, resampled)
                 kept += kept_now
                 if remaining:  # they keep their capacity: they are generated again after the update
                     await run.events.put(GroupsResampled(len(remaining)))
                     logger.info("%s: update began; %d unfinished groups aborted, resampled after it",
                                 run.request.request_id, len(remaining))
-                    await self._policy.wait_idle(run.deadline)
+                    await run.policy.wait_idle(run.deadline)
         finally:
             run.share.give_back(indices)  # whatever the rollout did not give back as groups finished
         return kept

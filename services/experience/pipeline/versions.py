@@ -1,6 +1,8 @@
-"""The policy version the experience service serves, and the waits built on it (off-policy admission, aborts).
+"""The policy versions the experience service serves, and the waits built on them (off-policy admission, aborts).
 
-One :class:`VersionClock` (the policy's version clock) per service, touched only from its event loop. The version is the generator's (the
+One :class:`VersionClock` for the base policy per service, and one per LoRA run's adapter (:class:`PolicyClocks`),
+touched only from its event loop. A run's ``max_staleness`` and ``partial_rollout`` follow its own clock: an update
+to one run's adapter neither aborts nor admits another run's groups. The version is the generator's (the
 experience service forwards every policy update and then copies it into its actor replica, so both serve the
 same weights under the same number). Streams wait on it: with ``max_staleness`` a batch waits until the trainer
 has moved the policy far enough (:meth:`wait_for_version`), and with partial rollouts set to abort, in-flight
@@ -71,3 +73,26 @@ class VersionClock:
                 await asyncio.wait_for(self._changed.wait_for(ready), deadline.remaining())
             except TimeoutError:
                 raise UpstreamTimeout(f"deadline exceeded waiting for {what}") from None
+
+
+class PolicyClocks:
+    """The base policy's clock and each LoRA run's adapter clock, by adapter name (a run id). An adapter's clock
+    is at 0 until its first update is live (its run has no policy to sample yet)."""
+
+    def __init__(self, base: VersionClock | None = None) -> None:
+        self.base = base if base is not None else VersionClock()
+        self._adapters: dict[str, VersionClock] = {}
+
+    def of(self, adapter: str | None) -> VersionClock:
+        """The clock of ``adapter`` (None: the base policy's), made at version 0 on first use."""
+        if adapter is None:
+            return self.base
+        return self._adapters.setdefault(adapter, VersionClock())
+
+    def live_adapters(self) -> dict[str, int]:
+        """Every adapter with a version live (at least 1): name → version."""
+        return {name: clock.version for name, clock in self._adapters.items() if clock.version > 0}
+
+    def forget(self, adapter: str) -> None:
+        """Drop ``adapter``'s clock (its run was deleted; a run of that name later starts again at 0)."""
+        self._adapters.pop(adapter, None)

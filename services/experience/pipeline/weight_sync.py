@@ -19,12 +19,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.common.deadlines import Deadline
-from services.common.errors import InvalidRequest
+from services.common.errors import FailedPrecondition, InvalidRequest
+from services.common.lora import AdapterConfig, check_adapter, expected_tensors
 from services.common.weight_checks import TensorSpec, check_update
 from services.common.weights import ReceivedUpdate, module_spec
 from services.experience.pipeline.events import Generator
 from services.experience.pipeline.forwarder import Forwarder
-from services.experience.pipeline.versions import VersionClock
+from services.experience.pipeline.versions import PolicyClocks, VersionClock
 
 if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
     from services.experience.fleet.replicas import ReplicaClient
@@ -36,11 +37,12 @@ class WeightSync:
     """Applies updates to the generator and the forwarder's models, in step (module docs)."""
 
     def __init__(
-        self, generator: Generator, forwarder: Forwarder, policy: VersionClock, sync_timeout_s: float = 600.0
+        self, generator: Generator, forwarder: Forwarder, clocks: PolicyClocks, sync_timeout_s: float = 600.0
     ) -> None:
         self._generator = generator
         self._forwarder = forwarder
-        self.policy = policy
+        self.clocks = clocks
+        self.policy = clocks.base
         self.critic_version = 0
         self._sync_timeout_s = sync_timeout_s
         self._applying = asyncio.Lock()  # a policy update or a replica sync; the actor replica is stable outside it
@@ -78,15 +80,64 @@ class WeightSync:
         await self._forwarder.load_critic(update.entries, tensors)
         self.critic_version += 1
 
+    def adapter_spec(self, config: AdapterConfig) -> dict[str, TensorSpec]:
+        """The tensors a LoRA run's adapter update with ``config`` is checked against as it arrives (peft names,
+        any floating dtype up to float32).
+
+        Raises:
+            FailedPrecondition: this service serves no LoRA runs.
+        """
+        expected = expected_tensors(config, self._forwarder.adapter_modules())
+        return {name: TensorSpec(shape, "float32") for name, shape in expected.items()}
+
+    async def update_adapter(self, name: str, config: AdapterConfig, update: ReceivedUpdate, deadline: Deadline) -> int:
+        """Apply a LoRA run's adapter update: checked whole, loaded on every generator replica, then into the
+        forwarder's adapters; live as ``update.policy_version`` (else the run's version + 1). Returns that version.
+        Only the run's own clock moves: another run's groups neither abort nor wait.
+
+        Raises:
+            InvalidRequest: a missing, unknown, misshapen or non-finite tensor (named), a ``policy_version`` not
+                after the run's live one, or the generator's refusal; nothing was applied anywhere.
+            FailedPrecondition: no LoRA runs here, or the generator takes no adapters.
+            NotReady, UpstreamTimeout, Overloaded: no generator replica loaded it; nothing changed here.
+        """
+        modules = self._forwarder.adapter_modules()
+        check_update(update.entries, self.adapter_spec(config))
+        tensors = await asyncio.to_thread(lambda: {entry.name: entry.load() for entry in update.entries})
+        check_adapter(name, config, tensors, modules, config.rank)  # every tensor there, finite
+        clock = self.clocks.of(name)
+        async with self._applying:
+            version = self._next_version(update, clock)
+            await clock.begin_update()
+            live = None
+            try:
+                live = await self._generator.load_adapter(name, config, tensors, version, deadline)
+                await asyncio.shield(self._forwarder.load_adapter(name, config, tensors, live))
+            finally:
+                await clock.end_update(live)
+        logger.info("run %s: adapter version %d live (%d tensors, %d bytes)", name, live, len(tensors), update.num_bytes)
+        return live
+
+    @staticmethod
+    def _next_version(update: ReceivedUpdate, clock: VersionClock) -> int:
+        """The version an update makes live: the sender's, else the live one + 1.
+
+        Raises:
+            InvalidRequest: ``header.policy_version`` is not after the live one.
+        """
+        requested = clock.version + 1 if update.policy_version is None else update.policy_version
+        if requested <= clock.version:
+            raise InvalidRequest("header.policy_version", f"{requested} is not after the live version {clock.version}")
+        return requested
+
     async def _update_policy(self, update: ReceivedUpdate, deadline: Deadline) -> None:
         tensors = self._forwarder.actor_tensors()
         check_update(update.entries, module_spec(tensors))
+        if runs := sorted(self._forwarder.adapter_versions()):
+            raise FailedPrecondition(f"header.target: LoRA runs {', '.join(runs)} sample adapters over the base "
+                                     "model; updating it would change their policies under them (delete them first)")
         async with self._applying:
-            requested = self.policy.version + 1 if update.policy_version is None else update.policy_version
-            if requested <= self.policy.version:
-                raise InvalidRequest(
-                    "header.policy_version", f"{requested} is not after the live version {self.policy.version}"
-                )
+            requested = self._next_version(update, self.policy)
             await self.policy.begin_update()
             version = None
             try:
@@ -98,16 +149,25 @@ class WeightSync:
         logger.info("policy version %d live (%d tensors, %d bytes)", version, len(update.entries), update.num_bytes)
 
     async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
-        """Send a generator replica the actor replica's weights (the live policy's), live there as ``version()``
-        (read once no update is being applied); returns the version the replica then serves.
+        """Bring a generator replica to the live policy: the actor replica's weights, live there as ``version()``
+        (read once no update is being applied), unless it serves that version already; then every LoRA run's live
+        adapter it lacks at its version. Returns the policy version the replica then serves.
 
         Raises:
             NotReady, UpstreamTimeout, Overloaded, InvalidRequest: from the replica; it keeps what it had.
         """
         async with self._applying:
-            tensors = list(self._forwarder.actor_tensors().items())
-            live = version()
             deadline = Deadline.from_remaining(self._sync_timeout_s)
-            applied = await replica.load_tensors(iter(tensors), len(tensors), live, deadline)
-        logger.info("generator replica brought to policy version %d (%d tensors)", applied, len(tensors))
+            info = await replica.model_info(self._sync_timeout_s)
+            applied = live = version()
+            if info.policy_version != live:
+                tensors = list(self._forwarder.actor_tensors().items())
+                applied = await replica.load_tensors(iter(tensors), len(tensors), live, deadline)
+                logger.info("generator replica brought to policy version %d (%d tensors)", applied, len(tensors))
+            for name, adapter_version in self.clocks.live_adapters().items():
+                if info.adapters.get(name) != adapter_version:
+                    config = self._forwarder.adapter_config(name)
+                    tensors = await self._forwarder.adapter_tensors(name)
+                    await replica.load_adapter(name, config, tensors, adapter_version, deadline)
+                    logger.info("generator replica given run %s's adapter, version %d", name, adapter_version)
         return applied

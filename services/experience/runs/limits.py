@@ -4,7 +4,7 @@ the settings once).
 
 Each check raises the domain error a client sees, naming the field: :class:`~fastexp.errors.InvalidRequest`
 (INVALID_ARGUMENT: ``run_id``, ``lora.rank``, ``lora.alpha``, ``lora.target_modules``, ``limits.<field>``) or
-:class:`~fastexp.errors.FailedPrecondition` (a LoRA run on a deployment that does not serve adapters yet).
+:class:`~fastexp.errors.FailedPrecondition` (a LoRA run on a deployment that does not serve adapters of its rank).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, fields
 
 from fastexp.errors import FailedPrecondition, InvalidRequest
+from services.common.lora import AdapterConfig
 
 #: Most characters of a run id (the same as MakeExperiencesRequest.run_id's, services.experience.api.request).
 MAX_RUN_ID_CHARS = 256
@@ -53,15 +54,13 @@ class LoraSpec:
 @dataclass(frozen=True)
 class OperatorLimits:
     """The operator's limits on runs: at most ``max_runs`` runs; a run's limits default to ``defaults`` and may
-    not exceed ``ceilings`` (field by field); LoRA runs up to ``max_lora_rank`` on ``lora_target_modules``.
-    ``serves_lora``: whether the generator fleet serves adapters (not yet: LoRA runs are refused)."""
+    not exceed ``ceilings`` (field by field); LoRA runs up to ``max_lora_rank`` on ``lora_target_modules``."""
 
     max_runs: int = 1024
     defaults: RunLimits = RunLimits(max_streams=8, max_groups_ahead=64, max_tokens_per_request=1 << 26, weight=1)
     ceilings: RunLimits = RunLimits(max_streams=64, max_groups_ahead=64, max_tokens_per_request=1 << 26, weight=100)
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     lora_target_modules: tuple[str, ...] = DEFAULT_LORA_TARGET_MODULES
-    serves_lora: bool = False
 
     def __post_init__(self) -> None:
         """Raises ValueError: a default outside 1..its ceiling, or no run, rank or module allowed at all."""
@@ -125,12 +124,23 @@ def resolve_limits(asked: RunLimits, limits: OperatorLimits) -> RunLimits:
     return RunLimits(**resolved)
 
 
-def check_servable(lora: LoraSpec | None, limits: OperatorLimits) -> None:
-    """The one place LoRA runs are refused until the generator fleet serves adapters (``limits.serves_lora``).
+def check_servable(lora: LoraSpec | None, served_rank: int) -> None:
+    """Whether the deployment serves ``lora``: ``served_rank`` is the highest rank its generator and forwards take
+    (0: no adapters at all).
 
     Raises:
-        FailedPrecondition: ``lora`` is set and this deployment does not serve adapters.
+        FailedPrecondition: ``lora.rank`` above ``served_rank``, or adapters are not served here.
     """
-    if lora is not None and not limits.serves_lora:
-        raise FailedPrecondition("lora: LoRA runs are not served by this deployment yet (its generators serve "
-                                 "the base model only); create the run without lora")
+    if lora is None:
+        return
+    if served_rank == 0:
+        raise FailedPrecondition("lora: this deployment serves no LoRA adapters (its generator's max_loras or the "
+                                 "experience service's adapters are off); create the run without lora")
+    if lora.rank > served_rank:
+        raise FailedPrecondition(f"lora.rank: {lora.rank}; this deployment's generator takes adapters up to rank "
+                                 f"{served_rank} (its max_lora_rank)")
+
+
+def adapter_config(lora: LoraSpec) -> AdapterConfig:
+    """The adapter config of a LoRA run's (checked, defaults filled) spec: what its updates and engines use."""
+    return AdapterConfig(lora.rank, lora.alpha, lora.target_modules)

@@ -108,17 +108,21 @@ class RunRegistry:
         self._runs: dict[str, Run] = {}
         self._streams: dict[str, int] = {}
 
-    def create(self, run_id: str, caller: Caller, lora: LoraSpec | None, asked: RunLimits) -> RunStatus:
-        """A new run owned by ``caller``.
+    def create(self, run_id: str, caller: Caller, lora: LoraSpec | None, asked: RunLimits,
+               served_rank: Callable[[], int] = lambda: 0) -> RunStatus:
+        """A new run owned by ``caller``; ``served_rank()``: the highest LoRA rank the deployment serves now (asked
+        only for a LoRA run).
 
         Raises:
             InvalidRequest: ``run_id``, ``lora.*`` or ``limits.*`` (named). FailedPrecondition: a LoRA run where
-            adapters are not served. AlreadyExists: ``run_id`` is taken. Overloaded: ``max_runs`` runs exist.
+            adapters of its rank are not served. AlreadyExists: ``run_id`` is taken. Overloaded: ``max_runs`` runs
+            exist.
         """
         check_run_id(run_id)
         lora = check_lora(lora, self.limits) if lora is not None else None
         limits = resolve_limits(asked, self.limits)
-        check_servable(lora, self.limits)
+        if lora is not None:
+            check_servable(lora, served_rank())
         if run_id in self._runs:
             raise AlreadyExists(f"run_id: a run {run_id!r} exists already")
         if len(self._runs) >= self.limits.max_runs:

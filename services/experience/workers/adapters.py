@@ -1,8 +1,9 @@
 """The actor's LoRA adapters for LoRA runs (issue 33, "Forwards"): many adapters injected with peft into the one base
-model the service loads as its reference, a log-prob forward of one run's rows with its adapter on, and the
-reference's log-probs from the same module with every adapter off. A LoRA run's reference is the base model, so
-it costs no memory beyond the adapters themselves (rank 16 on every attention and MLP projection of SmolLM2-135M:
-19.5 MB of float32 tensors, 21.9 MB resident, per adapter; ``benchmarks/adapter_memory.py``).
+model the service loads as its actor (the base the generator serves), a log-prob forward of one run's rows with its
+adapter on, and the run's reference log-probs from the same module with every adapter off. A LoRA run's reference
+is the base model, so it costs no memory beyond the adapters themselves (rank 16 on every attention and MLP
+projection of SmolLM2-135M: 19.5 MB of float32 tensors, 21.9 MB resident, per adapter;
+``benchmarks/adapter_memory.py``).
 
 Tensors are named as peft's ``get_peft_model_state_dict`` names them:
 ``base_model.model.<module>.lora_A.weight`` of shape ``(rank, in_features)`` and
@@ -59,20 +60,20 @@ def linear_modules(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 class AdapterForwards:
-    """The actor's LoRA adapters on the reference's module, and the log-prob forwards of one run's rows.
+    """The LoRA runs' adapters on the actor's module, and the log-prob forwards of one run's rows.
 
     Every adapter is resident (peft's LoRA layers hold one ``lora_A``/``lora_B`` pair per adapter, in float32 on a
     half-precision base: peft's ``autocast_adapter_dtype``). Between calls the module rests with every adapter
-    off, so the reference's own :meth:`LogProbModel.action_log_probs` (base-model runs) still computes the base;
+    off, so the actor's own :meth:`LogProbModel.action_log_probs` (base-model runs) still computes the base;
     :meth:`log_probs` turns one adapter on for its actor pass and off again. With no adapter left the LoRA layers
     are unloaded and the module is the base model again.
 
-    Not thread-safe: the forwarder calls every method, and the reference's own forwards, in its worker thread
+    Not thread-safe: the forwarder calls every method, and the actor's own forwards, in its worker thread
     under its lock (they share the module's adapter state).
     """
 
     def __init__(self, base: LogProbModel, max_rank: int) -> None:
-        """``base``: the service's reference model (its module gets the LoRA layers); ``max_rank``: the largest
+        """``base``: the service's actor model (its module gets the LoRA layers); ``max_rank``: the largest
         rank :meth:`load` accepts (the operator's ``max_lora_rank``).
 
         Raises:
@@ -117,6 +118,24 @@ class AdapterForwards:
             self._keys[name] = key
         self._loaded[name] = LoadedAdapter(name, config, version)
         return self._loaded[name]
+
+    @torch.no_grad()
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """A copy of adapter ``name``'s tensors under peft's names, float32 on the CPU (what a generator that lacks
+        it is sent).
+
+        Raises:
+            KeyError: no adapter of that name is loaded.
+        """
+        key = self._keys[name]
+        found = {}
+        for module_name, layer in self._base.module.named_modules():
+            for kind in ("lora_A", "lora_B"):
+                table = getattr(layer, kind, None)
+                if isinstance(table, torch.nn.ModuleDict) and key in table:
+                    weight = table[key].weight
+                    found[f"{PEFT_PREFIX}{module_name}.{kind}.weight"] = weight.detach().to("cpu", torch.float32).clone()
+        return found
 
     def remove(self, name: str) -> bool:
         """Delete adapter ``name``; returns whether it was loaded (removing an absent one does nothing)."""

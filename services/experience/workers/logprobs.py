@@ -87,8 +87,11 @@ class LogProbModel:
         return inputs
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The live tensors under their checkpoint names (``model.layers.0...``, ``lm_head.weight``)."""
-        return self._model.state_dict(keep_vars=True)
+        """The live tensors under their checkpoint names (``model.layers.0...``, ``lm_head.weight``); with LoRA
+        layers injected (:class:`~services.experience.workers.adapters.AdapterForwards`), the base's only, under the
+        names they had before (peft keeps the wrapped layer as ``<module>.base_layer``)."""
+        return {name.replace(".base_layer.", "."): tensor for name, tensor in self._model.state_dict(keep_vars=True).items()
+                if ".lora_" not in name}
 
     @torch.inference_mode()
     def action_log_probs(
