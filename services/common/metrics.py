@@ -72,6 +72,10 @@ REROUTED_GROUPS = Counter(
 )
 ACTIVE_STREAMS = Gauge("fastexp_active_streams", "MakeExperiences streams being served")
 EXPERIENCE_SAMPLES = Counter("fastexp_experience_samples", "Samples (rows) streamed to trainers")
+# Per created run (at most the operator's max_runs label values; a deleted run's series are removed). The run's
+# live gauges (streams, version, groups in flight and queued) are read at scrape time: services.experience.runs.metrics.
+RUN_SAMPLES = Counter("fastexp_run_samples", "Samples (rows) streamed to a run's trainer", ["run_id"])
+RUN_TOKENS = Counter("fastexp_run_tokens", "Response tokens streamed to a run's trainer", ["run_id"])
 VISION_TOKEN_REPAIRS = Counter(
     "fastexp_vision_token_repairs",
     "Image/video placeholder mismatches repaired: response_placeholder = sampled placeholder tokens replaced by "

@@ -31,6 +31,7 @@ from services.experience.pipeline.episodes import EpisodeRunner, ObservationRend
 from services.experience.pipeline.forwarder import ForwardModels
 from services.experience.pipeline.maker import ExperienceMaker
 from services.experience.pipeline.run_store import RunStore
+from services.experience.runs.metrics import RUN_METRICS
 from services.experience.runs.registry import RunRegistry
 from services.experience.settings import ExperienceSettings
 from services.experience.workers.adapters import AdapterForwards
@@ -253,6 +254,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         settings.max_concurrent_streams, vision=policy.vision, media_limits=settings.media_limits(),
         checkpoint_roots=tuple(settings.checkpoint_roots), runs=RunRegistry(settings.run_limits()),
     )
+    RUN_METRICS.add(servicer)
     running = await start_service(
         settings, SERVICE_NAME, lambda server: experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server)
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from fastexp import ExperienceClient, Sampling, build_request
 from fastexp.channels import ClientEdge
@@ -124,10 +125,18 @@ async def test_a_trainer_creates_gets_lists_streams_and_deletes_its_run(stack):
     assert [r.run_id for r in await _call(stack, ALICE, "list_runs")] == ["alice-base"]
     batches = await _stream(stack, ALICE, "alice-base")
     assert sum(len(b.reward) for b in batches) == 2
+    run_series = {"run_id": "alice-base"}  # the per-run metrics, as Prometheus scrapes them
+    assert REGISTRY.get_sample_value("fastexp_run_samples_total", run_series) == 2
+    assert REGISTRY.get_sample_value("fastexp_run_tokens_total", run_series) == sum(
+        int(b.response_length.sum()) for b in batches)
+    assert REGISTRY.get_sample_value("fastexp_run_streams_open", run_series) == 0
+    assert REGISTRY.get_sample_value("fastexp_run_policy_version", run_series) == 0
     with pytest.raises(AlreadyExists):
         await _call(stack, BOB, "create_run", "alice-base")
     deleted = await _call(stack, ALICE, "delete_run", "alice-base")
     assert deleted.run_id == "alice-base"
+    assert REGISTRY.get_sample_value("fastexp_run_samples_total", run_series) is None  # its series are gone
+    assert REGISTRY.get_sample_value("fastexp_run_streams_open", run_series) is None
     with pytest.raises(NotFound) as missing:
         await _call(stack, ALICE, "get_run", "alice-base")
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND and "run_id" in missing.value.details()

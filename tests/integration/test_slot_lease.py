@@ -22,7 +22,7 @@ from services.experience.pipeline.events import ScoredGroup
 from services.experience.pipeline.maker import ExperienceMaker, ForwardModels
 from services.experience.pipeline.producer import Producer
 from services.experience.pipeline.rollouts import RolloutParts
-from services.experience.pipeline.versions import VersionClock
+from services.experience.pipeline.versions import PolicyClocks
 from services.experience.workers.logprobs import LogProbModel
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
@@ -91,7 +91,7 @@ class Announcing:
 
 
 async def test_closing_a_stream_mid_flight_ends_every_lease_exactly_once(fleet):
-    run = Producer(RolloutParts(fleet, InProcessRuleScorer()), VersionClock(), max_groups_ahead=2).start(
+    run = Producer(RolloutParts(fleet, InProcessRuleScorer()), PolicyClocks(), max_groups_ahead=2).start(
         _request("closed", 6), Deadline.from_remaining(120)
     )
     async with asyncio.timeout(60):

@@ -19,7 +19,7 @@ from services.experience.pipeline.events import Done, RoundStarted, SampleFinish
 from services.experience.pipeline.forwarder import Forwarder, ForwardModels
 from services.experience.pipeline.producer import Producer
 from services.experience.pipeline.rollouts import RolloutParts
-from services.experience.pipeline.versions import VersionClock
+from services.experience.pipeline.versions import PolicyClocks
 from services.experience.pipeline.weight_sync import WeightSync
 from services.experience.workers.inputs import chunks
 from services.experience.workers.logprobs import LogProbModel
@@ -65,7 +65,7 @@ async def _next_group(run) -> ScoredGroup:
 
 
 async def test_the_producer_emits_each_group_whole_and_in_sample_order_then_done(engine):
-    run = Producer(RolloutParts(InProcessGenerator(engine), InProcessRuleScorer()), VersionClock(), 64).start(
+    run = Producer(RolloutParts(InProcessGenerator(engine), InProcessRuleScorer()), PolicyClocks(), 64).start(
         _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
     )
     events = [await asyncio.wait_for(run.events.get(), 60) for _ in range(5)]
@@ -89,7 +89,7 @@ class PreviewingGenerator(InProcessGenerator):
 
 
 async def test_sample_previews_become_sample_finished_events_in_the_requests_indices(engine):
-    run = Producer(RolloutParts(PreviewingGenerator(engine), InProcessRuleScorer()), VersionClock(), 64).start(
+    run = Producer(RolloutParts(PreviewingGenerator(engine), InProcessRuleScorer()), PolicyClocks(), 64).start(
         _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
     )
     events = [await asyncio.wait_for(run.events.get(), 60)]
@@ -105,7 +105,7 @@ async def test_sample_previews_become_sample_finished_events_in_the_requests_ind
 
 async def test_the_producers_window_admits_a_prompt_only_when_a_streamed_group_releases_its_slot(engine):
     generator = RecordingGenerator(engine)
-    run = Producer(RolloutParts(generator, InProcessRuleScorer()), VersionClock(), max_groups_ahead=1).start(
+    run = Producer(RolloutParts(generator, InProcessRuleScorer()), PolicyClocks(), max_groups_ahead=1).start(
         _request(3, micro_rollout_batch_size=N), Deadline.from_remaining(120)
     )
     first = await _next_group(run)
@@ -122,7 +122,7 @@ async def test_the_producers_window_admits_a_prompt_only_when_a_streamed_group_r
 
 async def test_the_forwarder_returns_each_groups_outputs_as_an_independent_forward_computes_them(engine, actor):
     request = _request(2, micro_rollout_batch_size=2 * N)
-    run = Producer(RolloutParts(InProcessGenerator(engine), InProcessRuleScorer()), VersionClock(), 64).start(
+    run = Producer(RolloutParts(InProcessGenerator(engine), InProcessRuleScorer()), PolicyClocks(), 64).start(
         request, Deadline.from_remaining(120)
     )
     groups = [await _next_group(run), await _next_group(run)]
@@ -155,8 +155,9 @@ async def test_weight_sync_applies_a_policy_update_to_the_generator_then_the_act
     engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=2)
     actor = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
     forwarder = Forwarder(ForwardModels(actor, actor), pad_token_id=2)
-    policy = VersionClock()
-    sync = WeightSync(InProcessGenerator(engine), forwarder, policy)
+    clocks = PolicyClocks()
+    sync = WeightSync(InProcessGenerator(engine), forwarder, clocks)
+    policy = clocks.base
     name = "model.norm.weight"
     new = torch.full_like(actor.tensors()[name], 0.5)
     await sync.update(_update({name: new}), Deadline.from_remaining(60))
@@ -167,7 +168,7 @@ async def test_weight_sync_applies_a_policy_update_to_the_generator_then_the_act
 async def test_weight_sync_applies_nothing_anywhere_from_a_bad_update(tiny_model_path):
     engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=2)
     actor = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
-    sync = WeightSync(InProcessGenerator(engine), Forwarder(ForwardModels(actor, actor), pad_token_id=2), VersionClock())
+    sync = WeightSync(InProcessGenerator(engine), Forwarder(ForwardModels(actor, actor), pad_token_id=2), PolicyClocks())
     before = actor.tensors()["model.norm.weight"].detach().clone()
     with pytest.raises(InvalidRequest, match="no_such_tensor"):
         await sync.update(_update({"model.norm.weight": before + 1, "no_such_tensor": torch.zeros(2)}),

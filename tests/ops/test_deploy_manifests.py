@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from services.common import metrics
+from services.experience.runs.metrics import RUN_METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu-demo", "gpu")
@@ -246,6 +247,7 @@ def test_dashboard_queries_only_series_the_services_export():
         if hasattr(value, "_name") and hasattr(value, "_type"):
             name = value._name
             exported |= {name, f"{name}_total", f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    exported |= {family.name for family in RUN_METRICS.collect()}  # read at scrape time (per-run gauges)
     dashboard = json.loads((ROOT / "deploy/grafana/fastexp-dashboard.json").read_text())
     used = {name for panel in dashboard["panels"] for target in panel["targets"]
             for name in re.findall(r"\bfastexp_[a-z_]+", target["expr"])}

@@ -9,13 +9,17 @@ ALREADY_EXISTS, FAILED_PRECONDITION, RESOURCE_EXHAUSTED).
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 
 from fastexp.v1 import experience_pb2
+from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidRequest
 from services.common.identity import current_caller
 from services.experience.config import ExperienceConfig
 from services.experience.runs.limits import LoraSpec, RunLimits
+from services.experience.runs.metrics import RunGauges
 from services.experience.runs.registry import Run, RunRegistry, RunStatus
 
 
@@ -35,7 +39,7 @@ def check_lora_stream(config: ExperienceConfig, run: Run, adapter_version: int) 
                                  "update_weights(tensors, run_id=...) before streaming it")
     if config.estimator.needs_critic:
         raise InvalidRequest("advantage_estimator", "a LoRA run has no critic of its own here; use a critic-free "
-                                                    "estimator (grpo, rloo, reinforce_baseline, ...)")
+                                                    "estimator (group_norm, rloo, reinforce_baseline, ...)")
     if config.agent is not None:
         raise InvalidRequest("agent", "agent episodes sample the base model; LoRA runs stream single-turn or "
                                       "environment episodes")
@@ -94,6 +98,15 @@ class RunMethods:
         """The run's prompt groups generating now and waiting for generator capacity."""
         raise NotImplementedError
 
+    def run_gauges(self) -> list[RunGauges]:
+        """Every run's live values, for the per-run metrics (:mod:`services.experience.runs.metrics`)."""
+        gauges = []
+        for status in self._runs.statuses():
+            in_flight, queued = self._share_usage(status.run.run_id)
+            gauges.append(RunGauges(status.run.run_id, status.streams_open, self._policy_version(status.run),
+                                    in_flight, queued))
+        return gauges
+
     def _run_pb(self, status: RunStatus) -> experience_pb2.Run:
         return run_to_pb(status, self._policy_version(status.run), self._share_usage(status.run.run_id))
 
@@ -120,4 +133,7 @@ class RunMethods:
         status = self._runs.delete(request.run_id, current_caller())
         last = self._run_pb(status)  # as it was: its live version before its adapter goes
         await self._run_deleted(status.run)
+        for counter in (metrics.RUN_SAMPLES, metrics.RUN_TOKENS):  # a later run of that name counts from 0
+            with contextlib.suppress(KeyError):
+                counter.remove(status.run.run_id)
         return last

@@ -16,6 +16,7 @@ import grpc
 from fastexp.status import FAILED_KEY, INVALID_PROMPTS_KEY, RUN_ID_KEY, UNDELIVERED_KEY
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from fastexp.wire import experience_to_pb
+from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
 from services.common.identity import current_caller
@@ -123,6 +124,9 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         try:
             async with contextlib.aclosing(self._maker.make_experiences(decoded, deadline, stats)) as experiences:
                 async for experience in experiences:
+                    if run is not None:
+                        metrics.RUN_SAMPLES.labels(run.run_id).inc(len(experience.reward))
+                        metrics.RUN_TOKENS.labels(run.run_id).inc(int(experience.response_length.sum()))
                     yield experience_to_pb(experience)
         finally:
             trailers = [

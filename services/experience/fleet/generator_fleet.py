@@ -344,6 +344,8 @@ class GeneratorFleet:
     def _reroutable(self, error: BaseException, deadline: Deadline) -> bool:
         """Whether ``error`` from one replica's stream is that replica's failure (send its groups elsewhere) and
         not the request's (raise it)."""
+        if isinstance(error, InvalidRequest) and error.reason.startswith("adapter: no adapter named"):
+            return True  # it lacks a LoRA run's live adapter (it restarted): taken out, resynced before it serves
         if isinstance(error, InvalidRequest | FailedPrecondition) or not isinstance(error, FastexpError):
             return False  # the request's, or the trainer's doing (a generator it put to sleep): raised as it is
         remaining = deadline.remaining()

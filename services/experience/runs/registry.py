@@ -147,6 +147,10 @@ class RunRegistry:
         return tuple(RunStatus(run, self._streams[run_id]) for run_id, run in sorted(self._runs.items())
                      if may_use(run, caller))
 
+    def statuses(self) -> tuple[RunStatus, ...]:
+        """Every run, by run id, whoever owns it (for the service's own reports: metrics)."""
+        return tuple(RunStatus(run, self._streams[run_id]) for run_id, run in sorted(self._runs.items()))
+
     def delete(self, run_id: str, caller: Caller) -> RunStatus:
         """Remove the run ``run_id``; returns its last state.
 

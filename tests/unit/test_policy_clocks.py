@@ -1,0 +1,58 @@
+"""Per-run policy versions (PolicyClocks): a LoRA run's adapter clock moves alone; a generator replica lacking a live
+adapter is found by its ModelInfo; a LoRA run's stream is refused until its adapter was sent, and for what no LoRA
+run has here (a critic, agent episodes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fastexp.errors import FailedPrecondition, InvalidRequest
+from fastexp.rl.advantages import ESTIMATORS
+from services.experience.api.runs import check_lora_stream
+from services.experience.config import AgentOptions, ExperienceConfig
+from services.experience.fleet.readiness import GeneratorInfo
+from services.experience.fleet.replica_state import lacks_adapters
+from services.experience.pipeline.versions import PolicyClocks
+from services.experience.runs.limits import LoraSpec, RunLimits
+from services.experience.runs.registry import Run
+
+LORA_RUN = Run("alice-lora", "anonymous", LoraSpec(4, 4.0, ("q_proj",)), RunLimits(1, 1, 1, 1), 0.0)
+CONFIG = ExperienceConfig(n_samples_per_prompt=2, estimator=ESTIMATORS["group_norm"])
+
+
+async def test_each_adapter_has_its_own_clock_and_the_base_is_none():
+    clocks = PolicyClocks()
+    assert clocks.of(None) is clocks.base
+    a, b = clocks.of("a"), clocks.of("b")
+    assert a is clocks.of("a") and a is not b and clocks.live_adapters() == {}  # version 0: nothing live
+    b_begun = b.update_begun()
+    await a.begin_update()
+    assert not b_begun.is_set() and not clocks.base.updating  # another run's groups are not aborted
+    await a.end_update(1)
+    assert clocks.live_adapters() == {"a": 1} and b.version == 0 and clocks.base.version == 0
+    clocks.forget("a")
+    assert clocks.live_adapters() == {} and clocks.of("a").version == 0  # a new run of that name starts again
+
+
+def test_a_replica_lacks_an_adapter_it_misses_or_holds_at_another_version():
+    info = GeneratorInfo("m", "hf", 256, 0, adapters={"a": 2, "old": 1})
+    assert not lacks_adapters(info, {})
+    assert not lacks_adapters(info, {"a": 2})  # adapters beyond the live ones are not checked
+    assert lacks_adapters(info, {"a": 3})
+    assert lacks_adapters(info, {"a": 2, "b": 1})
+
+
+def test_a_lora_run_streams_once_its_adapter_was_sent_and_only_what_it_can():
+    base_run = dataclasses.replace(LORA_RUN, lora=None)
+    check_lora_stream(dataclasses.replace(CONFIG, estimator=ESTIMATORS["gae"]), base_run, 0)  # base runs: unchecked
+    with pytest.raises(FailedPrecondition, match="^run_id: LoRA run 'alice-lora' has no adapter yet"):
+        check_lora_stream(CONFIG, LORA_RUN, 0)
+    check_lora_stream(CONFIG, LORA_RUN, 1)
+    with pytest.raises(InvalidRequest) as refused:
+        check_lora_stream(dataclasses.replace(CONFIG, estimator=ESTIMATORS["gae"]), LORA_RUN, 1)
+    assert refused.value.field == "advantage_estimator"
+    with pytest.raises(InvalidRequest) as refused:
+        check_lora_stream(dataclasses.replace(CONFIG, agent=AgentOptions("calculator", 4)), LORA_RUN, 1)
+    assert refused.value.field == "agent"
