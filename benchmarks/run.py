@@ -49,6 +49,8 @@ TARGETS = {
     "judge_batched_vs_per_response": ">= 3",
     "judge_cache_hit_rate": "informative (items answered from the cache)",
     "judge_cache_calls_saved": "informative (judge prompts not sent)",
+    "runs_adapter_vs_full_update_s": "<= 0.05",
+    "runs_adapter_vs_full_update_bytes": "informative (an adapter's bytes / the base model's)",
     "runs_concurrent_vs_sequential_tokens_per_s": ">= 1.5",
     "runs_share_vs_weight_a": "1 ± 0.10",
     "adapter_memory_rss_vs_tensor_bytes": "informative (resident memory per LoRA adapter / its tensor bytes)",

@@ -1,8 +1,9 @@
-"""Two runs on one generator: aggregate throughput together vs one after the other, and each run's share of the
-generator against its weight (issue 33; base-model runs).
+"""Two LoRA runs on one generator: an adapter update against a full-weight update, aggregate throughput together vs
+one after the other, and each run's share of the generator against its weight (issue 33).
 
-Workload: SmolLM2 on the generator's vLLM engine (the launcher's core split), two runs created with ``CreateRun``
-(weights 3 and 1), each streaming ``num_prompts`` chat prompts x ``n_samples_per_prompt`` samples of exactly
+Workload: SmolLM2 on the generator's vLLM engine (the launcher's core split), two LoRA runs created with
+``CreateRun`` (rank ``lora_rank`` on every attention and MLP projection, weights 3 and 1; each sent its own random
+adapter, B ~ N(0, 0.01), through ``update_weights(..., run_id=)`` before streaming), each streaming ``num_prompts`` chat prompts x ``n_samples_per_prompt`` samples of exactly
 ``max_new_tokens`` tokens (``ignore_eos``, so every group costs the same), skip_actor_forward and no reference
 (generation and scoring: what the runs share). Two sets of services, one after the other:
 
@@ -11,7 +12,10 @@ Workload: SmolLM2 on the generator's vLLM engine (the launcher's core split), tw
   a's request then run b's; ``concurrent``, both at once, each read in its own thread as batches arrive.
 - *share* (``max_samples_in_flight`` = two groups' samples, so the runs contend for the generator): both at once.
 
-Figures (ratios taken here, in this run): ``runs_concurrent_vs_sequential_tokens_per_s`` (aggregate sampled tokens
+Figures (ratios taken here, in this run): ``runs_adapter_vs_full_update_s`` (the second update of run a's adapter,
+the trainer's call to the service's answer once every replica and the forwards have it, against the same call with
+every tensor of the base model, sent before the LoRA runs exist; target <= 0.05) and ``runs_adapter_vs_full_update_bytes``;
+``runs_concurrent_vs_sequential_tokens_per_s`` (aggregate sampled tokens
 per second; target >= 1.5 where one request leaves the engine's batch half empty), and
 ``runs_share_vs_weight_a`` = run a's share of the tokens delivered while both runs still had work (until the first
 stream ended) / its weight's share 3/4 (target within 1 +- 0.10).
@@ -26,8 +30,14 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
 from fastexp import ExperienceClient, RequestOptions, Sampling
+from services.common.lora import AdapterConfig, expected_tensors, linear_modules
+from services.common.weights import model_spec
 from services.demo.datasets import task_problems
+from services.experience.runs.limits import DEFAULT_LORA_TARGET_MODULES
 from services.launcher import LocalCluster
 
 WEIGHTS = {"a": 3, "b": 1}
@@ -45,6 +55,7 @@ class RunsWorkload:
     capacity_groups: int = 2
     seed: int = 0
     backend: str = "vllm"
+    lora_rank: int = 16
 
 
 def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
@@ -56,7 +67,12 @@ def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
     )
     prompts = [list(p.messages) for p in problems]
     batch = prompts[: workload.throughput_prompts]
+    config = AdapterConfig(workload.lora_rank, float(workload.lora_rank), DEFAULT_LORA_TARGET_MODULES)
+    adapters = {run_id: random_adapter(model, config, seed) for seed, run_id in enumerate(WEIGHTS)}
     with _services(model, workload.backend, log_dir / "runs-throughput", None) as address:
+        full_s, full_bytes = _timed_update(address, list(load_file(str(Path(model) / "model.safetensors")).items()))
+        _create_runs(address, config, adapters)
+        adapter_s, adapter_bytes = _timed_update(address, list(adapters["a"].items()), run_id="a")
         started = time.perf_counter()
         for run_id in WEIGHTS:
             _stream(address, run_id, batch, options, [], started)
@@ -64,21 +80,54 @@ def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
         concurrent, concurrent_s = _both(address, batch, options)
     capacity = workload.capacity_groups * workload.n_samples_per_prompt
     with _services(model, workload.backend, log_dir / "runs-share", capacity) as address:
+        _create_runs(address, config, adapters)
         contended, _ = _both(address, prompts, options)
     share = _share_while_both(contended, "a")
     tokens = sum(t for _, _, t in concurrent)
     return {
+        "runs_adapter_vs_full_update_s": adapter_s / full_s,
+        "runs_adapter_vs_full_update_bytes": adapter_bytes / full_bytes,
         "runs_concurrent_vs_sequential_tokens_per_s": (tokens / concurrent_s) / (tokens / sequential_s),
         "runs_share_vs_weight_a": share / (WEIGHTS["a"] / sum(WEIGHTS.values())),
-        "runs_inputs": {"sequential_s": sequential_s, "concurrent_s": concurrent_s, "tokens_per_pass": tokens,
+        "runs_inputs": {"full_update_s": full_s, "full_update_bytes": full_bytes, "adapter_update_s": adapter_s,
+                        "adapter_update_bytes": adapter_bytes, "sequential_s": sequential_s,
+                        "concurrent_s": concurrent_s, "tokens_per_pass": tokens,
                         "share_a_while_both": share, "weights": WEIGHTS},
         "runs_workload": {**asdict(workload), "model": model},
     }
 
 
+def random_adapter(model: str, config: AdapterConfig, seed: int) -> dict[str, torch.Tensor]:
+    """A LoRA adapter with ``config`` over ``model``'s linear layers, peft-named, float32: A ~ N(0, 1/in), B ~
+    N(0, 0.01) (a trained adapter's scale: samples stay fluent)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_tensors(config, linear_modules(model_spec(model))).items():
+        scale = 0.01 if ".lora_B." in name else shape[1] ** -0.5
+        tensors[name] = torch.randn(shape, generator=generator) * scale
+    return tensors
+
+
+def _timed_update(address: str, tensors: list[tuple[str, torch.Tensor]], run_id: str | None = None) -> tuple[float, int]:
+    """One ``update_weights`` call: its wall seconds (the trainer's view) and the bytes it carried."""
+    with ExperienceClient(address) as client:
+        started = time.perf_counter()
+        response = client.update_weights(tensors, run_id=run_id)
+        return time.perf_counter() - started, response.num_bytes
+
+
+def _create_runs(address: str, config: AdapterConfig, adapters: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Create runs a and b as LoRA runs (weights 3 and 1) and send each its adapter (version 1)."""
+    with ExperienceClient(address) as client:
+        for run_id, weight in WEIGHTS.items():
+            client.create_run(run_id, lora_rank=config.rank, lora_alpha=config.alpha,
+                              target_modules=list(config.target_modules), weight=weight)
+            client.update_weights(list(adapters[run_id].items()), run_id=run_id)
+
+
 @contextlib.contextmanager
 def _services(model: str, backend: str, log_dir: Path, max_samples_in_flight: int | None) -> Iterator[str]:
-    """The three services with runs a and b created (weights 3 and 1), warmed up; yields the experience address."""
+    """The three services, warmed up; yields the experience address."""
     capacity = {} if max_samples_in_flight is None else {"max_samples_in_flight": max_samples_in_flight}
     overrides = {"generator": {"model": model, "backend": backend},
                  "experience": {"actor_model": model, "reference_model": model, **capacity}}
@@ -86,8 +135,6 @@ def _services(model: str, backend: str, log_dir: Path, max_samples_in_flight: in
         address = cluster.address("experience")
         with ExperienceClient(address) as client:
             client.wait_until_ready(900)
-            for run_id, weight in WEIGHTS.items():
-                client.create_run(run_id, weight=weight)
             for _ in client.make_experiences([[{"role": "user", "content": "Hi"}]], n_samples_per_prompt=2,
                                              advantage_estimator="rloo", sampling=Sampling(max_new_tokens=8)):
                 pass  # warm-up
