@@ -141,16 +141,22 @@ class ExperienceClient:
             checkpoint_dir: instead of tensors, a safetensors folder both services can read (shared storage).
             run_id: the run (:meth:`create_run`) the update is for; only its owner or an admin token may make it.
                 A base-model run's weights are the deployment's: updating them needs an admin token, as without
-                a run.
+                a run. A LoRA run's update is its whole adapter, ``tensors`` named as peft's
+                ``get_peft_model_state_dict(model).items()`` names them
+                (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: (rank, in_features);
+                ``...lora_B.weight``: (out_features, rank)), every module of the run's ``target_modules``; it is
+                loaded on every generator replica and the service's forwards, as the run's next version.
 
         Returns:
-            The response: ``policy_version`` (every experience sampled after a policy update carries it),
-            ``critic_version``, ``num_tensors``, ``num_bytes``.
+            The response: ``policy_version`` (every experience sampled after a policy update carries it; a LoRA
+            run's: its adapter's version, 1 after the first update), ``critic_version``, ``num_tensors``,
+            ``num_bytes``.
 
         Raises:
             grpc.RpcError: INVALID_ARGUMENT naming a bad tensor (nothing was applied anywhere),
-                RESOURCE_EXHAUSTED while another update runs, UNAVAILABLE, DEADLINE_EXCEEDED; with ``run_id``:
-                NOT_FOUND, PERMISSION_DENIED naming ``run_id``.
+                RESOURCE_EXHAUSTED while another update (of the same LoRA run, or of the base) runs, UNAVAILABLE,
+                DEADLINE_EXCEEDED; with ``run_id``: NOT_FOUND, PERMISSION_DENIED naming ``run_id``;
+                FAILED_PRECONDITION for a base-model update while LoRA runs exist (it would change their base).
         """
         return self._stub.UpdateWeights(
             weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target),
@@ -177,7 +183,7 @@ class ExperienceClient:
         Raises:
             fastexp.errors.InvalidRequest: ``run_id`` (1..256 of A-Z a-z 0-9 . _ -), ``lora.rank``,
                 ``lora.alpha``, ``lora.target_modules`` or ``limits.*`` (named). FailedPrecondition: a LoRA run on
-                a deployment that does not serve adapters yet. AlreadyExists: the id is taken. Overloaded:
+                a deployment that serves no adapters of that rank. AlreadyExists: the id is taken. Overloaded:
                 ``max_runs``. ValueError: ``lora_alpha`` or ``target_modules`` without ``lora_rank``.
         """
         limits = RunLimits(max_streams, max_groups_ahead, max_tokens_per_request, weight)
