@@ -114,9 +114,10 @@ class RunRegistry:
         only for a LoRA run).
 
         Raises:
-            InvalidRequest: ``run_id``, ``lora.*`` or ``limits.*`` (named). FailedPrecondition: a LoRA run where
-            adapters of its rank are not served. AlreadyExists: ``run_id`` is taken. Overloaded: ``max_runs`` runs
-            exist.
+            InvalidRequest: ``run_id``, ``lora.*`` or ``limits.*`` (named).
+            FailedPrecondition: a LoRA run where adapters of its rank are not served.
+            AlreadyExists: ``run_id`` is taken.
+            Overloaded: ``max_runs`` runs exist.
         """
         check_run_id(run_id)
         lora = check_lora(lora, self.limits) if lora is not None else None
