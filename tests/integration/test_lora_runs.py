@@ -388,10 +388,6 @@ async def test_a_restarted_replica_gets_every_live_adapter_before_it_serves_agai
     assert await _versions(stack, runs) == live
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "services/experience/fleet/generator_fleet.py: _SubStream.stop() cancels a sub-stream task that has not run "
-    "yet; its coroutine never starts, so _stream never queues _Ended, the groups are never rerouted and generate() "
-    "waits until the deadline. Found by the restart test with both runs streaming at once (about 1 run in 15)"))
 async def test_groups_on_a_replica_taken_out_before_their_stream_starts_are_rerouted(stack):
     """The fleet over the two replicas: replica b is taken out the moment work begins on it (in the same event-loop
     turn as the dispatch that created its stream's task, as when another stream's failure on b takes b out): its

@@ -24,10 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,7 @@ from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.lora import AdapterConfig
 from services.common.weights import ReceivedUpdate
 from services.experience.fleet import adapters
+from services.experience.fleet.calls import Call, Ended, Record, SubStream, queue_end, taken_out_error
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.fleet.replicas import (
     FleetSettings,
@@ -55,78 +56,10 @@ from services.experience.fleet.replicas import (
     WeightSource,
     resolve_targets,
 )
-from services.experience.fleet.routing import GroupWork, group_work, place_groups
+from services.experience.fleet.routing import group_work, place_groups
 from services.experience.pipeline.events import Rerouted, SamplePreview
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _SubStream:
-    """The part of one ``generate`` call sent to one replica."""
-
-    replica: Replica
-    indices: tuple[int, ...]  # the call's prompt indices, in the order sent
-    reserved_tokens: int
-    max_tokens: int
-    samples_left: int
-    task: asyncio.Task[None] | None = None
-    taken_out: str | None = None  # why its replica was taken out (then its groups are rerouted)
-    released_tokens: int = 0
-
-    def stop(self, reason: str) -> None:
-        """Its replica was taken out: stop reading; its unfinished groups are rerouted."""
-        if self.taken_out is None and self.task is not None:
-            self.taken_out = reason
-            self.task.cancel()
-
-
-@dataclass(frozen=True)
-class _Record:
-    stream: _SubStream
-    record: CompletionRecord
-
-
-@dataclass(frozen=True)
-class _Ended:
-    stream: _SubStream
-    error: BaseException | None
-
-
-@dataclass(eq=False)
-class _Call:
-    """One ``generate`` call's groups: pending (not placed), on a replica, whole (yielded)."""
-
-    request: GenerationRequest
-    deadline: Deadline
-    works: list[GroupWork]
-    events: asyncio.Queue[_Record | _Ended] = field(default_factory=asyncio.Queue)
-    streams: set[_SubStream] = field(default_factory=set)
-    groups: dict[int, list[CompletionRecord]] = field(default_factory=dict)  # samples so far, by prompt index
-    excluded: set[str] = field(default_factory=set)  # replicas that failed this call
-    pending: list[int] = field(default_factory=list)
-    unfinished: set[int] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.pending = list(range(len(self.request.prompts)))
-        self.unfinished = set(self.pending)
-
-    def receive(self, record: CompletionRecord) -> list[CompletionRecord]:
-        """Hold ``record``; the group's n completions in sample order once it is whole, else []."""
-        group = self.groups.setdefault(record.prompt_index, [])
-        group.append(record)
-        if len(group) < self.request.n_samples_per_prompt:
-            return []
-        del self.groups[record.prompt_index]
-        self.unfinished.discard(record.prompt_index)
-        return sorted(group, key=lambda c: c.sample_index)
-
-    def reroute(self, lost: Sequence[int], failed: str) -> None:
-        """``lost`` groups' replica failed: drop their samples so far, place them again elsewhere first."""
-        for index in lost:
-            self.groups.pop(index, None)
-        self.pending = [*lost, *self.pending]
-        self.excluded.add(failed)
 
 
 class GeneratorFleet:
@@ -204,7 +137,7 @@ class GeneratorFleet:
         works = [group_work(p, request.n_samples_per_prompt, request.sampling.max_new_tokens) for p in request.prompts]
         if request.affinity_key is not None:  # e.g. an episode's turns: one key, so they stay where their KV is
             works = [dataclasses.replace(w, prefix_key=f"{request.affinity_key}/{i}") for i, w in enumerate(works)]
-        call = _Call(request, deadline, works)
+        call = Call(request, deadline, works)
         try:
             self._dispatch(call)
             while call.unfinished:
@@ -212,7 +145,7 @@ class GeneratorFleet:
                 if event is None:  # groups wait for room that other streams hold, and the replicas changed
                     self._dispatch(call)
                     continue
-                if isinstance(event, _Record):
+                if isinstance(event, Record):
                     self._account(event.stream, event.record)
                     whole = call.receive(event.record)
                     if not whole:  # held until its group is whole; its forwards may start now
@@ -249,7 +182,7 @@ class GeneratorFleet:
                 for stream in list(call.streams):
                     self._end(stream, call.streams)
 
-    async def _next_event(self, call: _Call) -> _Record | _Ended | None:
+    async def _next_event(self, call: Call) -> Record | Ended | None:
         """The call's next event; ``None`` when, with groups waiting for room, the replicas changed first (a load
         dropped, a replica began serving: :attr:`ReplicaSet.changes`), so they may be placed now."""
         if not call.pending or not call.events.empty():
@@ -263,7 +196,7 @@ class GeneratorFleet:
             getting.cancel()  # a get cancelled before it returned leaves its item in the queue
         return getting.result() if getting.done() and not getting.cancelled() else None
 
-    def _dispatch(self, call: _Call) -> None:
+    def _dispatch(self, call: Call) -> None:
         """Place the call's pending groups on replicas with room and start one stream per replica used.
 
         Raises:
@@ -291,7 +224,7 @@ class GeneratorFleet:
         call.pending = [i for i, address in zip(call.pending, chosen, strict=True) if address is None]
         for address, part in per_replica.items():
             replica = candidates[address]
-            stream = _SubStream(replica, tuple(part), sum(call.works[i].tokens for i in part),
+            stream = SubStream(replica, tuple(part), sum(call.works[i].tokens for i in part),
                                 request.sampling.max_new_tokens, len(part) * n)
             sub = dataclasses.replace(
                 request,
@@ -302,28 +235,29 @@ class GeneratorFleet:
             self.members.begin_work(replica, stream, stream.reserved_tokens, stream.samples_left,
                                     [call.works[i].prefix_key for i in part])
             call.streams.add(stream)
-            stream.task = asyncio.create_task(self._stream(stream, sub, call.events, call.deadline),
+            stream.task = asyncio.create_task(self._stream(stream, sub, call.deadline, call.events),
                                               name=sub.request_id)
+            stream.task.add_done_callback(functools.partial(queue_end, stream, call.events))
 
     async def _stream(
-        self, stream: _SubStream, sub: GenerationRequest, events: asyncio.Queue[_Record | _Ended], deadline: Deadline
-    ) -> None:
-        """Read one replica's stream into ``events`` (prompt indices mapped back), then its end or error."""
-        error: BaseException | None = None
+        self, stream: SubStream, sub: GenerationRequest, deadline: Deadline, events: asyncio.Queue[Record | Ended]
+    ) -> BaseException | None:
+        """Read one replica's stream into ``events`` (prompt indices mapped back); its error, if any (the task's
+        done callback, :func:`queue_end`, queues its end)."""
         try:
             async with contextlib.aclosing(stream.replica.client.generate(sub, deadline)) as records:
                 async for record in records:
                     original = stream.indices[record.prompt_index]
-                    events.put_nowait(_Record(stream, dataclasses.replace(record, prompt_index=original)))
+                    events.put_nowait(Record(stream, dataclasses.replace(record, prompt_index=original)))
         except asyncio.CancelledError:
             if stream.taken_out is None:
                 raise  # the caller closed the generate call
-            error = NotReady(f"generator {stream.replica.address} taken out: {stream.taken_out}")
-        except Exception as exc:  # noqa: BLE001 - every stream must end with _Ended, or generate() waits forever
-            error = exc  # a FastexpError is the replica's failure; anything else is raised by generate()
-        events.put_nowait(_Ended(stream, error))
+            return taken_out_error(stream)
+        except Exception as exc:  # noqa: BLE001 - a FastexpError is the replica's failure; others generate() raises
+            return exc
+        return None
 
-    def _account(self, stream: _SubStream, record: CompletionRecord) -> None:
+    def _account(self, stream: SubStream, record: CompletionRecord) -> None:
         """One sample arrived from ``stream``'s replica: its reserved decode budget is done."""
         stream.samples_left -= 1
         release = min(stream.max_tokens, stream.reserved_tokens - stream.released_tokens)
@@ -331,7 +265,7 @@ class GeneratorFleet:
         self.members.sample_done(stream.replica, release)
         metrics.GENERATOR_REPLICA_TOKENS.labels(stream.replica.address).inc(len(record.output_token_ids))
 
-    def _end(self, stream: _SubStream, streams: set[_SubStream]) -> None:
+    def _end(self, stream: SubStream, streams: set[SubStream]) -> None:
         """``stream`` is over: give back what it still held of its replica's load (once)."""
         if stream not in streams:
             return
