@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from fastexp.client import ExperienceClient
+from fastexp.integrations.trl.lora_runs import adapter_tensors, ensure_run, lora_config, run_spec
 from fastexp.integrations.trl.rows import ReferenceTable, RolloutRow, experience_rows, policy_weights, prompt_runs
 from fastexp.request import PromptLike, RequestOptions, Sampling
 from fastexp.security import ClientTLS
@@ -48,8 +49,18 @@ class FastexpRollout:
         sync_weights: push the trainer's weights (:func:`policy_weights`) through ``UpdateWeights`` whenever the
             trainer's ``global_step`` advanced since the last push, before sampling.
         tls: as :class:`~fastexp.client.ExperienceClient` takes it.
-        token: as :class:`~fastexp.client.ExperienceClient` takes it (an admin token when ``sync_weights``).
+        token: as :class:`~fastexp.client.ExperienceClient` takes it (an admin token when ``sync_weights``
+            without ``run_id``; with it, the run's owner's token).
         timeout_s: as :class:`~fastexp.client.ExperienceClient` takes it.
+        run_id: train the trainer's peft LoRA adapter as this fastexp *LoRA run* (docs/trainer/runs.md) instead of
+            the deployment's base model. With ``sync_weights``, its first call finds the token's run of this id
+            or creates it from the adapter's ``LoraConfig`` (``r``, ``lora_alpha``, sorted ``target_modules``),
+            and it pushes the adapter itself, not merged weights
+            (:func:`~fastexp.integrations.trl.lora_runs.adapter_tensors`: peft's ``get_peft_model_state_dict``
+            of adapter ``"default"``, with ``update_weights(run_id=...)``), before its first sampling (a new run
+            has no adapter and streams nothing before one) and whenever ``global_step`` advanced; its streams
+            carry ``run_id`` (which wins over ``options.run_id``), and each row's ``policy_version`` is the run's
+            own adapter version (1, 2, ...: other runs' updates do not count).
 
     The returned dict holds, per completion in the slice's order, ``prompt_ids``, ``completion_ids`` and
     ``logprobs`` (the generator's, which TRL's vLLM importance-sampling correction compares with its own), and as
@@ -58,7 +69,10 @@ class FastexpRollout:
 
     Raises (on call):
         KeyError: a prompt missing from ``dataset``.
-        grpc.RpcError: from the service (INVALID_ARGUMENT naming the field, UNAVAILABLE, ...).
+        ValueError: with ``run_id``: the trainer's model is not a peft LoRA model, its ``LoraConfig`` is one a
+            run cannot express, or the run exists with another adapter shape (or as a base-model run).
+        grpc.RpcError: from the service (INVALID_ARGUMENT naming the field, UNAVAILABLE, PERMISSION_DENIED for
+            another token's run, ...).
     """
 
     def __init__(
@@ -73,14 +87,17 @@ class FastexpRollout:
         tls: ClientTLS | None = None,
         token: str | None = None,
         timeout_s: float = 3600.0,
+        run_id: str | None = None,
     ) -> None:
         self.options = options
         self.sync_weights = sync_weights
+        self.run_id = run_id
         self.references = (ReferenceTable(dataset, reference_column=reference_column, label_column=label_column)
                            if dataset is not None else None)
         self.client = ExperienceClient(address, timeout_s=timeout_s, tls=tls, token=token)
         self.calls: list[RolloutCall] = []
-        self._synced_step = 0  # the step whose weights the generator has (a fresh run starts from the same model)
+        # the step whose weights the generator has (a fresh run starts from the same model; a LoRA run has none)
+        self._synced_step: int | None = None if run_id else 0
 
     def __call__(self, prompts: list[PromptLike], trainer: Any) -> dict[str, list]:
         started = time.monotonic()
@@ -116,25 +133,35 @@ class FastexpRollout:
 
     def _options(self, trainer: Any, n: int, rows: int) -> RequestOptions:
         if self.options is not None:
-            return dataclasses.replace(self.options, n_samples_per_prompt=n, return_packed=False)
-        args = trainer.args
-        sampling = Sampling(temperature=float(args.temperature), top_p=float(args.top_p),
-                            top_k=int(args.top_k or 0), max_new_tokens=int(args.max_completion_length))
-        # TRL computes its own advantages: the cheapest estimator that takes any group size; no KL, no actor.
-        return RequestOptions(n_samples_per_prompt=n, sampling=sampling, advantage_estimator="reinforce",
-                              kl_coef=0.0, skip_actor_forward=True, micro_rollout_batch_size=rows)
+            options = dataclasses.replace(self.options, n_samples_per_prompt=n, return_packed=False)
+        else:
+            args = trainer.args
+            sampling = Sampling(temperature=float(args.temperature), top_p=float(args.top_p),
+                                top_k=int(args.top_k or 0), max_new_tokens=int(args.max_completion_length))
+            # TRL computes its own advantages: the cheapest estimator that takes any group size; no KL, no actor.
+            options = RequestOptions(n_samples_per_prompt=n, sampling=sampling, advantage_estimator="reinforce",
+                                     kl_coef=0.0, skip_actor_forward=True, micro_rollout_batch_size=rows)
+        return dataclasses.replace(options, run_id=self.run_id) if self.run_id else options
 
     def _episodic(self) -> bool:
         return self.options is not None and bool(self.options.environment)
 
     def _push_weights(self, trainer: Any, step: int) -> int | None:
-        """Push the trainer's current weights (main process), then let every process go on once they are live."""
+        """Push the trainer's current weights (main process), then let every process go on once they are live:
+        merged weights of the base policy, or with ``run_id`` the adapter (the run found or created first)."""
         accelerator = trainer.accelerator
         version = None
         if accelerator.is_main_process:
             model = accelerator.unwrap_model(trainer.model)
-            version = int(self.client.update_weights(policy_weights(model)).policy_version)
-            logger.info("step %d: pushed the policy's weights, policy version %d is live", step, version)
+            if self.run_id:
+                if self._synced_step is None:  # the first push: the run must exist, with this adapter's shape
+                    ensure_run(self.client, self.run_id, run_spec(lora_config(model)))
+                tensors = adapter_tensors(model)
+            else:
+                tensors = policy_weights(model)
+            version = int(self.client.update_weights(tensors, run_id=self.run_id).policy_version)
+            logger.info("step %d: pushed the policy's %s, policy version %d is live", step,
+                        f"adapter (run {self.run_id})" if self.run_id else "weights", version)
         accelerator.wait_for_everyone()
         self._synced_step = step
         return version
