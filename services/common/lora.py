@@ -118,8 +118,7 @@ def check_config(
     Raises:
         InvalidRequest: naming ``adapter``, ``config.rank``, ``config.alpha`` or ``config.target_modules``.
     """
-    if not _NAME.fullmatch(name or ""):
-        raise InvalidRequest("adapter", f"{name!r} is not an adapter name (1-256 letters, digits, '.', '_', '-')")
+    check_name(name)
     if not 1 <= config.rank <= max_rank:
         raise InvalidRequest("config.rank", f"{config.rank}; this generator takes ranks 1 to {max_rank} "
                              "(max_lora_rank)")
@@ -131,6 +130,16 @@ def check_config(
         raise InvalidRequest("config.target_modules", f"{list(config.target_modules)} select no linear layer of "
                              f"the model (its layers end in {suffixes})")
     return expected
+
+
+def check_name(name: str, field: str = "adapter") -> None:
+    """Check an adapter's name: 1-256 letters, digits, ``._-``, not starting with a symbol.
+
+    Raises:
+        InvalidRequest: naming ``field``.
+    """
+    if not _NAME.fullmatch(name or ""):
+        raise InvalidRequest(field, f"{name!r} is not an adapter name (1-256 letters, digits, '.', '_', '-')")
 
 
 def check_tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...], expected: Mapping[str, tuple[int, int]]) -> None:

@@ -1,5 +1,6 @@
-"""``LoadAdapter`` streams: the messages that carry a LoRA adapter, and their receiver, which assembles the tensors
-in memory (an adapter is MBs: no staging on disk) and checks them as they arrive.
+"""``LoadAdapter`` streams on the generator: their receiver, which assembles the tensors in memory (an adapter is
+MBs: no staging on disk) and checks them as they arrive (the sender's side:
+:func:`services.common.weights_wire.adapter_chunks`).
 
 The receiver checks the header's name and config first, each tensor's name, dtype and shape on its first chunk
 (before its bytes are held), and each tensor's CRC-32 once its last byte arrived; the engine then checks the whole
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,30 +19,8 @@ import torch
 
 from fastexp.types import FLOAT_DTYPES
 from fastexp.v1 import generation_pb2, tensor_pb2
-from fastexp.weights import weight_chunks
 from services.common.errors import InvalidRequest
 from services.common.lora import AdapterConfig, check_config, check_tensor
-
-
-def adapter_chunks(
-    name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], *, version: int | None = None,
-    chunk_bytes: int = 4 * 1024 * 1024,
-) -> Iterator[generation_pb2.AdapterChunk]:
-    """The ``LoadAdapter`` messages for adapter ``name``: the header, then each peft-named tensor in its own
-    floating dtype, ``chunk_bytes`` per chunk, its first chunk with its CRC-32 (as :func:`fastexp.weights.weight_chunks`
-    sends weights). ``version``: the version the load makes live (None: the receiver's previous + 1).
-
-    Raises:
-        ValueError: a tensor is not floating point; ``chunk_bytes`` < 1.
-    """
-    yield generation_pb2.AdapterChunk(header=generation_pb2.AdapterHeader(
-        name=name, rank=config.rank, alpha=config.alpha, target_modules=list(config.target_modules),
-        use_rslora=config.use_rslora, num_tensors=len(tensors), version=version,
-    ))
-    chunks = weight_chunks(list(tensors.items()), chunk_bytes=chunk_bytes)
-    next(chunks)  # its WeightsHeader: the adapter's header went first
-    for chunk in chunks:
-        yield generation_pb2.AdapterChunk(tensor=chunk.tensor)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ class AdapterSlot:
 
 
 class AdapterTable:
-    """Which version of each named adapter is live, and which superseded versions still have requests running.
+    """Which version of each named adapter is live, and which superseded or unloaded versions still have requests
+    running.
 
     One engine owns it and touches it from its event loop only. A request ``acquire``s the live slot of its
     adapter and ``release``s it when done; a superseded slot with no request left is retired (its weights can go).
@@ -50,12 +51,21 @@ class AdapterTable:
         them now); one with requests running is retired by the :meth:`release` of its last."""
         previous = self._live.get(slot.name)
         self._live[slot.name] = slot
-        if previous is None:
+        return [] if previous is None else self._supersede(previous)
+
+    def unload(self, name: str) -> list[AdapterSlot] | None:
+        """Take adapter ``name`` out: no request acquires it from now on. Returns ``None`` when no adapter of that
+        name is live (nothing changes), else the slots to retire now: its live slot, unless requests run on it,
+        which finish on it as on a superseded version (the :meth:`release` of their last retires it)."""
+        slot = self._live.pop(name, None)
+        return None if slot is None else self._supersede(slot)
+
+    def _supersede(self, slot: AdapterSlot) -> list[AdapterSlot]:
+        """``slot`` is no longer live: ``[slot]`` to retire now, or ``[]`` while requests run on it."""
+        if self._running[slot.slot_id]:
+            self._superseded[slot.slot_id] = slot
             return []
-        if self._running[previous.slot_id]:
-            self._superseded[previous.slot_id] = previous
-            return []
-        return [previous]
+        return [slot]
 
     def acquire(self, name: str) -> AdapterSlot:
         """The live slot of ``name``, counted as running until :meth:`release`.

@@ -110,6 +110,13 @@ class GenerationEngine(Protocol):
         """
         ...
 
+    async def unload_adapter(self, name: str) -> bool:
+        """Free LoRA adapter ``name``: requests started after it returns cannot name it (InvalidRequest) and
+        :attr:`adapters` no longer lists it; those sampling with it finish on it (as on a version a load replaced),
+        and its weights are dropped after the last (while asleep, vLLM drops them at wake-up). Returns False when
+        no adapter of that name was loaded (nothing changes)."""
+        ...
+
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
         ...

@@ -55,16 +55,19 @@ class PeftAdapters:
             raise RuntimeError(f"peft did not place adapter tensors {result.unexpected_keys[:3]}")
 
     def remove(self, slot: AdapterSlot) -> None:
-        """Delete the load ``slot`` (superseded, no request on it; a newer load of its adapter stays)."""
+        """Delete the load ``slot`` (superseded or unloaded, no request on it). The last one leaves peft's LoRA
+        layers in place, empty (the model computes the base's output; parameter names stay as they are, which a
+        sleeping engine's dropped weights are keyed by)."""
         key = _key(slot)
-        if key in self._peft.active_adapters:  # step off it first (peft would warn and pick one)
-            self._peft.set_adapter(next(k for k in self._peft.peft_config if k != key))
+        others = [k for k in self._peft.peft_config if k != key]
+        if key in self._peft.active_adapters and others:  # step off it first (peft would warn and pick one)
+            self._peft.set_adapter(others[0])
         self._peft.delete_adapter(key)
 
     @contextlib.contextmanager
     def active(self, slot: AdapterSlot | None) -> Iterator[None]:
         """Run the model with the load ``slot`` (None: the base model, adapters off) inside the block."""
-        if self._peft is None:
+        if self._peft is None or (slot is None and not self._peft.peft_config):  # no adapter: the base's output
             yield
         elif slot is None:
             with self._peft.disable_adapter():

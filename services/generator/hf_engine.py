@@ -296,6 +296,22 @@ class HFEngine(TokenizerEngine):
             self._drop_retired()
             self._peft.add(slot, tensors)
 
+    async def unload_adapter(self, name: str) -> bool:
+        """See :class:`~services.generator.engine.GenerationEngine`: its peft layers are deleted once the running
+        ``generate`` chunk ends (asleep or not: adapters' tensors stay where they are during sleep), or after the
+        last request sampling with it."""
+        retired = self.adapters.unload(name)
+        if retired is None:
+            return False
+        self._retired.extend(retired)
+        await asyncio.to_thread(self._drop_retired_locked)
+        logger.info("adapter %s unloaded", name)
+        return True
+
+    def _drop_retired_locked(self) -> None:
+        with self._lock:
+            self._drop_retired()
+
     def _drop_retired(self) -> None:
         """Remove the superseded adapter loads no request runs on (the caller holds the lock)."""
         while self._retired:

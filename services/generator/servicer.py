@@ -16,6 +16,7 @@ from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
 from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.lora import check_name
 from services.common.media import MediaLimits, check_pixel_budget, decode_media
 from services.common.media_wire import media_from_pb
 from services.common.sampling import validate_batch
@@ -113,7 +114,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._tokens = metrics.GENERATED_TOKENS.labels(engine.description.backend)
         self._streams = 0  # Generate streams open (Sleep waits for none)
         self._sleeping = asyncio.Lock()  # one Sleep / WakeUp at a time
-        self._loading_adapter = asyncio.Lock()  # one adapter load at a time (receiving them runs concurrently)
+        self._loading_adapter = asyncio.Lock()  # one adapter load or unload at a time (receiving runs concurrently)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -190,6 +191,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                                       received.version)
         return generation_pb2.LoadAdapterResponse(name=received.name, version=version,
                                                   num_tensors=len(received.tensors), num_bytes=received.num_bytes)
+
+    async def UnloadAdapter(  # noqa: N802 - gRPC method name
+        self, request: generation_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.UnloadAdapterResponse:
+        """Free the adapter (:meth:`~services.generator.engine.GenerationEngine.unload_adapter`), after any load
+        in progress; also while asleep. ``unloaded`` false: none of that name was loaded."""
+        check_name(request.name, "name")
+        if not self._engine.max_lora_rank:
+            raise FailedPrecondition("UnloadAdapter: this generator takes no LoRA adapters (max_loras 0)")
+        async with self._loading_adapter:
+            unloaded = await self._engine.unload_adapter(request.name)
+        return generation_pb2.UnloadAdapterResponse(name=request.name, unloaded=unloaded)
 
     def _update_spec(self, target: str) -> dict:
         """The served model's tensors, which a policy update is checked against as it arrives.

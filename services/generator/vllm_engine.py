@@ -30,7 +30,7 @@ from services.common.models import is_vision_language
 from services.common.weights import model_spec
 from services.generator.adapters import AdapterSlot, AdapterTable
 from services.generator.engine import ModelDescription, SleepState, TokenizerEngine
-from services.generator.vllm_lora import lora_options, lora_request, packed
+from services.generator.vllm_lora import WorkerAdapters, lora_options, lora_request
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class VLLMEngine(TokenizerEngine):
         self._live.set()
         self.sleep_state = SleepState()
         self.adapters = AdapterTable()
-        self._retiring: set[asyncio.Task] = set()  # removals of superseded adapter versions from the workers
+        self._workers = WorkerAdapters(engine, self.sleep_state)  # the loads in vLLM's workers
 
     @classmethod
     def start(cls, model: str, **options: Any) -> VLLMEngine:
@@ -173,7 +173,7 @@ class VLLMEngine(TokenizerEngine):
                     yield record
         finally:
             if slot is not None and self.adapters.release(slot):
-                self._retire(slot)
+                self._workers.retire(slot)
 
     async def _generate(self, request: GenerationRequest, slot: AdapterSlot | None) -> AsyncIterator[CompletionRecord]:
         version = self._policy_version if slot is None else slot.version
@@ -275,25 +275,22 @@ class VLLMEngine(TokenizerEngine):
             raise FailedPrecondition("the served model has no safetensors files to check adapters against")
         check_adapter(name, config, tensors, self.lora_modules, self.max_lora_rank)
         slot = self.adapters.next_slot(name, config, version)
-        payload = await asyncio.to_thread(packed, tensors)
-        await self._engine.collective_rpc("fastexp_load_adapter", args=(name, slot.slot_id, config.peft_fields(), payload))
+        await self._workers.add(slot, tensors, config.peft_fields())
         for retired in self.adapters.publish(slot):
-            self._retire(retired)
+            self._workers.retire(retired)
         logger.info("adapter %s version %d loaded (%d tensors)", name, slot.version, len(tensors))
         return slot.version
 
-    def _retire(self, slot: AdapterSlot) -> None:
-        """Drop a superseded adapter version from the workers, in the background."""
-        task = asyncio.create_task(self._remove_adapter(slot))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-
-    async def _remove_adapter(self, slot: AdapterSlot) -> None:
-        try:
-            await self._engine.collective_rpc("fastexp_remove_adapter", args=(slot.slot_id,))
-        except Exception:  # the engine is gone or going: its workers' memory with it
-            logger.warning("adapter %s version %d not dropped from the workers", slot.name, slot.version,
-                           exc_info=True)
+    async def unload_adapter(self, name: str) -> bool:
+        """See :class:`~services.generator.engine.GenerationEngine`: returns once every worker dropped it (at
+        once when no request samples with it; while asleep, at wake-up)."""
+        retired = self.adapters.unload(name)
+        if retired is None:
+            return False
+        removals = [task for slot in retired if (task := self._workers.retire(slot)) is not None]
+        await asyncio.shield(asyncio.gather(*removals))  # a caller gone does not stop the removal
+        logger.info("adapter %s unloaded", name)
+        return True
 
     async def check_health(self) -> None:
         await self._engine.check_health()
@@ -320,10 +317,10 @@ class VLLMEngine(TokenizerEngine):
         await self._engine.wake_up()
         self.sleep_state.needs_weights = self.sleep_state.level == 2
         self.sleep_state.level = 0
+        self._workers.woke()
 
     async def close(self) -> None:
-        for task in self._retiring:
-            task.cancel()
+        self._workers.close()
         self._engine.shutdown()
         self._engine = None  # so AsyncLLM.__del__ does not shut it down again at interpreter exit
 

@@ -1,12 +1,21 @@
-"""vLLM's side of LoRA adapters: its engine options, the ``LoRARequest`` of one adapter load, and the adapter's
-tensors as they travel to the workers (:class:`services.generator.vllm_worker.WeightLoaderExtension`)."""
+"""vLLM's side of LoRA adapters: its engine options, the ``LoRARequest`` of one adapter load, the adapter's
+tensors as they travel to the workers (:class:`services.generator.vllm_worker.WeightLoaderExtension`), and the
+loads' adding to and removal from the workers (:class:`WorkerAdapters`)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from services.generator.adapters import AdapterSlot
+    from services.generator.engine import SleepState
+
+logger = logging.getLogger(__name__)
 
 
 def lora_options(max_loras: int, max_lora_rank: int, max_cpu_loras: int | None) -> dict[str, Any]:
@@ -43,3 +52,49 @@ def unpacked(tensors: Mapping[str, tuple[str, list[int], bytes]]) -> dict[str, t
     """The tensors :func:`packed` packed, each owning its memory."""
     return {name: torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
             for name, (dtype, shape, data) in tensors.items()}
+
+
+class WorkerAdapters:
+    """Adapter loads in the workers of one vLLM engine (``AsyncLLM``), added and removed through ``collective_rpc``
+    (:class:`~services.generator.vllm_worker.WeightLoaderExtension`). A removal while the engine sleeps waits for
+    :meth:`woke` (vLLM's LoRA weights may be unmapped then: removing zeroes a slot in place). Event loop only."""
+
+    def __init__(self, engine: Any, sleep_state: SleepState) -> None:
+        self._engine = engine
+        self._sleep_state = sleep_state
+        self._removing: set[asyncio.Task] = set()  # removals running in the background
+        self._asleep: list[AdapterSlot] = []  # removals waiting for wake-up
+
+    async def add(self, slot: AdapterSlot, tensors: Mapping[str, torch.Tensor], peft_fields: dict) -> None:
+        """Build the load ``slot`` in every worker from its (checked) peft-named tensors; raises what vLLM raises."""
+        payload = await asyncio.to_thread(packed, tensors)
+        await self._engine.collective_rpc("fastexp_load_adapter", args=(slot.name, slot.slot_id, peft_fields, payload))
+
+    def retire(self, slot: AdapterSlot) -> asyncio.Task | None:
+        """Drop the load ``slot`` (no request runs on it) from every worker in the background: the task, or None
+        while the engine sleeps (dropped by :meth:`woke`)."""
+        if self._sleep_state.level:
+            self._asleep.append(slot)
+            return None
+        task = asyncio.create_task(self._remove(slot))
+        self._removing.add(task)
+        task.add_done_callback(self._removing.discard)
+        return task
+
+    def woke(self) -> None:
+        """The engine is awake again: drop the loads retired while it slept."""
+        retired, self._asleep = self._asleep, []
+        for slot in retired:
+            self.retire(slot)
+
+    async def _remove(self, slot: AdapterSlot) -> None:
+        try:
+            await self._engine.collective_rpc("fastexp_remove_adapter", args=(slot.slot_id,))
+        except Exception:  # the engine is gone or going: its workers' memory with it
+            logger.warning("adapter %s version %d not dropped from the workers", slot.name, slot.version,
+                           exc_info=True)
+
+    def close(self) -> None:
+        """Cancel the removals still running (the engine is shutting down)."""
+        for task in self._removing:
+            task.cancel()

@@ -66,7 +66,7 @@ class WeightLoaderExtension:
         return len(tensors)
 
     def fastexp_remove_adapter(self, slot_id: int) -> None:
-        """Forget the adapter load ``slot_id`` (a superseded version no request runs on any more)."""
+        """Forget the adapter load ``slot_id`` (a superseded or unloaded version no request runs on any more)."""
         _kept_adapters(self).pop(slot_id, None)
         self.model_runner.remove_lora(slot_id)  # type: ignore[attr-defined]
 

@@ -4,7 +4,9 @@ Adapters are built here with peft (q_proj/v_proj, A and B drawn from a seeded ge
 model's answers) and loaded from memory under a name. Greedy samples with adapter A, adapter B and none are the
 tokens HF + peft picks with the same adapter, and their log-probs match HF + peft's on those tokens; a new version
 of A changes A only; a bad adapter is refused and the old one keeps serving; more adapters than vLLM's slots
-(``max_loras`` 2, ``max_cpu_loras`` 2) all sample, evicted ones rebuilt from the tensors the engine keeps.
+(``max_loras`` 2, ``max_cpu_loras`` 2) all sample, evicted ones rebuilt from the tensors the engine keeps; an
+unloaded adapter is gone (not listed, refused by name) while another samples as before, and unloading it again is
+no error.
 """
 
 from __future__ import annotations
@@ -223,7 +225,7 @@ async def grpc_greedy(stub, reference, adapter: str):
 async def test_load_adapter_streams_chunks_and_generate_takes_its_name(stub, reference):
     from fastexp.tensor_codec import to_numpy
     from fastexp.v1 import generation_pb2
-    from services.generator.adapter_wire import adapter_chunks
+    from services.common.weights_wire import adapter_chunks
 
     tensors = make_adapter(reference, seed=12)
     answer = await stub.LoadAdapter(adapter_chunks("wired", CONFIG, tensors, version=3, chunk_bytes=4096))
@@ -242,7 +244,7 @@ async def test_load_adapter_streams_chunks_and_generate_takes_its_name(stub, ref
 async def test_a_corrupted_or_misshapen_stream_is_refused_naming_the_tensor(stub, reference):
     import grpc
 
-    from services.generator.adapter_wire import adapter_chunks
+    from services.common.weights_wire import adapter_chunks
 
     await stub.LoadAdapter(adapter_chunks("guarded", CONFIG, make_adapter(reference, seed=13)))
     messages = list(adapter_chunks("guarded", CONFIG, make_adapter(reference, seed=14), chunk_bytes=4096))
@@ -260,3 +262,34 @@ async def test_a_corrupted_or_misshapen_stream_is_refused_naming_the_tensor(stub
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await grpc_greedy(stub, reference, "nobody")
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_unload_adapter_frees_one_and_the_other_samples_as_before(stub, reference):
+    import grpc
+
+    from fastexp.tensor_codec import to_numpy
+    from fastexp.v1 import generation_pb2
+    from services.common.weights_wire import adapter_chunks
+
+    for name, seed in (("staying", 15), ("leaving", 16)):
+        await stub.LoadAdapter(adapter_chunks(name, CONFIG, make_adapter(reference, seed=seed)))
+    before = await grpc_greedy(stub, reference, "staying")
+    answer = await stub.UnloadAdapter(generation_pb2.UnloadAdapterRequest(name="leaving"))
+    assert (answer.name, answer.unloaded) == ("leaving", True)
+    listed = {a.name for a in (await stub.GetModelInfo(generation_pb2.GetModelInfoRequest())).adapters}
+    assert "staying" in listed and "leaving" not in listed
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await grpc_greedy(stub, reference, "leaving")
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("adapter: no adapter named 'leaving'")
+    after = await grpc_greedy(stub, reference, "staying")
+    assert list(after.output_token_ids) == list(before.output_token_ids)
+    torch.testing.assert_close(torch.from_numpy(to_numpy(after.output_log_probs).copy()),
+                               torch.from_numpy(to_numpy(before.output_log_probs).copy()), atol=1e-5, rtol=0)
+    again = await stub.UnloadAdapter(generation_pb2.UnloadAdapterRequest(name="leaving"))
+    assert (again.name, again.unloaded) == ("leaving", False)  # idempotent: a retried delete succeeds
+    for malformed in ("", "../etc", "x" * 257):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.UnloadAdapter(generation_pb2.UnloadAdapterRequest(name=malformed))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details().startswith("name: ")
