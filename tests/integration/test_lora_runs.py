@@ -428,3 +428,45 @@ async def test_groups_on_a_replica_taken_out_before_their_stream_starts_are_rero
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await fleet.close()
+
+
+async def _carols_run(stack, base_model, seed: int) -> dict[str, int]:
+    """carol's LoRA run "carol-lora" (rank 4 on q_proj), created and sent its first adapter; the adapters each
+    replica then lists (the same on both)."""
+    carol = await _call(stack, CAROL, "create_run", "carol-lora", lora_rank=4, target_modules=["q_proj"])
+    tensors = make_adapter(base_model, carol.lora, seed)
+    assert (await _call(stack, CAROL, "update_weights", tensors.items(), run_id=carol.run_id)).policy_version == 1
+    return (await _generator_adapters(stack))["a"]
+
+
+async def test_a_deleted_runs_adapter_leaves_every_replica_and_the_other_runs_stream_on(stack, runs, base_model):
+    live = {run.run_id: run.version for run in runs.values()}
+    assert await _carols_run(stack, base_model, seed=4) == {**live, "carol-lora": 1}
+    assert await _generator_adapters(stack) == _on_every_replica({**live, "carol-lora": 1})
+    await _call(stack, CAROL, "delete_run", "carol-lora")
+    assert await _generator_adapters(stack) == _on_every_replica(live)
+    streamed = await _stream_both(stack, runs)
+    for token, run in runs.items():
+        assert_rows_follow(streamed[token], run, peft_model(base_model, run.lora, run.tensors), base_model)
+
+
+async def test_a_run_deleted_while_a_replica_is_down_is_gone_and_the_replica_returns_without_it(
+    stack, runs, base_model, tiny_model_path, caplog
+):
+    """Replica b is stopped, the run deleted (it cannot be told: logged, not an error), b started again on its
+    port: it is sent the live runs' adapters, not the deleted one."""
+    live = {run.run_id: run.version for run in runs.values()}
+    assert await _carols_run(stack, base_model, seed=5) == {**live, "carol-lora": 1}  # the name again, from 0
+    old = stack["replicas"]["b"]
+    await old.stop()
+    await _call(stack, CAROL, "delete_run", "carol-lora")
+    assert f"generator replica {old.address} did not unload adapter 'carol-lora'" in caplog.text
+    assert (await _generator_adapters({"replicas": {"a": stack["replicas"]["a"]}}))["a"] == live
+    stack["replicas"]["b"] = await _start_replica(tiny_model_path, port=old.running.port)
+
+    async def synced() -> bool:  # its probe found it without the live adapters; it was sent them (not the gauge:
+        return (await _generator_adapters(stack))["b"] == live  # the test above left its own fleet's function there)
+
+    await _until(synced)
+    assert await _generator_adapters(stack) == _on_every_replica(live)
+    assert await _call(stack, CAROL, "list_runs") == []

@@ -111,6 +111,22 @@ class GeneratorClient:
             raise translate_rpc_error(self._service, error) from error
         return response.version
 
+    async def unload_adapter(self, name: str, deadline: Deadline | None = None) -> bool:
+        """Free LoRA adapter ``name`` there (requests already sampling with it finish on it) within ``deadline``
+        (None: the update timeout); False when it held none of that name (a retried unload, a replica that
+        restarted: not an error).
+
+        Raises:
+            InvalidRequest: a malformed name. FailedPrecondition: the generator takes no adapters. NotReady,
+                UpstreamTimeout.
+        """
+        try:
+            response = await self._stub.UnloadAdapter(generation_pb2.UnloadAdapterRequest(name=name),
+                                                      timeout=(deadline or Deadline()).timeout(self._update_timeout_s))
+        except grpc.aio.AioRpcError as error:
+            raise translate_rpc_error(self._service, error) from error
+        return response.unloaded
+
     async def _send(self, chunks: Iterator[generation_pb2.WeightsChunk], deadline: Deadline) -> int:
         """Stream ``chunks`` (produced off the event loop: they read tensors) as one ``UpdateWeights`` call."""
 

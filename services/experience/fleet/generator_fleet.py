@@ -14,7 +14,8 @@ of a :class:`~services.experience.fleet.replicas.ReplicaSet` (one replica is tod
   (:class:`~services.experience.pipeline.events.SamplePreview`), so its forward passes can start before its group is whole.
 - **Weights.** An update goes to every serving replica in parallel with the version it makes live
   (``WeightsHeader.policy_version``); the version becomes the fleet's once all replicas that stay have it. A
-  replica that fails it is taken out (its work rerouted) and brought back by the set's resync.
+  replica that fails it is taken out (its work rerouted) and brought back by the set's resync. LoRA runs'
+  adapters are loaded and, when a run is deleted, unloaded the same way (:mod:`~services.experience.fleet.adapters`).
 
 Nothing here imports grpc.
 """
@@ -291,6 +292,14 @@ class GeneratorFleet:
     ) -> int:
         """Load a LoRA run's adapter on every serving replica (:func:`~services.experience.fleet.adapters.load_adapter`)."""
         return await adapters.load_adapter(self.members, name, config, tensors, version, deadline)
+
+    async def unload_adapter(self, name: str, deadline: Deadline | None = None) -> adapters.UnloadOutcome:
+        """Free a deleted LoRA run's adapter on every replica by ``deadline`` (default:
+        :data:`~services.experience.fleet.adapters.UNLOAD_TIMEOUT_S` from now); never raises for a replica that
+        fails (logged: it keeps an unused copy until it restarts). See
+        :func:`~services.experience.fleet.adapters.unload_adapter`."""
+        deadline = deadline or Deadline.from_remaining(adapters.UNLOAD_TIMEOUT_S)
+        return await adapters.unload_adapter(self.members, name, deadline)
 
     async def update_weights(self, update: ReceivedUpdate, deadline: Deadline, version: int | None = None) -> int:
         """Apply a checked policy update on every serving replica in parallel; ``version`` (default, and

@@ -81,12 +81,15 @@ class ReplicaClient(Protocol):
         self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline
     ) -> int: ...
 
+    async def unload_adapter(self, name: str, deadline: Deadline) -> bool: ...
+
     async def close(self) -> None: ...
 
 
 def lacks_adapters(info: GeneratorInfo, live: Mapping[str, int]) -> bool:
     """Whether a replica (its ``info``) lacks a live adapter, or holds another version of one (``live``: name →
-    version); adapters it holds beyond those are not checked."""
+    version); adapters it holds beyond those are not checked: a deleted run's adapter that a replica could not be
+    told to unload is not live, so no resync sends it again, and it goes when the replica restarts."""
     return any(info.adapters.get(name) != version for name, version in live.items())
 
 

@@ -70,6 +70,11 @@ class Generator(Protocol):
         """Load a LoRA run's adapter (peft-named tensors), live as ``version``; return the version now live."""
         ...
 
+    async def unload_adapter(self, name: str) -> object:
+        """Free a deleted LoRA run's adapter wherever it is loaded; never raises for a replica that cannot be told
+        (it keeps an unused copy until it restarts)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ScoreBatch:

@@ -20,6 +20,7 @@ closes the generator streams (the generator aborts their engine requests).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -98,6 +99,7 @@ class ExperienceMaker:
     ) -> None:
         self.policy = policy if policy is not None else VersionClock()
         self.clocks = PolicyClocks(self.policy)  # the base policy's, and each LoRA run's adapter's
+        self._generator = generator
         self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version, threads=forward_threads)
         self._share = FairShare(max_samples_in_flight)  # the generator's capacity, shared by the runs
         self._weights = WeightSync(generator, self._forwarder, self.clocks, sync_timeout_s)
@@ -164,9 +166,13 @@ class ExperienceMaker:
         return self.clocks.live_adapters().get(name, 0)
 
     async def remove_adapter(self, name: str) -> None:
-        """Forget a deleted LoRA run's adapter and version here (generator replicas keep theirs until replaced)."""
+        """Free a deleted LoRA run's adapter. Its use stops first: the forwarder's copy, then its clock (no longer
+        live: no replica resync sends it); then every generator replica drops it (``Generator.unload_adapter``,
+        finished even if the caller goes away): one that cannot be told is logged and keeps an unused copy until
+        it restarts, and this does not fail for it."""
         await self._forwarder.remove_adapter(name)
         self.clocks.forget(name)
+        await asyncio.shield(self._generator.unload_adapter(name))
 
     async def offload_models(self) -> tuple[int, tuple[str, ...]]:
         """Move the models to host memory (:meth:`services.experience.pipeline.forwarder.Forwarder.offload`)."""
