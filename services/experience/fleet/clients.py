@@ -117,8 +117,10 @@ class GeneratorClient:
         restarted: not an error).
 
         Raises:
-            InvalidRequest: a malformed name. FailedPrecondition: the generator takes no adapters. NotReady,
-                UpstreamTimeout.
+            InvalidRequest: a malformed name.
+            FailedPrecondition: the generator takes no adapters.
+            NotReady: the generator is unreachable.
+            UpstreamTimeout: no answer within the deadline.
         """
         try:
             response = await self._stub.UnloadAdapter(generation_pb2.UnloadAdapterRequest(name=name),
