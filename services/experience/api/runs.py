@@ -9,18 +9,23 @@ ALREADY_EXISTS, FAILED_PRECONDITION, RESOURCE_EXHAUSTED).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import logging
 
 import grpc
 
 from fastexp.v1 import experience_pb2
 from services.common import metrics
-from services.common.errors import FailedPrecondition, InvalidRequest
+from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
 from services.common.identity import current_caller
 from services.experience.config import ExperienceConfig
 from services.experience.runs.limits import LoraSpec, RunLimits
 from services.experience.runs.metrics import RunGauges
 from services.experience.runs.registry import Run, RunRegistry, RunStatus
+
+logger = logging.getLogger(__name__)
 
 
 def check_lora_stream(config: ExperienceConfig, run: Run, adapter_version: int) -> None:
@@ -77,10 +82,11 @@ def run_to_pb(status: RunStatus, policy_version: int, usage: tuple[int, int] | N
 
 class RunMethods:
     """The run RPCs of ``fastexp.v1.ExperienceService`` (module docs), mixed into its servicer, which provides
-    ``_runs`` (the registry), :meth:`_policy_version`, :meth:`_share_usage`, :meth:`_served_lora_rank` and
-    :meth:`_run_deleted`."""
+    ``_runs`` (the registry), ``_updating`` (the LoRA runs whose adapter is being updated or freed, by run id),
+    :meth:`_policy_version`, :meth:`_share_usage`, :meth:`_served_lora_rank` and :meth:`_run_deleted`."""
 
     _runs: RunRegistry
+    _updating: set[str]
 
     def _policy_version(self, run: Run) -> int:
         """The live policy version ``run`` samples: its adapter's, or the deployment's base model's."""
@@ -130,10 +136,29 @@ class RunMethods:
     async def DeleteRun(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.DeleteRunRequest, context: grpc.aio.ServicerContext
     ) -> experience_pb2.Run:
-        status = self._runs.delete(request.run_id, current_caller())
+        caller = current_caller()
+        run = self._runs.get(request.run_id, caller).run  # NOT_FOUND, PERMISSION_DENIED before anything else
+        if run.lora is not None and run.run_id in self._updating:
+            raise Overloaded(f"run_id: run {run.run_id!r}'s adapter is being updated; delete the run once that "
+                             "update has answered")
+        status = self._runs.delete(run.run_id, caller)
         last = self._run_pb(status)  # as it was: its live version before its adapter goes
-        await self._run_deleted(status.run)
         for counter in (metrics.RUN_SAMPLES, metrics.RUN_TOKENS):  # a later run of that name counts from 0
             with contextlib.suppress(KeyError):
-                counter.remove(status.run.run_id)
+                counter.remove(run.run_id)
+        if run.lora is not None:
+            # Its adapter is freed whole even if this call is cancelled, and no update of a new run of that name
+            # starts before it is (that update would be freed with it): the id stays busy until the task ends.
+            self._updating.add(run.run_id)
+            cleanup = asyncio.ensure_future(self._run_deleted(run))
+            cleanup.add_done_callback(functools.partial(_cleanup_done, self._updating, run.run_id))
+            await asyncio.shield(cleanup)
         return last
+
+
+def _cleanup_done(updating: set[str], run_id: str, task: asyncio.Future[None]) -> None:
+    """A deleted LoRA run's adapter is freed (or failed to be): its id is free again; a failure is logged (the
+    caller that asked may be gone)."""
+    updating.discard(run_id)
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("freeing deleted run %s's adapter failed", run_id, exc_info=task.exception())

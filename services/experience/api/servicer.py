@@ -71,7 +71,9 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         self._limits = limits
         self._generator_info = generator_info
         self._weights_staging_dir = weights_staging_dir
-        self._updating: set[str] = set()  # the updates in progress: each LoRA run's id, "" for the base model
+        # weight updates in progress (each LoRA run's id, "" for the base model) and deleted LoRA runs whose
+        # adapter is being freed: one at a time per key
+        self._updating: set[str] = set()
 
     async def MakeExperiences(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext
@@ -154,8 +156,8 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         self._generator_info()  # NotReady: the update could not reach the generator
         key = run.run_id if run is not None and run.lora is not None else ""  # each LoRA run's, and the base's
         if key in self._updating:
-            what = f"of run {key!r} " if key else ""
-            raise Overloaded(f"another weight update {what}is in progress")
+            raise Overloaded(f"run_id: another update of run {key!r}'s adapter, or the deletion of a previous run "
+                             "of that id, is in progress" if key else "another weight update is in progress")
         self._updating.add(key)
         deadline = Deadline.from_remaining(context.time_remaining())
         try:

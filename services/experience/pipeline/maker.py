@@ -20,7 +20,6 @@ closes the generator streams (the generator aborts their engine requests).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
@@ -166,13 +165,13 @@ class ExperienceMaker:
         return self.clocks.live_adapters().get(name, 0)
 
     async def remove_adapter(self, name: str) -> None:
-        """Free a deleted LoRA run's adapter. Its use stops first: the forwarder's copy, then its clock (no longer
-        live: no replica resync sends it); then every generator replica drops it (``Generator.unload_adapter``,
-        finished even if the caller goes away): one that cannot be told is logged and keeps an unused copy until
-        it restarts, and this does not fail for it."""
-        await self._forwarder.remove_adapter(name)
-        self.clocks.forget(name)
-        await asyncio.shield(self._generator.unload_adapter(name))
+        """Free a deleted LoRA run's adapter. Its use stops first (:meth:`WeightSync.remove_adapter`: the
+        forwarder's copy, then its clock, so no stream names it and no replica sync sends it); then every generator
+        replica drops it (``Generator.unload_adapter``): one that cannot be told is logged and unloads it before it
+        serves again, and this does not fail for it. Callers run it to the end (the servicer shields it from a
+        cancelled DeleteRun): stopped half-way, the forwarder could keep the adapter."""
+        await self._weights.remove_adapter(name)
+        await self._generator.unload_adapter(name)
 
     async def offload_models(self) -> tuple[int, tuple[str, ...]]:
         """Move the models to host memory (:meth:`services.experience.pipeline.forwarder.Forwarder.offload`)."""

@@ -8,7 +8,8 @@ anywhere unless the whole update checks out.
 
 The actor replica holds exactly the live version's weights whenever no update is being applied, so it is what a
 generator replica that restarted or joined late is sent (:meth:`WeightSync.sync_replica`); one lock serializes
-updates and such syncs, so a replica is never sent half-updated weights under either version's number.
+updates, such syncs and the removal of a deleted LoRA run's adapter, so a replica is never sent half-updated
+weights under either version's number, nor an adapter being removed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
     from services.experience.fleet.replicas import ReplicaClient
 
 logger = logging.getLogger(__name__)
+
+#: Deadline of the ``ModelInfo`` call that starts a replica's sync (seconds): a serving generator answers it at
+#: once, and a hung one must not hold every tenant's updates for the whole sync deadline.
+INFO_TIMEOUT_S = 30.0
 
 
 class WeightSync:
@@ -118,6 +123,14 @@ class WeightSync:
         logger.info("run %s: adapter version %d live (%d tensors, %d bytes)", name, live, len(tensors), update.num_bytes)
         return live
 
+    async def remove_adapter(self, name: str) -> None:
+        """Stop using a deleted LoRA run's adapter here: the forwarder's copy goes, then its clock (no longer live:
+        no stream may name it and no replica sync sends it). Serialized with updates and syncs, so neither sees it
+        half removed; the generator replicas' copies are the caller's to free."""
+        async with self._applying:
+            await self._forwarder.remove_adapter(name)
+            self.clocks.forget(name)
+
     @staticmethod
     def _next_version(update: ReceivedUpdate, clock: VersionClock) -> int:
         """The version an update makes live: the sender's, else the live one + 1.
@@ -133,10 +146,11 @@ class WeightSync:
     async def _update_policy(self, update: ReceivedUpdate, deadline: Deadline) -> None:
         tensors = self._forwarder.actor_tensors()
         check_update(update.entries, module_spec(tensors))
-        if runs := sorted(self._forwarder.adapter_versions()):
-            raise FailedPrecondition(f"header.target: LoRA runs {', '.join(runs)} sample adapters over the base "
-                                     "model; updating it would change their policies under them (delete them first)")
-        async with self._applying:
+        async with self._applying:  # checked under the lock: no run's first adapter lands between check and update
+            if runs := sorted(self._forwarder.adapter_versions()):
+                raise FailedPrecondition(
+                    f"header.target: LoRA runs {', '.join(runs)} sample adapters over the base model; updating it "
+                    "would change their policies under them (delete them first)")
             requested = self._next_version(update, self.policy)
             await self.policy.begin_update()
             version = None
@@ -158,7 +172,7 @@ class WeightSync:
         """
         async with self._applying:
             deadline = Deadline.from_remaining(self._sync_timeout_s)
-            info = await replica.model_info(self._sync_timeout_s)
+            info = await replica.model_info(min(INFO_TIMEOUT_S, self._sync_timeout_s))
             applied = live = version()
             if info.policy_version != live:
                 tensors = list(self._forwarder.actor_tensors().items())
