@@ -247,7 +247,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         max_samples_in_flight=settings.max_samples_in_flight,
     )
     fleet.weight_source = maker.sync_replica
-    fleet.members.live_adapters = maker.clocks.live_adapters  # a replica lacking one is sent it before it serves
+    fleet.members.live_adapters = maker.clocks.settled_adapters  # a replica lacking one is sent it before it serves
     upstream.on_generator_info = _on_generator_reached(maker, policy)
     servicer = ExperienceServicer(
         maker, policy.tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,

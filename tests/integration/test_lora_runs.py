@@ -9,8 +9,10 @@ model), ``base_action_log_probs`` equal to the plain base model's, tokens the ad
 ``rollout_log_probs`` (the generator's) equal to ``action_log_probs``: the generator sampled with the adapter. A new
 version of alice's adapter changes alice's rows only; a third token is refused both runs (PERMISSION_DENIED on
 streaming and updating); of the two generator replicas, one restarted on the same port gets both live adapters
-before it serves again (the streams meanwhile lose no group). The last test, xfail, is a fleet bug this module
-found: groups on a replica taken out before their stream's task started are never rerouted (the stream hangs).
+before it serves again (the streams meanwhile lose no group). Groups on a replica taken out before their stream's
+task started are rerouted (a fleet bug this module found). A deleted run's adapter leaves every replica; a replica
+that could not be told (down, or cut off with its adapters kept) returns without it, and never serves its
+leftover copy to a new run of the same name.
 """
 
 from __future__ import annotations
@@ -400,8 +402,10 @@ async def test_groups_on_a_replica_taken_out_before_their_stream_starts_are_rero
     from services.experience.fleet.generator_fleet import GeneratorFleet
     from services.experience.fleet.replica_state import ReplicaState
 
-    fleet = GeneratorFleet([r.address for r in stack["replicas"].values()],
-                           lambda a: GeneratorClient(open_channel(a, 64 * 2**20), 60, 60, a))
+    # its own names for the replicas ("localhost", not "127.0.0.1"): its per-replica gauges must not replace the
+    # experience service's, which the other tests read
+    addresses = {name: f"localhost:{r.running.port}" for name, r in stack["replicas"].items()}
+    fleet = GeneratorFleet(list(addresses.values()), lambda a: GeneratorClient(open_channel(a, 64 * 2**20), 60, 60, a))
     members = fleet.members
     watching = asyncio.create_task(fleet.run())
     taking_out = None
@@ -409,7 +413,7 @@ async def test_groups_on_a_replica_taken_out_before_their_stream_starts_are_rero
         async with asyncio.timeout(60):
             await members.changes.wait_until(lambda: len(fleet.replicas) == 2 and all(map(members.routable,
                                                                                            fleet.replicas)))
-        victim = next(r for r in fleet.replicas if r.address == stack["replicas"]["b"].address)
+        victim = next(r for r in fleet.replicas if r.address == addresses["b"])
 
         async def take_out_as_work_begins() -> None:
             await members.changes.wait_until(lambda: bool(victim.streams))
@@ -464,9 +468,40 @@ async def test_a_run_deleted_while_a_replica_is_down_is_gone_and_the_replica_ret
     assert (await _generator_adapters({"replicas": {"a": stack["replicas"]["a"]}}))["a"] == live
     stack["replicas"]["b"] = await _start_replica(tiny_model_path, port=old.running.port)
 
-    async def synced() -> bool:  # its probe found it without the live adapters; it was sent them (not the gauge:
-        return (await _generator_adapters(stack))["b"] == live  # the test above left its own fleet's function there)
+    async def synced() -> bool:  # its probe found it without the live adapters; it was sent them
+        return _replica_up(stack["replicas"]["b"].address) and (await _generator_adapters(stack))["b"] == live
 
     await _until(synced)
     assert await _generator_adapters(stack) == _on_every_replica(live)
     assert await _call(stack, CAROL, "list_runs") == []
+
+
+async def test_a_replica_cut_off_at_a_deletion_never_serves_its_leftover_copy_to_a_new_run_of_that_name(
+    stack, runs, base_model
+):
+    """Replica b is cut off (its server stopped, its engine and adapters kept: a network partition, not a restart)
+    while carol's run is deleted, and carol makes a new run of that name (rank 4 on v_proj, not q_proj) before b is
+    reachable again. b's leftover copy is at version 1, the new run's live version too: b must unload it and be
+    sent the new run's adapter before it serves."""
+    live = {run.run_id: run.version for run in runs.values()}
+    assert await _carols_run(stack, base_model, seed=6) == {**live, "carol-lora": 1}
+    b = stack["replicas"]["b"]
+    leftover = b.engine.adapters.live()["carol-lora"]
+    assert leftover.config.target_modules == ("q_proj",)
+    await b.running.stop(0)
+    await _call(stack, CAROL, "delete_run", "carol-lora")
+    carol = await _call(stack, CAROL, "create_run", "carol-lora", lora_rank=4, target_modules=["v_proj"])
+    tensors = make_adapter(base_model, carol.lora, seed=7)
+    assert (await _call(stack, CAROL, "update_weights", tensors.items(), run_id=carol.run_id)).policy_version == 1
+    assert b.engine.adapters.live()["carol-lora"] is leftover, "b was cut off: it still holds the deleted run's copy"
+    running = await start_generator(GeneratorSettings(port=b.running.port, max_model_len=256), b.engine)
+    stack["replicas"]["b"] = replace(b, running=running)
+
+    def resynced() -> bool:
+        slot = b.engine.adapters.live().get("carol-lora")
+        return slot is not None and slot.config.target_modules == ("v_proj",)
+
+    await _until(resynced)
+    assert await _generator_adapters(stack) == _on_every_replica({**live, "carol-lora": 1})
+    await _call(stack, CAROL, "delete_run", "carol-lora")
+    assert await _generator_adapters(stack) == _on_every_replica(live)

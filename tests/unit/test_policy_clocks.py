@@ -36,12 +36,35 @@ async def test_each_adapter_has_its_own_clock_and_the_base_is_none():
     assert clocks.live_adapters() == {} and clocks.of("a").version == 0  # a new run of that name starts again
 
 
+async def test_an_adapter_being_updated_is_live_but_not_settled():
+    """While run a's update is applied a replica may already hold its next version: the fleet's probe checks the
+    settled adapters only, and does not take the replica out for it."""
+    clocks = PolicyClocks()
+    a = clocks.of("a")
+    await a.begin_update()
+    assert clocks.live_adapters() == {} and clocks.settled_adapters() == {}
+    await a.end_update(1)
+    await clocks.of("b").begin_update()
+    await clocks.of("b").end_update(1)
+    await a.begin_update()
+    assert clocks.live_adapters() == {"a": 1, "b": 1} and clocks.settled_adapters() == {"b": 1}
+    await a.end_update(2)
+    assert clocks.settled_adapters() == {"a": 2, "b": 1}
+
+
 def test_a_replica_lacks_an_adapter_it_misses_or_holds_at_another_version():
     info = GeneratorInfo("m", "hf", 256, 0, adapters={"a": 2, "old": 1})
     assert not lacks_adapters(info, {})
     assert not lacks_adapters(info, {"a": 2})  # adapters beyond the live ones are not checked
     assert lacks_adapters(info, {"a": 3})
     assert lacks_adapters(info, {"a": 2, "b": 1})
+
+
+def test_a_replica_holding_a_deleted_runs_adapter_it_was_not_told_to_unload_needs_a_resync():
+    info = GeneratorInfo("m", "hf", 256, 0, adapters={"a": 1, "old": 1})
+    assert lacks_adapters(info, {"a": 1}, stale={"old"})  # a new run named "old" would start at version 1 too
+    assert lacks_adapters(info, {"a": 1, "old": 1}, stale={"old"})
+    assert not lacks_adapters(info, {"a": 1}, stale={"gone"})  # it unloaded that one after all, or restarted
 
 
 def test_a_lora_run_streams_once_its_adapter_was_sent_and_only_what_it_can():

@@ -8,8 +8,9 @@ run's adapter, and a completion's ``policy_version`` is the adapter version it w
 
 A deleted run's adapter is no longer live: no stream names it and no resync sends it. :func:`unload_adapter` frees
 it on every replica (``UnloadAdapter``); a replica that cannot be told (down, restarting, too slow) is logged and
-left as it is: it keeps its copy, unused, until it restarts (a restarted replica holds no adapters), and a later
-run of the same name replaces it with its first update.
+marked (``Replica.stale_adapters``): its next successful probe takes it out of routing and unloads the copy before
+it serves again (a restarted replica holds none). A later run of the same name, whose versions start again at 1,
+never samples that copy.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ async def load_adapter(
         *(r.client.load_adapter(name, config, tensors, version, deadline) for r in targets), return_exceptions=True
     )
     failed = [(r, result) for r, result in zip(targets, results, strict=True) if isinstance(result, BaseException)]
+    for replica, result in zip(targets, results, strict=True):
+        if not isinstance(result, BaseException):
+            members.adapter_loaded(replica, name)
     errors = [error for _, error in failed]
     if len(failed) == len(targets) and all(isinstance(e, InvalidRequest | FailedPrecondition) for e in errors):
         raise errors[0]  # the adapter's fault (or the deployment's), not the replicas': none changed
@@ -90,14 +94,16 @@ def unload_outcome(addresses: Sequence[str], results: Sequence[bool | BaseExcept
 async def unload_adapter(members: ReplicaSet, name: str, deadline: Deadline) -> UnloadOutcome:
     """Free adapter ``name`` on every known replica in parallel, whatever its state (one syncing, draining or taken
     out may hold it too); requests already sampling with it there finish on it. Never raises for a replica: one
-    that fails is logged and keeps its copy (module docs); no state of the set changes."""
+    that fails is logged and marked, and unloads it before it serves again (module docs)."""
     replicas = members.replicas
     results = await asyncio.gather(*(r.client.unload_adapter(name, deadline) for r in replicas),
                                    return_exceptions=True)
     outcome = unload_outcome([r.address for r in replicas], results)
-    for address, error in outcome.failed.items():
-        logger.warning("generator replica %s did not unload adapter %r (it keeps it, unused, until it restarts): %s",
-                       address, name, error)
+    for replica in replicas:
+        if replica.address in outcome.failed:
+            members.adapter_unload_failed(replica, name)
+            logger.warning("generator replica %s did not unload adapter %r (unloaded before it serves again): %s",
+                           replica.address, name, outcome.failed[replica.address])
     logger.info("adapter %r unloaded from %d generator replicas (%d held none, %d not reached)", name,
                 len(outcome.unloaded), len(outcome.absent), len(outcome.failed))
     return outcome

@@ -296,7 +296,7 @@ class GeneratorFleet:
     async def unload_adapter(self, name: str, deadline: Deadline | None = None) -> adapters.UnloadOutcome:
         """Free a deleted LoRA run's adapter on every replica by ``deadline`` (default:
         :data:`~services.experience.fleet.adapters.UNLOAD_TIMEOUT_S` from now); never raises for a replica that
-        fails (logged: it keeps an unused copy until it restarts). See
+        fails (logged and marked: it unloads its copy before it serves again). See
         :func:`~services.experience.fleet.adapters.unload_adapter`."""
         deadline = deadline or Deadline.from_remaining(adapters.UNLOAD_TIMEOUT_S)
         return await adapters.unload_adapter(self.members, name, deadline)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -86,11 +86,13 @@ class ReplicaClient(Protocol):
     async def close(self) -> None: ...
 
 
-def lacks_adapters(info: GeneratorInfo, live: Mapping[str, int]) -> bool:
-    """Whether a replica (its ``info``) lacks a live adapter, or holds another version of one (``live``: name →
-    version); adapters it holds beyond those are not checked: a deleted run's adapter that a replica could not be
-    told to unload is not live, so no resync sends it again, and it goes when the replica restarts."""
-    return any(info.adapters.get(name) != version for name, version in live.items())
+def lacks_adapters(info: GeneratorInfo, live: Mapping[str, int], stale: Collection[str] = ()) -> bool:
+    """Whether a replica (its ``info``) needs a resync for its adapters: it lacks a live one or holds another
+    version of one (``live``: name → version), or it still holds one of ``stale``, a deleted run's adapter it could
+    not be told to unload (the version numbers of a later run of that name start again at 1, so a leftover copy
+    could pass for that run's). Other adapters it holds are not checked."""
+    return (any(info.adapters.get(name) != version for name, version in live.items())
+            or any(name in info.adapters for name in stale))
 
 
 #: Sends the live policy's weights to a replica: ``source(client, version)`` with ``version()`` the version to
@@ -112,7 +114,8 @@ class Replica:
 
     ``outstanding_tokens``: routing's estimate of the tokens its unfinished samples may still process for us;
     ``in_flight_samples``: samples sent to it and not yet received; ``prefixes``: the affinity keys of the prompts
-    it served last (least recently used dropped first).
+    it served last (least recently used dropped first); ``stale_adapters``: deleted runs' adapters it may still
+    hold (its ``UnloadAdapter`` failed), unloaded before it serves again.
     """
 
     address: str
@@ -126,6 +129,7 @@ class Replica:
     in_flight_samples: int = 0
     streams: set[Stream] = field(default_factory=set)  # the fleet's streams running on it
     prefixes: LRUCache[str, None] = field(default_factory=lambda: LRUCache(maxsize=4096))
+    stale_adapters: set[str] = field(default_factory=set)
     watcher: asyncio.Task[None] | None = None
 
     def warm(self, key: str) -> bool:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from cachetools import LRUCache
 
 from services.common import metrics
+from services.common.deadlines import Deadline
 from services.common.errors import FastexpError
 from services.experience.fleet.readiness import ProbeSettings, backoff_s
 from services.experience.fleet.replica_state import (
@@ -102,7 +103,7 @@ class ReplicaSet:
     """The known replicas and the version they serve (module docs); the one writer of their records.
 
     ``connect(address)`` opens a replica's client; :meth:`run` keeps discovery and health going until cancelled.
-    Set :attr:`weight_source` (and :attr:`live_adapters`, the LoRA runs' adapters and versions) before :meth:`run`
+    Set :attr:`weight_source` (and :attr:`live_adapters`, the LoRA runs' settled adapters and versions) before :meth:`run`
     so that replicas at another version, or lacking an adapter, can be brought up to date.
     """
 
@@ -228,6 +229,15 @@ class ReplicaSet:
         replica.version = None
         self.take_out(replica, ReplicaState.CONNECTING, reason)
 
+    def adapter_loaded(self, replica: Replica, name: str) -> None:
+        """``replica`` loaded adapter ``name`` (a live run's): whatever copy of that name it held is replaced."""
+        replica.stale_adapters.discard(name)
+
+    def adapter_unload_failed(self, replica: Replica, name: str) -> None:
+        """``replica`` could not be told to unload a deleted run's adapter ``name``: it is unloaded there before
+        the replica serves again (its next probe sees it and resyncs it)."""
+        replica.stale_adapters.add(name)
+
     # --- discovery and health -------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -347,7 +357,8 @@ class ReplicaSet:
                 replica.address, replica.version, self.version,
             )
             self._version = replica.version
-        if replica.version not in (self.version, self.pending_version) or lacks_adapters(info, self.live_adapters()):
+        live, stale = self.live_adapters(), replica.stale_adapters
+        if replica.version not in (self.version, self.pending_version) or lacks_adapters(info, live, stale):
             await self._sync(replica)
         elif replica.state is not ReplicaState.SERVING:
             self._serve(replica)
@@ -362,7 +373,8 @@ class ReplicaSet:
         return ahead and not others and self.pending_version is None
 
     async def _sync(self, replica: Replica) -> None:
-        """Send ``replica`` the fleet's current weights and live adapters; it serves once it has them."""
+        """Unload the deleted runs' adapters ``replica`` may still hold, then send it the fleet's current weights
+        and live adapters; it serves once it has them."""
         if self.weight_source is None:
             self._move(replica, ReplicaState.SYNCING,
                        f"serves policy version {replica.version}, the fleet {self.version}; no weight source")
@@ -371,6 +383,10 @@ class ReplicaSet:
         logger.info("generator replica %s serves policy version %s, the fleet %s: sending it the current weights",
                     replica.address, replica.version, self.version)
         try:
+            for name in sorted(replica.stale_adapters):
+                await replica.client.unload_adapter(name, Deadline.from_remaining(self.settings.sync_timeout_s))
+                replica.stale_adapters.discard(name)
+                logger.info("generator replica %s unloaded deleted run %s's adapter", replica.address, name)
             replica.version = await self.weight_source(replica.client, lambda: self.version)
         except FastexpError as error:
             self._move(replica, ReplicaState.CONNECTING, f"weight sync failed: {error}")

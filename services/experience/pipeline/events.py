@@ -72,7 +72,7 @@ class Generator(Protocol):
 
     async def unload_adapter(self, name: str) -> object:
         """Free a deleted LoRA run's adapter wherever it is loaded; never raises for a replica that cannot be told
-        (it keeps an unused copy until it restarts)."""
+        (it unloads the copy before it serves again)."""
         ...
 
 

@@ -90,8 +90,15 @@ class PolicyClocks:
         return self._adapters.setdefault(adapter, VersionClock())
 
     def live_adapters(self) -> dict[str, int]:
-        """Every adapter with a version live (at least 1): name → version."""
-        return {name: clock.version for name, clock in self._adapters.items() if clock.version > 0}
+        """Every adapter with a version live (at least 1): name → version (safe from the metrics thread: it reads a
+        copy of the clocks taken at once)."""
+        return {name: clock.version for name, clock in list(self._adapters.items()) if clock.version > 0}
+
+    def settled_adapters(self) -> dict[str, int]:
+        """The live adapters no update is being applied to: name → version. What a generator replica must hold to
+        serve: while one is updated a replica may already hold its next version, and is not taken out for it."""
+        return {name: clock.version for name, clock in list(self._adapters.items())
+                if clock.version > 0 and not clock.updating}
 
     def forget(self, adapter: str) -> None:
         """Drop ``adapter``'s clock (its run was deleted; a run of that name later starts again at 0)."""
