@@ -149,8 +149,11 @@ class RunRegistry:
                      if may_use(run, caller))
 
     def statuses(self) -> tuple[RunStatus, ...]:
-        """Every run, by run id, whoever owns it (for the service's own reports: metrics)."""
-        return tuple(RunStatus(run, self._streams[run_id]) for run_id, run in sorted(self._runs.items()))
+        """Every run, by run id, whoever owns it (for the service's own reports: metrics). Safe to call from
+        another thread (the metrics scrape's): it reads a copy, taken at once, and a run deleted meanwhile
+        counts no streams."""
+        runs = dict(self._runs)  # one C-level copy: the event loop cannot change it half-way
+        return tuple(RunStatus(run, self._streams.get(run_id, 0)) for run_id, run in sorted(runs.items()))
 
     def delete(self, run_id: str, caller: Caller) -> RunStatus:
         """Remove the run ``run_id``; returns its last state.
