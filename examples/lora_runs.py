@@ -51,6 +51,7 @@ logger = logging.getLogger("lora_runs")
 TASK = "basic_arithmetic"
 TOKEN_ENV = "FASTEXP_LORA_DEMO_TOKEN"  # a trainer's bearer token reaches it here, not on its command line
 READY = "LORA-DEMO-READY"  # a trainer prints it once its model is loaded, then waits for "go" on stdin
+READY_TIMEOUT_S = 600.0  # how long a trainer may take to import TRL and load its model before the demo gives up
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,9 @@ def run_trainers(trainers: list[Trainer]) -> None:
     """
     try:
         for trainer in trainers:
-            trainer.ready.wait()
+            if not trainer.ready.wait(READY_TIMEOUT_S):
+                raise RuntimeError(f"trainer {trainer.tenant.run_id} did not load its model within "
+                                   f"{READY_TIMEOUT_S:.0f} s" + trainer.tail())
             if not trainer.said_ready:
                 raise RuntimeError(f"trainer {trainer.tenant.run_id} exited with code {trainer.process.wait()} "
                                    f"before its model was loaded" + trainer.tail())

@@ -282,8 +282,9 @@ class VLLMEngine(TokenizerEngine):
         return slot.version
 
     async def unload_adapter(self, name: str) -> bool:
-        """See :class:`~services.generator.engine.GenerationEngine`: returns once every worker dropped it (at
-        once when no request samples with it; while asleep, at wake-up)."""
+        """See :class:`~services.generator.engine.GenerationEngine`: the adapter leaves the table at once; returns
+        once every worker dropped its loads that no request samples with (while asleep, they go at wake-up). A
+        load still sampled with is dropped in the background when its last request ends."""
         retired = self.adapters.unload(name)
         if retired is None:
             return False

@@ -8,6 +8,7 @@ each optimizer step, and every row carries the run's own adapter version (1 afte
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,8 +104,9 @@ def ensure_run(client: ExperienceClient, run_id: str, spec: LoraSpec) -> Run:
         except AlreadyExists:
             run = client.get_run(run_id)
     lora = run.lora
-    if lora is None or (lora.rank, lora.alpha, set(lora.target_modules)) != (
-            spec.rank, spec.alpha, set(spec.target_modules)):
+    # alpha travels as a 32-bit float: 12.8 comes back as 12.800000190734863
+    if lora is None or lora.rank != spec.rank or not math.isclose(lora.alpha, spec.alpha, rel_tol=1e-6) or set(
+            lora.target_modules) != set(spec.target_modules):
         raise ValueError(f"run {run_id!r} exists with adapter {lora} (None: the base model); this trainer's "
                          f"adapter is {spec}: use another run_id, or delete the run first")
     return run
