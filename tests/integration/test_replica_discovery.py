@@ -14,9 +14,10 @@ from services.common.channels import open_channel
 from services.common.deadlines import Deadline
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.experience.fleet.clients import GeneratorClient
+from services.experience.fleet.discovery import resolve_targets
 from services.experience.fleet.generator_fleet import GeneratorFleet
 from services.experience.fleet.readiness import ProbeSettings
-from services.experience.fleet.replicas import FleetSettings, ReplicaState, resolve_targets
+from services.experience.fleet.replicas import FleetSettings, ReplicaState
 from services.generator.hf_engine import HFEngine
 from services.generator.server import start_generator
 from services.generator.settings import GeneratorSettings

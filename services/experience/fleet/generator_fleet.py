@@ -47,6 +47,7 @@ from services.common.lora import AdapterConfig
 from services.common.weights import ReceivedUpdate
 from services.experience.fleet import adapters
 from services.experience.fleet.calls import Call, Ended, Record, SubStream, queue_end, taken_out_error
+from services.experience.fleet.discovery import resolve_targets
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.fleet.replicas import (
     FleetSettings,
@@ -55,7 +56,6 @@ from services.experience.fleet.replicas import (
     ReplicaSet,
     ReplicaState,
     WeightSource,
-    resolve_targets,
 )
 from services.experience.fleet.routing import group_work, place_groups
 from services.experience.pipeline.events import Rerouted, SamplePreview

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from cachetools import LRUCache
 from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FastexpError
+from services.experience.fleet.discovery import DNS_SCHEME, resolve_targets
 from services.experience.fleet.readiness import ProbeSettings, backoff_s
 from services.experience.fleet.replica_state import (
     Changes,
@@ -51,9 +51,6 @@ from services.experience.fleet.replica_state import (
 )
 
 logger = logging.getLogger(__name__)
-
-DNS_SCHEME = "dns:///"
-
 
 @dataclass(frozen=True)
 class FleetSettings:
@@ -73,30 +70,6 @@ class FleetSettings:
     affinity_entries: int = 4096
     sync_timeout_s: float = 600.0
     max_samples_in_flight: int | None = None
-
-
-async def resolve_targets(targets: Sequence[str]) -> list[str]:
-    """The replica addresses of ``targets``: ``host:port`` as given; ``dns:///name:port`` as every address the name
-    resolves to (``ip:port``, ``[ipv6]:port``), sorted.
-
-    Raises:
-        OSError: a ``dns:///`` name did not resolve (``socket.gaierror``).
-        ValueError: a target without a port.
-    """
-    loop = asyncio.get_running_loop()
-    addresses: set[str] = set()
-    for target in targets:
-        if not target.startswith(DNS_SCHEME):
-            addresses.add(target)
-            continue
-        host, sep, port = target.removeprefix(DNS_SCHEME).rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"{target!r}: expected dns:///name:port")
-        infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-        for family, _, _, _, sockaddr in infos:
-            ip = sockaddr[0]
-            addresses.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
-    return sorted(addresses)
 
 
 class ReplicaSet:
