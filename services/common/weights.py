@@ -2,7 +2,9 @@
 
 An update is a list of :class:`TensorEntry` (name, dtype, shape, and a loader that reads the tensor when the
 engine applies it), so memory on the receiving side stays bounded by one tensor: streamed chunks are appended to
-one file per tensor in a staging folder (with a ``manifest.json`` that vLLM's worker processes read too), and a
+one data file in a staging folder, each tensor at its offset (a ``manifest.json`` lists them; vLLM's worker
+processes read it too: one file, not one per tensor, since creating hundreds of files for a LoRA adapter's small
+tensors cost more than writing them), and a
 checkpoint folder's safetensors files are opened lazily. :func:`~services.common.weight_checks.check_update` rejects the update as a whole,
 before anything is applied, naming the first bad tensor.
 
@@ -30,6 +32,8 @@ from services.common.errors import InvalidRequest
 from services.common.weight_checks import TensorSpec, check_entry, max_update_bytes
 
 MANIFEST = "manifest.json"
+#: The staging folder's one data file: every tensor's bytes, one after the other (offsets in the manifest).
+DATA_FILE = "tensors.bin"
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
@@ -96,7 +100,7 @@ def checkpoint_entries(folder: str | Path) -> list[TensorEntry]:
 
 
 class WeightStager:
-    """Receives a streamed update chunk by chunk into a staging folder (one raw file per tensor).
+    """Receives a streamed update chunk by chunk into a staging folder (one data file, tensors at their offsets).
 
     Call :meth:`expect` with the model's spec once the target is known, :meth:`add` per chunk, then
     :meth:`finish`; :meth:`discard` removes the folder (always call it, e.g. in ``finally``). Memory held: one
@@ -107,12 +111,12 @@ class WeightStager:
 
     def __init__(self, root: str | Path | None = None) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="fastexp-weights-", dir=root))
+        self._file = open(self.folder / DATA_FILE, "wb")  # noqa: SIM115 - closed in finish() or discard()
         self._tensors: list[dict] = []
         self._names: set[str] = set()  # every tensor started: a name sent again is found in O(1)
         self._spec: Mapping[str, TensorSpec] | None = None
         self._max_bytes: int | None = None
         self._total = 0  # bytes received, all tensors
-        self._file = None
         self._written = 0
         self._crc32 = 0  # running CRC-32 of the current tensor's bytes
         self._expected_crc32: int | None = None  # the sender's, from the tensor's first chunk
@@ -160,21 +164,17 @@ class WeightStager:
             raise InvalidRequest(field, "the first chunk must carry crc32, the CRC-32 (zlib.crc32) of the tensor's bytes")
         if self._spec is not None:
             check_entry(name, dtype, shape, self._spec)
-        file = f"{len(self._tensors):06d}.bin"
-        current = {"name": name, "dtype": dtype, "shape": list(shape), "file": file}
+        current = {"name": name, "dtype": dtype, "shape": list(shape), "offset": self._total}
         self._tensors.append(current)
         self._names.add(name)
-        self._file = open(self.folder / file, "wb")  # noqa: SIM115 - closed in _close_current
         self._written = 0
         self._crc32 = 0
         self._expected_crc32 = crc32
         return current
 
     def _close_current(self) -> None:
-        if self._file is None:
+        if not self._tensors:
             return
-        self._file.close()
-        self._file = None
         current = self._tensors[-1]
         expected = math.prod(current["shape"]) * FLOAT_DTYPES[current["dtype"]].itemsize
         field = f"tensors[{current['name']}]"
@@ -195,13 +195,13 @@ class WeightStager:
         self._close_current()
         if num_tensors is not None and num_tensors != len(self._tensors):
             raise InvalidRequest("header.num_tensors", f"{num_tensors} announced, {len(self._tensors)} arrived")
+        self._file.close()
         (self.folder / MANIFEST).write_text(json.dumps(self._tensors))
         return staged_entries(self.folder)
 
     def discard(self) -> None:
         """Remove the staging folder."""
-        if self._file is not None:
-            self._file.close()
+        self._file.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -210,10 +210,11 @@ def staged_entries(folder: str | Path) -> list[TensorEntry]:
     folder = Path(folder)
     entries = []
     for tensor in json.loads((folder / MANIFEST).read_text()):
-        dtype, shape = tensor["dtype"], tuple(tensor["shape"])
+        dtype, shape, offset = tensor["dtype"], tuple(tensor["shape"]), tensor["offset"]
 
-        def load(path: Path = folder / tensor["file"], dtype: str = dtype, shape: tuple = shape) -> torch.Tensor:
-            raw = np.fromfile(path, dtype=np.uint8)
+        def load(dtype: str = dtype, shape: tuple = shape, offset: int = offset) -> torch.Tensor:
+            count = math.prod(shape) * FLOAT_DTYPES[dtype].itemsize
+            raw = np.fromfile(folder / DATA_FILE, dtype=np.uint8, count=count, offset=offset)
             return torch.from_numpy(raw).view(FLOAT_DTYPES[dtype]).reshape(shape)
 
         entries.append(TensorEntry(tensor["name"], dtype, shape, load))
