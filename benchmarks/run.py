@@ -51,6 +51,7 @@ TARGETS = {
     "judge_cache_calls_saved": "informative (judge prompts not sent)",
     "runs_adapter_vs_full_update_s": "<= 0.05",
     "runs_adapter_vs_full_update_bytes": "informative (an adapter's bytes / the base model's)",
+    "runs_adapter_qv_vs_full_update_s": "<= 0.05 (rank 16 on q_proj/v_proj, peft's default for Llama)",
     "runs_concurrent_vs_sequential_tokens_per_s": ">= 1.5",
     "runs_share_vs_weight_a": "1 ± 0.10",
     "adapter_memory_rss_vs_tensor_bytes": "informative (resident memory per LoRA adapter / its tensor bytes)",

@@ -15,6 +15,8 @@ adapter, B ~ N(0, 0.01), through ``update_weights(..., run_id=)`` before streami
 Figures (ratios taken here, in this run): ``runs_adapter_vs_full_update_s`` (the second update of run a's adapter,
 the trainer's call to the service's answer once every replica and the forwards have it, against the same call with
 every tensor of the base model, sent before the LoRA runs exist; target <= 0.05) and ``runs_adapter_vs_full_update_bytes``;
+``runs_adapter_qv_vs_full_update_s``, the same for a third run's adapter of that rank on ``q_proj``/``v_proj`` only
+(peft's default target modules for Llama models);
 ``runs_concurrent_vs_sequential_tokens_per_s`` (aggregate sampled tokens
 per second; target >= 1.5 where one request leaves the engine's batch half empty), and
 ``runs_share_vs_weight_a`` = run a's share of the tokens delivered while both runs still had work (until the first
@@ -73,6 +75,7 @@ def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
         full_s, full_bytes = _timed_update(address, list(load_file(str(Path(model) / "model.safetensors")).items()))
         _create_runs(address, config, adapters)
         adapter_s, adapter_bytes = _timed_update(address, list(adapters["a"].items()), run_id="a")
+        qv_s, qv_bytes = _qv_update(address, model, workload.lora_rank)
         started = time.perf_counter()
         for run_id in WEIGHTS:
             _stream(address, run_id, batch, options, [], started)
@@ -87,10 +90,12 @@ def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
     return {
         "runs_adapter_vs_full_update_s": adapter_s / full_s,
         "runs_adapter_vs_full_update_bytes": adapter_bytes / full_bytes,
+        "runs_adapter_qv_vs_full_update_s": qv_s / full_s,
         "runs_concurrent_vs_sequential_tokens_per_s": (tokens / concurrent_s) / (tokens / sequential_s),
         "runs_share_vs_weight_a": share / (WEIGHTS["a"] / sum(WEIGHTS.values())),
         "runs_inputs": {"full_update_s": full_s, "full_update_bytes": full_bytes, "adapter_update_s": adapter_s,
-                        "adapter_update_bytes": adapter_bytes, "sequential_s": sequential_s,
+                        "adapter_update_bytes": adapter_bytes, "adapter_qv_update_s": qv_s,
+                        "adapter_qv_update_bytes": qv_bytes, "sequential_s": sequential_s,
                         "concurrent_s": concurrent_s, "tokens_per_pass": tokens,
                         "share_a_while_both": share, "weights": WEIGHTS},
         "runs_workload": {**asdict(workload), "model": model},
@@ -114,6 +119,15 @@ def _timed_update(address: str, tensors: list[tuple[str, torch.Tensor]], run_id:
         started = time.perf_counter()
         response = client.update_weights(tensors, run_id=run_id)
         return time.perf_counter() - started, response.num_bytes
+
+
+def _qv_update(address: str, model: str, rank: int) -> tuple[float, int]:
+    """A LoRA run "qv" (``rank`` on q_proj and v_proj) sent its first adapter, then timed on its second."""
+    config = AdapterConfig(rank, float(rank), ("q_proj", "v_proj"))
+    with ExperienceClient(address) as client:
+        client.create_run("qv", lora_rank=rank, lora_alpha=float(rank), target_modules=list(config.target_modules))
+        client.update_weights(list(random_adapter(model, config, seed=10).items()), run_id="qv")
+    return _timed_update(address, list(random_adapter(model, config, seed=11).items()), run_id="qv")
 
 
 def _create_runs(address: str, config: AdapterConfig, adapters: dict[str, dict[str, torch.Tensor]]) -> None:

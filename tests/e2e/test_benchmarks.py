@@ -16,7 +16,8 @@ FIGURES = {
     "stream_vs_raw_bytes", "vllm_vs_hf", "packed_vs_padded", "gae_vectorized_speedup", "gae_max_abs_error",
     "stream_vs_generation", "stream_skip_actor_vs_generation", "stream_lean_vs_generation",
     "reference_free_vs_with_reference", "fleet_two_vs_one_replica", "episodes_async_vs_turn_synchronous",
-    "judge_batched_vs_per_response", "runs_concurrent_vs_sequential_tokens_per_s",
+    "judge_batched_vs_per_response", "runs_concurrent_vs_sequential_tokens_per_s", "runs_adapter_vs_full_update_s",
+    "runs_adapter_qv_vs_full_update_s",
 }
 
 
@@ -50,3 +51,4 @@ def test_benchmarks_run_and_write_every_figure(tmp_path):
     assert runs["tokens_per_pass"] == (
         2 * workload.throughput_prompts * workload.n_samples_per_prompt * workload.max_new_tokens)
     assert 0 <= runs["share_a_while_both"] <= 1 and isinstance(written["runs_share_vs_weight_a"], float)
+    assert runs["adapter_qv_update_bytes"] < runs["adapter_update_bytes"] < runs["full_update_bytes"]
