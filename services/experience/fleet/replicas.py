@@ -330,6 +330,7 @@ class ReplicaSet:
                 replica.address, replica.version, self.version,
             )
             self._version = replica.version
+        replica.stale_adapters.intersection_update(info.adapters)  # a copy it no longer holds (it restarted) is gone
         live, stale = self.live_adapters(), replica.stale_adapters
         if replica.version not in (self.version, self.pending_version) or lacks_adapters(info, live, stale):
             await self._sync(replica)
