@@ -111,7 +111,7 @@ class WeightStager:
 
     def __init__(self, root: str | Path | None = None) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="fastexp-weights-", dir=root))
-        self._file = open(self.folder / DATA_FILE, "wb")  # noqa: SIM115 - closed in finish() or discard()
+        self._file = None  # the data file, opened with the first tensor that checks out
         self._tensors: list[dict] = []
         self._names: set[str] = set()  # every tensor started: a name sent again is found in O(1)
         self._spec: Mapping[str, TensorSpec] | None = None
@@ -165,6 +165,8 @@ class WeightStager:
         if self._spec is not None:
             check_entry(name, dtype, shape, self._spec)
         current = {"name": name, "dtype": dtype, "shape": list(shape), "offset": self._total}
+        if self._file is None:
+            self._file = open(self.folder / DATA_FILE, "wb")  # noqa: SIM115 - closed in finish() or discard()
         self._tensors.append(current)
         self._names.add(name)
         self._written = 0
@@ -195,13 +197,15 @@ class WeightStager:
         self._close_current()
         if num_tensors is not None and num_tensors != len(self._tensors):
             raise InvalidRequest("header.num_tensors", f"{num_tensors} announced, {len(self._tensors)} arrived")
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         (self.folder / MANIFEST).write_text(json.dumps(self._tensors))
         return staged_entries(self.folder)
 
     def discard(self) -> None:
         """Remove the staging folder."""
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
