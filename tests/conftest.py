@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from services.common.models import SMOLLM2_ALIAS, resolve_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def experience_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Each test module's own durable experience state (an SQLite file and a weights folder): the experience
+    services a module starts, in process or as subprocesses, share it (restarts keep it), and no module sees
+    another's runs or versions."""
+    root = tmp_path_factory.mktemp("experience-state")
+    url = f"sqlite:///{root / 'state.db'}"
+    values = {"FASTEXP_EXPERIENCE_STATE_URL": url, "FASTEXP_EXPERIENCE_WEIGHTS_DIR": str(root / "weights")}
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    yield url
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

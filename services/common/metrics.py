@@ -11,7 +11,13 @@ method. This module imports no gRPC: cores count and time their stages here.
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:  # annotations only
+    from fastexp.types import Experience
 
 # Latencies from 1 ms to 10 min: a forward micro-batch is ~0.1-10 s, a whole stream minutes.
 _SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -152,3 +158,16 @@ def stage_timer(stage: str):
     """``with stage_timer("score"):`` observes the block's wall time in ``fastexp_stage_duration_seconds``
     (prometheus-client's own timer, ``time.perf_counter``)."""
     return STAGE_SECONDS.labels(stage).time()
+
+
+def observe_distributions(experience: Experience) -> None:
+    """Each row's reward and mean per-token KL (nats, over ``action_mask``) into their histograms."""
+    for reward in experience.reward.tolist():
+        if math.isfinite(reward):  # a NaN would poison the histogram's sum for good
+            REWARD.observe(reward)
+    if experience.kl is None:  # no reference ran
+        return
+    mask = experience.action_mask.float()
+    for row_kl in ((experience.kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).tolist():
+        if math.isfinite(row_kl):
+            KL_NATS.observe(row_kl)

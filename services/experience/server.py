@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from fastexp.security import ClientTLS
 from fastexp.v1 import experience_pb2, experience_pb2_grpc
 from services.common import metrics
 from services.common.channels import open_channel
+from services.common.errors import NotReady
 from services.common.models import resolve_model
 from services.common.security import read_tokens
 from services.common.server import RunningServer, run_service, start_service
@@ -30,10 +32,13 @@ from services.experience.gateway.sessions import SessionRegistry
 from services.experience.pipeline.episodes import EpisodeRunner, ObservationRenderer
 from services.experience.pipeline.forwarder import ForwardModels
 from services.experience.pipeline.maker import ExperienceMaker
-from services.experience.pipeline.run_store import RunStore
 from services.experience.runs.metrics import RUN_METRICS
-from services.experience.runs.registry import RunRegistry
+from services.experience.runs.registry import ReplicaIdentity, RunRegistry
 from services.experience.settings import ExperienceSettings
+from services.experience.state.blobs import WeightsBlobs
+from services.experience.state.ledger import StoredLedger
+from services.experience.state.statistics import StoredStatistics
+from services.experience.state.store import StateStore
 from services.experience.workers.adapters import AdapterForwards
 from services.experience.workers.critic import ValueModel
 from services.experience.workers.logprobs import LogProbModel
@@ -54,6 +59,7 @@ class ExperienceService:
     watchers: tuple[asyncio.Task[None], ...]
     channels: tuple[grpc.aio.Channel, ...]
     sessions: SessionRegistry
+    runs: RunRegistry
     gateway: RunningGateway | None = None  # the OpenAI-compatible gateway, when gateway_port is set
     agents: AgentRunner | None = None  # agent episodes through the gateway, when agents are configured
 
@@ -76,6 +82,11 @@ class ExperienceService:
         await self.fleet.close()
         for channel in self.channels:
             await channel.close()
+        try:
+            await self.runs.leave()  # this replica's stream slots are given back at once
+        except Exception as error:  # noqa: BLE001 - the store is down: they stop counting after replica_ttl_s
+            logger.warning("could not leave the state store: %s", error)
+        self.runs.store.close()
 
 
 @dataclass(frozen=True)
@@ -119,7 +130,10 @@ def _on_generator_reached(maker: ExperienceMaker, policy: _Policy):
     def reached(info: GeneratorInfo, first: bool) -> None:
         if not first:
             return
-        # no stream or update can have run yet (both need the generator): its version is the live one
+        if maker.policy.version:  # the state store's live version, loaded at start: the fleet is brought to it
+            return
+        # no stream or update can have run yet (both need the generator), and the store has no version: the
+        # generator's is the live one
         maker.adopt_policy_version(info.policy_version)
         if info.policy_version:
             logger.warning(
@@ -236,23 +250,28 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         fleet, scorer, generator_address=generators, scorer_address=settings.scorer_address,
         settings=settings.probe_settings(),
     )
+    runs, ledger = await _open_state(settings)
     sessions = SessionRegistry()
     gateway = _serve_gateway(settings, policy, fleet, upstream, sessions)
     agents = _agent_runner(settings, policy, sessions, gateway)
     maker = ExperienceMaker(
-        fleet, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=RunStore(settings.max_runs),
+        fleet, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=StoredStatistics(runs.store, settings.max_runs),
         max_groups_ahead=settings.max_groups_ahead, sync_timeout_s=settings.update_weights_timeout_s,
         episodes=_episode_runner(settings, policy, fleet, environment_channel, upstream),
         forward_threads=_forward_threads(settings, fleet), agents=agents,
-        max_samples_in_flight=settings.max_samples_in_flight,
+        max_samples_in_flight=settings.max_samples_in_flight, ledger=ledger,
     )
+    try:  # the live versions in the store (a restart, or updates through other replicas) before anything serves
+        await maker.catch_up()
+    except NotReady as error:
+        logger.warning("could not load the live versions yet (%s); streams wait for them", error)
     fleet.weight_source = maker.sync_replica
     fleet.members.live_adapters = maker.clocks.settled_adapters  # a replica lacking one is sent it before it serves
     upstream.on_generator_info = _on_generator_reached(maker, policy)
     servicer = ExperienceServicer(
-        maker, policy.tokenizer, settings.request_limits(), upstream.require_ready, settings.weights_staging_dir,
-        settings.max_concurrent_streams, vision=policy.vision, media_limits=settings.media_limits(),
-        checkpoint_roots=tuple(settings.checkpoint_roots), runs=RunRegistry(settings.run_limits()),
+        maker, policy.tokenizer, settings.request_limits(), upstream.require_ready, runs,
+        settings.weights_staging_dir, settings.max_concurrent_streams, vision=policy.vision,
+        media_limits=settings.media_limits(), checkpoint_roots=tuple(settings.checkpoint_roots),
     )
     RUN_METRICS.add(servicer)
     running = await start_service(
@@ -264,13 +283,56 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     watchers = (
         asyncio.create_task(fleet.run(), name="generator-fleet"),
         asyncio.create_task(upstream.run(running.set_serving), name="upstream-monitor"),
+        asyncio.create_task(runs.run_heartbeats(), name="state-heartbeat"),
+        asyncio.create_task(_follow_ledger(maker, ledger, fleet, settings), name="state-follower"),
     )
     logger.info(
         "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",
         settings.host, running.port, generators, settings.scorer_address,
     )
     return ExperienceService(running, upstream, fleet, watchers, (scorer_channel, environment_channel), sessions,
-                             gateway, agents)
+                             runs, gateway, agents)
+
+
+async def _follow_ledger(maker: ExperienceMaker, ledger: StoredLedger, fleet: GeneratorFleet,
+                         settings: ExperienceSettings) -> None:
+    """Every ``state_poll_interval_s``: load the live versions made through other replicas, keep the generator
+    fleet at the store's live policy version (when it changed: a generator updated directly and alone is still
+    followed until the next update), and now and then collect the blobs no live version names."""
+    followed, polls = None, 0
+    collect_every = max(1, int(60.0 / settings.state_poll_interval_s))
+    while True:
+        try:
+            snapshot = await maker.catch_up()
+            if snapshot is not None and snapshot.policy.version and snapshot.policy.version != followed:
+                fleet.members.follow(snapshot.policy.version)
+                followed = snapshot.policy.version
+            if polls % collect_every == 0:
+                await ledger.collect(settings.weights_collect_grace_s)
+        except Exception as error:  # noqa: BLE001 - the store or a blob is unavailable: streams report it
+            logger.warning("following the live versions failed: %s", error)
+        polls += 1
+        await asyncio.sleep(settings.state_poll_interval_s)
+
+
+async def _open_state(settings: ExperienceSettings) -> tuple[RunRegistry, StoredLedger]:
+    """The state store (migrated, waiting for it as long as it takes), its runs and its version ledger."""
+    store = StateStore(settings.state_url, timeout_s=settings.state_timeout_s, pool_size=settings.state_pool_size)
+    await _migrate(store)
+    runs = RunRegistry(settings.run_limits(), store, ReplicaIdentity.new(socket.gethostname(), settings.replica_ttl_s))
+    return runs, StoredLedger(store, WeightsBlobs(settings.weights_dir), claim_s=settings.update_weights_timeout_s + 60)
+
+
+async def _migrate(store: StateStore, retry_s: float = 2.0) -> None:
+    """Bring the state store's schema up to date, waiting for the database as long as it takes (a Compose or
+    Kubernetes database may start after this service): each failed try is logged."""
+    while True:
+        try:
+            await asyncio.to_thread(store.migrate)
+            return
+        except NotReady as error:
+            logger.warning("%s; trying again in %.0f s", error, retry_s)
+            await asyncio.sleep(retry_s)
 
 
 def serve(settings: ExperienceSettings) -> None:

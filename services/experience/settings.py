@@ -129,6 +129,30 @@ class ExperienceSettings(GenerationLimits):
     update_weights_timeout_s: float = Field(
         600.0, gt=0, description="deadline of forwarding one policy update to the generator (capped by the caller's)"
     )
+    state_url: str = Field(
+        default_factory=lambda: f"sqlite:///{Path.home() / '.local' / 'state' / 'fastexp' / 'experience.db'}",
+        description="the durable state every experience replica shares (runs, owners, versions, statistics, stream "
+        "slots): sqlite:///path (the embedded default: one node, a file that survives restarts) or "
+        "postgresql://user:password@host:port/db (several replicas). Migrated at start",
+    )
+    weights_dir: Path = Field(
+        default_factory=lambda: Path.home() / ".local" / "state" / "fastexp" / "weights",
+        description="where each version's weights are kept by reference (content-addressed blobs named by their "
+        "SHA-256): a folder every experience replica mounts (a shared volume). Blobs no live version names are "
+        "collected after weights_collect_grace_s",
+    )
+    weights_collect_grace_s: float = Field(600.0, ge=0, description="age past which a blob no live version names is "
+                                                                    "removed (a replica may still be loading it)")
+    state_poll_interval_s: float = Field(
+        2.0, gt=0, description="how often this replica reads the live versions in the state store and loads those "
+        "made through other replicas (a stream also checks when it starts)",
+    )
+    state_timeout_s: float = Field(10.0, gt=0, description="deadline of one call to the state store (connect, "
+                                                              "statement, lock wait); past it: UNAVAILABLE naming it")
+    state_pool_size: int = Field(4, ge=1, le=64, description="connections to the state store (its calls queue for them: "
+                                                             "any number of streams never needs more)")
+    replica_ttl_s: float = Field(30.0, gt=0, description="an experience replica silent in the store this long (killed) "
+                                                         "no longer holds its runs' stream slots")
     weights_staging_dir: str | None = Field(
         None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
     )

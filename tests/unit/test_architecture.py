@@ -8,7 +8,7 @@ client package needs only grpcio, protobuf, numpy and torch; its math (``fastexp
 Inside the experience service, packages by role: ``api`` (the gRPC edge: decoding, prompts, the servicer),
 ``pipeline`` (the stages and their records), ``workers`` (the models: forwards, log-probs, critic, offload,
 vision), ``fleet`` (generator replicas, routing, clients, readiness), ``runs`` (runs, their owners and limits;
-no other package), and ``config`` (the decoded request as plain values). Imports are followed transitively; imports
+over ``state`` alone), ``state`` (the durable store shared by every replica; no other package), and ``config`` (the decoded request as plain values). Imports are followed transitively; imports
 under ``if TYPE_CHECKING:`` are annotations, not dependencies. Each check reports every violation at once (one test
 per rule, not one per file).
 """
@@ -36,15 +36,17 @@ EXPERIENCE_ALLOWED = {
     "workers": {"config", "workers"},
     "pipeline": {"config", "workers", "pipeline"},
     "fleet": {"config", "fleet", "pipeline.events"},
-    "api": {"config", "workers", "pipeline", "fleet", "runs", "api"},
+    "api": {"config", "workers", "pipeline", "fleet", "runs", "state", "api"},
     "gateway": {"config", "pipeline", "gateway"},  # the OpenAI-compatible edge over the Generator protocol
-    "runs": {"runs"},  # the runs' records, their owner and the operator's limits on them
+    "runs": {"runs", "state"},  # the runs' records, their owner and the operator's limits on them
+    "state": {"state"},  # the durable, shared state: the store, its rows and migrations, the weights' blobs
     "settings": {"fleet", "runs", "settings"},
-    "server": {"config", "workers", "pipeline", "fleet", "api", "gateway", "runs", "settings", "server"},
+    "server": {"config", "workers", "pipeline", "fleet", "api", "gateway", "runs", "state", "settings", "server"},
 }
 #: Packages whose whole import closure is free of gRPC and generated protobuf classes.
 WIRE_FREE = ("fastexp.rl", "services.experience.config", "services.experience.pipeline", "services.experience.workers",
-             "services.experience.gateway", "services.experience.runs", "services.common.identity")
+             "services.experience.gateway", "services.experience.runs", "services.experience.state",
+             "services.common.identity")
 #: Other cores (engines, reward sources, sandboxes): no gRPC or generated classes in their own imports.
 CORES = [
     "services/scorer/environments.py", "services/scorer/builtin_environments.py",

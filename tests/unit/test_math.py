@@ -34,7 +34,7 @@ from fastexp.rl.rewards import (
 from fastexp.rl.running import KLController, RunningMoments, RunState
 from fastexp.types import ForwardOutputs, Rollout
 from services.experience.config import ExperienceConfig
-from services.experience.pipeline.run_store import RunStore
+from services.experience.pipeline.statistics import MemoryStatistics, StatisticsKey
 
 MASK = torch.tensor([[True, True, False]])
 
@@ -227,16 +227,23 @@ def test_adaptive_kl_controller_by_hand():
     assert KLController(0.1).update(5.0, 10).value == 0.1  # fixed
 
 
-def test_run_store_keeps_latest_state_per_run_and_evicts_lru():
-    store = RunStore(max_runs=2)
+async def test_memory_statistics_keep_latest_state_per_key_and_evict_lru():
+    store = MemoryStatistics(max_runs=2)
     initial = RunState(RunningMoments(), KLController(0.1, 1.0))
-    store.put("a", RunState(RunningMoments(3, 1.0, 2.0), KLController(0.2, 1.0)))
-    store.put("b", initial)
-    assert store.get("a", initial).kl.value == 0.2  # "a" is now most recent
-    store.put("c", initial)
-    assert len(store) == 2 and store.get("b", RunState(RunningMoments(), KLController(0.7))).kl.value == 0.7
+    a, b, c = StatisticsKey("a"), StatisticsKey("b"), StatisticsKey("c")
+
+    def put(state):
+        return lambda _old: (state, None)
+
+    await store.advance(a, initial, put(RunState(RunningMoments(3, 1.0, 2.0), KLController(0.2, 1.0))))
+    await store.advance(b, initial, put(initial))
+    assert store.get(a, initial).kl.value == 0.2  # "a" is now most recent
+    await store.advance(c, initial, put(initial))
+    assert len(store) == 2 and store.get(b, RunState(RunningMoments(), KLController(0.7))).kl.value == 0.7
     # the request's target/horizon apply; only beta's value carries over
-    assert store.get("a", RunState(RunningMoments(), KLController(0.5, 2.0, 7))).kl == KLController(0.2, 2.0, 7)
+    assert store.get(a, RunState(RunningMoments(), KLController(0.5, 2.0, 7))).kl == KLController(0.2, 2.0, 7)
+    # a scoped key is another key: the same run id under another principal starts afresh
+    assert store.get(StatisticsKey("a", "sha256:bob"), initial) == initial
 
 
 def test_sequence_mean_kl_and_zero_variance_groups():

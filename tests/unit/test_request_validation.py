@@ -168,7 +168,10 @@ class _HeldMaker:
     def require_models_loaded(self, what):
         return None  # its (absent) models are never offloaded
 
-    async def make_experiences(self, request, deadline, stats):
+    async def catch_up(self):
+        return None  # one process: no other replica's versions to load
+
+    async def make_experiences(self, request, deadline, stats, statistics=None):
         await self.release.wait()
         return
         yield
@@ -182,8 +185,12 @@ class _Context:
         self.trailers = metadata
 
 
-async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(tokenizer):
+async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(tokenizer, tmp_path):
     import asyncio
+
+    from services.experience.runs.limits import OperatorLimits
+    from services.experience.runs.registry import RunRegistry
+    from services.experience.state.store import StateStore
 
     from services.common.errors import Overloaded
     from services.experience.api.servicer import ExperienceServicer
@@ -192,7 +199,10 @@ async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(toke
     from services.experience.fleet.readiness import GeneratorInfo
 
     info = GeneratorInfo("tiny", "hf", MAX_MODEL_LEN, policy_version=0)
-    servicer = ExperienceServicer(maker, tokenizer, LIMITS, lambda: info, max_concurrent_streams=2)
+    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    store.migrate()
+    runs = RunRegistry(OperatorLimits(), store)
+    servicer = ExperienceServicer(maker, tokenizer, LIMITS, lambda: info, runs, max_concurrent_streams=2)
     held = [asyncio.create_task(anext(servicer.MakeExperiences(_request(), _Context()), None)) for _ in range(2)]
     async with asyncio.timeout(30):  # both streams are being served (decoding runs in a thread: no fixed sleep)
         while servicer._streams < 2:
@@ -202,6 +212,7 @@ async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(toke
     maker.release.set()
     await asyncio.gather(*held)
     assert await anext(servicer.MakeExperiences(_request(), _Context()), None) is None  # a slot is free again
+    store.close()
 
 
 def test_top_k_minus_one_is_off_as_in_the_seed_and_vllm(tokenizer):

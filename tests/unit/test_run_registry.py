@@ -31,8 +31,9 @@ from services.experience.runs.limits import (
     check_servable,
     resolve_limits,
 )
-from services.experience.runs.registry import Run, RunRegistry, check_update, may_use
+from services.experience.runs.registry import ReplicaIdentity, Run, RunRegistry, check_update, may_use
 from services.experience.settings import ExperienceSettings
+from services.experience.state.store import StateStore
 
 OPERATOR = OperatorLimits(
     max_runs=2, defaults=RunLimits(max_streams=1, max_groups_ahead=8, max_tokens_per_request=1000, weight=1),
@@ -114,82 +115,136 @@ def test_a_caller_is_named_by_its_tokens_hash_never_the_token():
     assert ALICE.display == ALICE.principal[:len("sha256:") + 12] and ANONYMOUS.display == "anonymous"
 
 
-def test_the_owner_and_admin_tokens_may_use_a_run_others_may_not():
-    registry = RunRegistry(OPERATOR, clock=lambda: 1.5)
-    run = registry.create("r", ALICE, None, RunLimits()).run
+@pytest.fixture
+def store(tmp_path):
+    """A real state store: an SQLite file, migrated."""
+    state = StateStore(f"sqlite:///{tmp_path / 'state.db'}", timeout_s=5.0)
+    state.migrate()
+    yield state
+    state.close()
+
+
+async def _enter_stream(registry: RunRegistry, run_id: str, caller: Caller) -> None:
+    async with registry.streaming(run_id, caller):
+        pass
+
+
+async def test_the_owner_and_admin_tokens_may_use_a_run_others_may_not(store):
+    registry = RunRegistry(OPERATOR, store, clock=lambda: 1.5)
+    run = (await registry.create("r", ALICE, None, RunLimits())).run
     assert (run.owner, run.created_at_unix_s, run.lora) == (ALICE.principal, 1.5, None)
     assert may_use(run, ALICE) and may_use(run, ADMIN) and not may_use(run, BOB)
     for action in (lambda: registry.get("r", BOB), lambda: registry.delete("r", BOB),
-                   lambda: registry.authorize_update("r", BOB), lambda: registry.streaming("r", BOB).__enter__()):
+                   lambda: registry.authorize_update("r", BOB), lambda: _enter_stream(registry, "r", BOB)):
         with pytest.raises(PermissionDenied, match="^run_id: "):
-            action()
-    assert registry.get("r", ADMIN).run == run
+            await action()
+    assert (await registry.get("r", ADMIN)).run == run
 
 
-def test_a_base_model_runs_weights_are_the_deployments_updating_them_needs_an_admin_token():
-    registry = RunRegistry(OPERATOR)
-    run = registry.create("r", ALICE, None, RunLimits()).run
+async def test_a_base_model_runs_weights_are_the_deployments_updating_them_needs_an_admin_token(store):
+    registry = RunRegistry(OPERATOR, store)
+    run = (await registry.create("r", ALICE, None, RunLimits())).run
     with pytest.raises(PermissionDenied, match="needs an admin token"):
-        registry.authorize_update("r", ALICE)
-    assert registry.authorize_update("r", ADMIN) == run
+        await registry.authorize_update("r", ALICE)
+    assert await registry.authorize_update("r", ADMIN) == run
     lora_run = Run("adapter", ALICE.principal, LoraSpec(4, 4.0, ("q_proj",)), OPERATOR.defaults, 0.0)
     assert check_update(lora_run, ALICE) == lora_run  # an adapter's owner will update it without admin
 
 
-def test_everything_is_anonymous_and_allowed_with_tokens_off():
-    registry = RunRegistry(OPERATOR)
-    registry.create("r", ANONYMOUS, None, RunLimits())
-    assert registry.get("r", ANONYMOUS).run.owner_display == "anonymous"
-    assert [s.run.run_id for s in registry.list(ANONYMOUS)] == ["r"]
+async def test_everything_is_anonymous_and_allowed_with_tokens_off(store):
+    registry = RunRegistry(OPERATOR, store)
+    await registry.create("r", ANONYMOUS, None, RunLimits())
+    assert (await registry.get("r", ANONYMOUS)).run.owner_display == "anonymous"
+    assert [s.run.run_id for s in await registry.list(ANONYMOUS)] == ["r"]
 
 
 # --- the registry ---------------------------------------------------------------------------------------------
 
-def test_create_checks_id_spec_and_limits_then_lora_then_duplicates_then_max_runs():
-    registry = RunRegistry(OPERATOR)
+async def test_create_checks_id_spec_and_limits_then_lora_then_duplicates_then_max_runs(store):
+    registry = RunRegistry(OPERATOR, store)
     with pytest.raises(InvalidRequest, match="^lora.rank"):
-        registry.create("r", ALICE, LoraSpec(rank=64), RunLimits())
+        await registry.create("r", ALICE, LoraSpec(rank=64), RunLimits())
     with pytest.raises(FailedPrecondition):
-        registry.create("r", ALICE, LoraSpec(rank=8), RunLimits())  # no adapters served: the default
-    registry.create("r", ALICE, None, RunLimits())
+        await registry.create("r", ALICE, LoraSpec(rank=8), RunLimits())  # no adapters served: the default
+    await registry.create("r", ALICE, None, RunLimits())
     with pytest.raises(AlreadyExists, match="^run_id: "):
-        registry.create("r", BOB, None, RunLimits())
-    registry.create("s", BOB, None, RunLimits())
+        await registry.create("r", BOB, None, RunLimits())
+    await registry.create("s", BOB, None, RunLimits())
     with pytest.raises(Overloaded, match="^max_runs: "):
-        registry.create("t", BOB, None, RunLimits())
-    assert len(registry) == 2
+        await registry.create("t", BOB, None, RunLimits())
+    assert len(await registry.list(ADMIN)) == 2
 
 
-def test_list_shows_a_caller_its_own_runs_and_an_admin_all_of_them():
-    registry = RunRegistry(OPERATOR)
-    registry.create("b-run", BOB, None, RunLimits())
-    registry.create("a-run", ALICE, None, RunLimits())
-    assert [s.run.run_id for s in registry.list(ALICE)] == ["a-run"]
-    assert [s.run.run_id for s in registry.list(ADMIN)] == ["a-run", "b-run"]
-    assert registry.list(Caller("sha256:other")) == ()
+async def test_list_shows_a_caller_its_own_runs_and_an_admin_all_of_them(store):
+    registry = RunRegistry(OPERATOR, store)
+    await registry.create("b-run", BOB, None, RunLimits())
+    await registry.create("a-run", ALICE, None, RunLimits())
+    assert [s.run.run_id for s in await registry.list(ALICE)] == ["a-run"]
+    assert [s.run.run_id for s in await registry.list(ADMIN)] == ["a-run", "b-run"]
+    assert await registry.list(Caller("sha256:other")) == ()
 
 
-def test_stream_slots_are_counted_limited_and_released_however_the_stream_ends():
-    registry = RunRegistry(OPERATOR)
-    registry.create("r", ALICE, None, RunLimits(max_streams=2))
-    with registry.streaming("r", ALICE) as run, registry.streaming("r", ADMIN):
-        assert run.run_id == "r" and registry.get("r", ALICE).streams_open == 2
+async def test_stream_slots_are_counted_limited_and_released_however_the_stream_ends(store):
+    registry = RunRegistry(OPERATOR, store)
+    await registry.heartbeat()
+    await registry.create("r", ALICE, None, RunLimits(max_streams=2))
+    async with registry.streaming("r", ALICE) as run, registry.streaming("r", ADMIN):
+        assert run.run_id == "r" and (await registry.get("r", ALICE)).streams_open == 2
         with pytest.raises(Overloaded, match="^max_streams: "):
-            registry.streaming("r", ALICE).__enter__()
+            await _enter_stream(registry, "r", ALICE)
         with pytest.raises(FailedPrecondition, match="2 MakeExperiences streams open"):
-            registry.delete("r", ALICE)
-    with pytest.raises(RuntimeError), registry.streaming("r", ALICE):
-        raise RuntimeError("the stream failed")
-    assert registry.get("r", ALICE).streams_open == 0
-    assert registry.delete("r", ALICE).run.run_id == "r"
+            await registry.delete("r", ALICE)
+    with pytest.raises(RuntimeError):
+        async with registry.streaming("r", ALICE):
+            raise RuntimeError("the stream failed")
+    assert (await registry.get("r", ALICE)).streams_open == 0
+    assert (await registry.delete("r", ALICE)).run.run_id == "r"
     with pytest.raises(NotFound, match="^run_id: "):
-        registry.get("r", ALICE)
+        await registry.get("r", ALICE)
 
 
-def test_a_run_id_no_run_was_created_for_names_statistics_only_unchecked_and_uncounted():
-    registry = RunRegistry(OPERATOR)
-    with registry.streaming("someone-elses-stats", BOB) as run, registry.streaming("", BOB) as none:
+async def test_a_run_id_no_run_was_created_for_names_statistics_only_unchecked_and_uncounted(store):
+    registry = RunRegistry(OPERATOR, store)
+    async with registry.streaming("someone-elses-stats", BOB) as run, registry.streaming("", BOB) as none:
         assert run is None and none is None
+
+
+async def test_two_replicas_share_runs_owners_and_stream_slots(store, tmp_path):
+    # two registries on one store: what replica A created, replica B sees, owned, not re-creatable, slots shared
+    a = RunRegistry(OPERATOR, store, ReplicaIdentity.new("a"))
+    other = StateStore(f"sqlite:///{tmp_path / 'state.db'}", timeout_s=5.0)
+    b = RunRegistry(OPERATOR, other, ReplicaIdentity.new("b"))
+    try:
+        await a.heartbeat()
+        await b.heartbeat()
+        await a.create("r", ALICE, None, RunLimits(max_streams=1))
+        with pytest.raises(AlreadyExists):
+            await b.create("r", BOB, None, RunLimits())
+        with pytest.raises(PermissionDenied):
+            await b.get("r", BOB)
+        async with a.streaming("r", ALICE):
+            with pytest.raises(Overloaded, match="^max_streams: "):
+                await _enter_stream(b, "r", ALICE)
+        await _enter_stream(b, "r", ALICE)
+    finally:
+        other.close()
+
+
+async def test_a_killed_replicas_stream_slots_stop_counting_after_its_ttl(store):
+    now = [100.0]
+    a = RunRegistry(OPERATOR, store, ReplicaIdentity.new("a", ttl_s=30.0), clock=lambda: now[0])
+    b = RunRegistry(OPERATOR, store, ReplicaIdentity.new("b", ttl_s=30.0), clock=lambda: now[0])
+    await a.heartbeat()
+    await b.heartbeat()
+    await a.create("r", ALICE, None, RunLimits(max_streams=1))
+    slot = a.streaming("r", ALICE)
+    await slot.__aenter__()  # replica a is "killed" holding the slot: it never exits, never beats again
+    with pytest.raises(Overloaded):
+        await _enter_stream(b, "r", ALICE)
+    now[0] += 31.0
+    await b.heartbeat()  # b is alive; a is silent for longer than its ttl
+    await _enter_stream(b, "r", ALICE)
+    assert (await b.get("r", ALICE)).streams_open == 0
 
 
 # --- the status table ---------------------------------------------------------------------------------------------

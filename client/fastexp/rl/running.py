@@ -90,3 +90,9 @@ class RunState:
 
     reward_moments: RunningMoments
     kl: KLController
+
+
+def carried_over(stored: RunState, initial: RunState) -> RunState:
+    """The state a run's next batch starts from: ``stored``'s reward moments and beta's value, with the KL target
+    and horizon of ``initial`` (the current request's options: a request may change them, never the history)."""
+    return replace(stored, kl=replace(initial.kl, value=stored.kl.value))

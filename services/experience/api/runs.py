@@ -120,28 +120,28 @@ class RunMethods:
         self, request: experience_pb2.CreateRunRequest, context: grpc.aio.ServicerContext
     ) -> experience_pb2.Run:
         lora = lora_from_pb(request.lora) if request.HasField("lora") else None
-        return self._run_pb(self._runs.create(request.run_id, current_caller(), lora, limits_from_pb(request.limits),
+        return self._run_pb(await self._runs.create(request.run_id, current_caller(), lora, limits_from_pb(request.limits),
                                               self._served_lora_rank))
 
     async def GetRun(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.GetRunRequest, context: grpc.aio.ServicerContext
     ) -> experience_pb2.Run:
-        return self._run_pb(self._runs.get(request.run_id, current_caller()))
+        return self._run_pb(await self._runs.get(request.run_id, current_caller()))
 
     async def ListRuns(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.ListRunsRequest, context: grpc.aio.ServicerContext
     ) -> experience_pb2.ListRunsResponse:
-        return experience_pb2.ListRunsResponse(runs=[self._run_pb(s) for s in self._runs.list(current_caller())])
+        return experience_pb2.ListRunsResponse(runs=[self._run_pb(s) for s in await self._runs.list(current_caller())])
 
     async def DeleteRun(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.DeleteRunRequest, context: grpc.aio.ServicerContext
     ) -> experience_pb2.Run:
         caller = current_caller()
-        run = self._runs.get(request.run_id, caller).run  # NOT_FOUND, PERMISSION_DENIED before anything else
+        run = (await self._runs.get(request.run_id, caller)).run  # NOT_FOUND, PERMISSION_DENIED before anything else
         if run.lora is not None and run.run_id in self._updating:
             raise Overloaded(f"run_id: run {run.run_id!r}'s adapter is being updated; delete the run once that "
                              "update has answered")
-        status = self._runs.delete(run.run_id, caller)
+        status = await self._runs.delete(run.run_id, caller)
         last = self._run_pb(status)  # as it was: its live version before its adapter goes
         for counter in (metrics.RUN_SAMPLES, metrics.RUN_TOKENS):  # a later run of that name counts from 0
             with contextlib.suppress(KeyError):

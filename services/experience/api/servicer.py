@@ -19,7 +19,7 @@ from fastexp.wire import experience_to_pb
 from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
-from services.common.identity import current_caller
+from services.common.identity import Caller, current_caller
 from services.common.logs import bind_request_id, current_request_id
 from services.common.lora import AdapterConfig
 from services.common.media import MediaLimits
@@ -33,9 +33,18 @@ from services.experience.api.runs import RunMethods, check_lora_stream
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.pipeline.events import StreamStats
 from services.experience.pipeline.maker import ExperienceMaker
-from services.experience.runs.limits import OperatorLimits, adapter_config
+from services.experience.pipeline.statistics import StatisticsKey
+from services.experience.runs.limits import adapter_config
 from services.experience.runs.registry import Run, RunRegistry
 from services.experience.workers.vision import VisionProcessor
+
+
+def statistics_key(run_id: str, run: Run | None, caller: Caller) -> StatisticsKey | None:
+    """Whose running statistics a stream advances: a created run's own; for a ``run_id`` no run was created for,
+    that id scoped to ``caller`` (another token's streams of the id never touch them); None without ``run_id``."""
+    if not run_id:
+        return None
+    return StatisticsKey(run_id) if run is not None else StatisticsKey(run_id, caller.principal)
 
 
 class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServicer):
@@ -52,15 +61,15 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         tokenizer: Any,
         limits: RequestLimits,
         generator_info: Callable[[], GeneratorInfo],
+        runs: RunRegistry,
         weights_staging_dir: str | None = None,
         max_concurrent_streams: int = 64,
         vision: VisionProcessor | None = None,
         media_limits: MediaLimits | None = None,
         checkpoint_roots: tuple[Path, ...] = (),
-        runs: RunRegistry | None = None,
     ) -> None:
         self._maker = maker
-        self._runs = runs if runs is not None else RunRegistry(OperatorLimits())
+        self._runs = runs
         self._update_bounds = UpdateBounds(lambda target: self._maker.update_spec(target), checkpoint_roots)
         self._vision = vision
         self._media_limits = media_limits or MediaLimits()
@@ -80,15 +89,15 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
     ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
         if self._streams >= self._max_concurrent_streams:
             raise Overloaded(f"max_concurrent_streams: {self._streams} streams are being served; retry later")
-        # a created run's slot (its owner's, within its max_streams), taken before the first await as well; a
-        # run_id no run was created for names running statistics only
-        with self._runs.streaming(request.run_id, current_caller()) as run:
-            self._streams += 1  # counted before the first await: streams arriving together cannot all pass the check
-            try:
+        # a created run's slot (its owner's, within its max_streams on every replica: the state store's); a
+        # run_id no run was created for names running statistics only, the caller's own
+        self._streams += 1  # counted before the first await: streams arriving together cannot all pass the check
+        try:
+            async with self._runs.streaming(request.run_id, current_caller()) as run:
                 async for batch in self._stream(request, context, run):
                     yield batch
-            finally:
-                self._streams -= 1
+        finally:
+            self._streams -= 1
 
     async def _stream(
         self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext, run: Run | None
@@ -96,6 +105,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         """One admitted stream: decode (within ``run``'s limits), run the pipeline, encode each batch; trailers
         however it ends."""
         self._maker.require_models_loaded("MakeExperiences")
+        await self._maker.catch_up()  # the live versions made through other replicas (NotReady: the store)
         limits = self._limits if run is None else dataclasses.replace(
             self._limits, max_tokens_per_request=run.limits.max_tokens_per_request)
         info = self._generator_info()  # NotReady (UNAVAILABLE) naming what the service waits for
@@ -124,7 +134,8 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         deadline = Deadline.from_remaining(context.time_remaining())
         stats = StreamStats()
         try:
-            async with contextlib.aclosing(self._maker.make_experiences(decoded, deadline, stats)) as experiences:
+            key = statistics_key(request.run_id, run, current_caller())
+            async with contextlib.aclosing(self._maker.make_experiences(decoded, deadline, stats, key)) as experiences:
                 async for experience in experiences:
                     if run is not None:
                         metrics.RUN_SAMPLES.labels(run.run_id).inc(len(experience.reward))
@@ -152,7 +163,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
     ) -> generation_pb2.UpdateWeightsResponse:
         run_id = dict(context.invocation_metadata() or ()).get(RUN_ID_KEY)
         # its owner or an admin token, and an admin token for a base-model run's (shared) weights
-        run = self._runs.authorize_update(run_id, current_caller()) if run_id else None
+        run = await self._runs.authorize_update(run_id, current_caller()) if run_id else None
         self._generator_info()  # NotReady: the update could not reach the generator
         key = run.run_id if run is not None and run.lora is not None else ""  # each LoRA run's, and the base's
         if key in self._updating:
@@ -197,7 +208,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         return experience_pb2.ModelPlacementResponse(moved_bytes=moved, models=names)
 
     def _policy_version(self, run: Run) -> int:
-        return self._maker.policy.version if run.lora is None else self._maker.adapter_version(run.run_id)
+        return self._maker.policy.version if run.lora is None else run.live.version  # the run's own record
 
     def _served_lora_rank(self) -> int:
         if not self._maker.serves_adapters:

@@ -197,6 +197,14 @@ class ReplicaSet:
         self._version = version
         self.changes.notify()
 
+    def follow(self, version: int) -> None:
+        """The state store's live ``version`` changed (an update through another experience replica): the set
+        serves it now; replicas at another version get no work until their next probe brings them to it."""
+        if self._pending_version is None and version != self._version:
+            logger.info("generator fleet follows policy version %d (live in the state store)", version)
+            self._version = version
+            self.changes.notify()
+
     def update_failed(self, replica: Replica, reason: str) -> None:
         """``replica`` failed an update: its version is unknown until its next probe (no work until then)."""
         replica.version = None

@@ -22,19 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastexp.packing import pack_experience
 from fastexp.rl.estimate import estimate_experience
-from fastexp.rl.running import KLController, RunningMoments, RunState
+from fastexp.rl.running import RunState
 from fastexp.types import Experience
 from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FastexpError, InvalidRequest, StreamFailed
 from services.common.lora import AdapterConfig
+from services.common.versions import Snapshot
 from services.common.weight_checks import TensorSpec
 from services.common.weights import ReceivedUpdate
 from services.experience.config import ExperienceConfig, ExperienceRequest
@@ -59,9 +59,15 @@ from services.experience.pipeline.events import (
 )
 from services.experience.pipeline.fair_share import FairShare
 from services.experience.pipeline.forwarder import EarlyForwards, Forwarder, ForwardModels
+from services.experience.pipeline.ledger import VersionLedger
 from services.experience.pipeline.producer import Producer, ProducerRun
 from services.experience.pipeline.rollouts import RolloutParts
-from services.experience.pipeline.run_store import RunStore
+from services.experience.pipeline.statistics import (
+    MemoryStatistics,
+    RunStatistics,
+    StatisticsKey,
+    initial_state,
+)
 from services.experience.pipeline.versions import PolicyClocks, VersionClock
 from services.experience.pipeline.weight_sync import WeightSync
 
@@ -87,7 +93,7 @@ class ExperienceMaker:
         scorer: Scorer,
         models: ForwardModels,
         pad_token_id: int,
-        runs: RunStore | None = None,
+        runs: RunStatistics | None = None,
         policy: VersionClock | None = None,
         max_groups_ahead: int = 64,
         sync_timeout_s: float = 600.0,
@@ -95,16 +101,17 @@ class ExperienceMaker:
         forward_threads: Callable[[], int | None] | None = None,
         agents: Agents | None = None,
         max_samples_in_flight: int | None = None,
+        ledger: VersionLedger | None = None,
     ) -> None:
         self.policy = policy if policy is not None else VersionClock()
         self.clocks = PolicyClocks(self.policy)  # the base policy's, and each LoRA run's adapter's
         self._generator = generator
         self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version, threads=forward_threads)
         self._share = FairShare(max_samples_in_flight)  # the generator's capacity, shared by the runs
-        self._weights = WeightSync(generator, self._forwarder, self.clocks, sync_timeout_s)
+        self._weights = WeightSync(generator, self._forwarder, self.clocks, sync_timeout_s, ledger)
         self._stages = _Stages(
             Producer(RolloutParts(generator, scorer, episodes, agents), self.clocks, max_groups_ahead, self._share),
-            self._forwarder, runs if runs is not None else RunStore(),
+            self._forwarder, runs if runs is not None else MemoryStatistics(),
         )
         self._consumers: set[_Consumer] = set()
         self.runs_episodes = episodes is not None  # multi-turn requests are accepted
@@ -185,20 +192,26 @@ class ExperienceMaker:
         """Raises FailedPrecondition naming ``what`` while the models are offloaded."""
         self._forwarder.require_loaded(what)
 
+    async def catch_up(self) -> Snapshot | None:
+        """Load the live versions other experience replicas made (:meth:`WeightSync.catch_up`)."""
+        return await self._weights.catch_up()
+
     async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
         """Send a generator replica the live policy's weights (the fleet's weight source; see
         :meth:`services.experience.pipeline.weight_sync.WeightSync.sync_replica`)."""
         return await self._weights.sync_replica(replica, version)
 
     async def make_experiences(
-        self, request: ExperienceRequest, deadline: Deadline, stats: StreamStats | None = None
+        self, request: ExperienceRequest, deadline: Deadline, stats: StreamStats | None = None,
+        statistics: StatisticsKey | None = None,
     ) -> AsyncIterator[Experience]:
         """Yield Experiences of whole prompt groups, each delivered group exactly once, as groups finish.
 
         Groups scored before a generation failure are still delivered, then the failure is raised as
         :class:`StreamFailed` listing the prompt indices neither delivered nor reported dropped. ``stats``
         (optional) is filled in as the stream runs: generation rounds, dynamic-sampling drops, resamples, and on
-        failure the undelivered prompt indices.
+        failure the undelivered prompt indices. ``statistics``: whose running statistics (reward moments, adaptive
+        beta) the batches advance (:class:`StatisticsKey`; None: the stream's own, starting afresh).
 
         With ``max_staleness`` s, batch b waits for policy version v0 + b - s and holds only groups sampled at that
         version or later; older groups go back for resampling (see ``MakeExperiencesRequest.max_staleness``).
@@ -210,7 +223,8 @@ class ExperienceMaker:
                 trainer's policy update); RewardFailed when a reward source could not score a group (the
                 message names the prompt and source).
         """
-        consumer = _Consumer(self._stages, request, deadline, stats if stats is not None else StreamStats())
+        consumer = _Consumer(self._stages, request, deadline, stats if stats is not None else StreamStats(),
+                             statistics)
         self._consumers.add(consumer)
         metrics.ACTIVE_STREAMS.inc()
         try:
@@ -228,20 +242,23 @@ class _Stages:
 
     producer: Producer
     forwarder: Forwarder
-    runs: RunStore
+    runs: RunStatistics
 
 
 class _Consumer:
     """One stream's consumer: receives events, forwards ready groups, estimates and streams batches."""
 
-    def __init__(self, stages: _Stages, request: ExperienceRequest, deadline: Deadline, stats: StreamStats):
+    def __init__(self, stages: _Stages, request: ExperienceRequest, deadline: Deadline, stats: StreamStats,
+                 statistics: StatisticsKey | None = None):
         self._stages, self._request, self._deadline, self._stats = stages, request, deadline, stats
+        run_id = request.config.run_id  # a maker used without the servicer keeps statistics under the run_id
+        self._statistics = statistics or (StatisticsKey(run_id) if run_id else None)
         self._config: ExperienceConfig = request.config
         self.inbox = Inbox()
         self._handled: set[int] = set()  # prompt indices delivered to the trainer or reported dropped
         self._batch_index = 0
         self._resampled_reported = 0
-        self._local_state = _initial_state(self._config)
+        self._local_state = initial_state(self._config)
         # prompt_overflow SKIP: reported like dynamic-sampling drops, with the first batch
         self._skipped_unreported = request.skipped_prompt_indices
         stats.dropped_groups += len(request.skipped_prompt_indices)
@@ -257,7 +274,7 @@ class _Consumer:
                 step = batcher.next_step(self.inbox, self._config)
                 if step is Step.DELIVER:
                     groups = await self._take_batch(run)
-                    for part in self._estimate(groups) if groups else ():
+                    for part in await self._estimate(groups) if groups else ():
                         outward = self._in_request_indices(part)
                         with metrics.stage_timer("stream"):  # how long the trainer takes to take it
                             yield pack_experience(outward) if self._config.return_packed else outward
@@ -334,22 +351,26 @@ class _Consumer:
                         self._request.request_id, self._batch_index, len(take.resample), oldest)
         return take.groups
 
-    def _estimate(self, groups: tuple[ForwardedGroup, ...]) -> list[Experience]:
-        """The batch (or, with rollout scope, the batches) of ``groups``, estimated with the run's state."""
-        config, runs = self._config, self._stages.runs
-        state = runs.get(config.run_id, _initial_state(config)) if config.run_id else self._local_state
+    async def _estimate(self, groups: tuple[ForwardedGroup, ...]) -> list[Experience]:
+        """The batch (or, with rollout scope, the batches) of ``groups``, estimated with the run's state (its
+        statistics advanced in one step: :class:`RunStatistics`)."""
+        config = self._config
         dropped, self.inbox = batcher.reported_drops(self.inbox)
         with metrics.stage_timer("advantages"):
             batch = self._stages.forwarder.assemble(groups, self._request)
-            experience, state = estimate_experience(
-                batch.rollout, batch.rewards, batch.reward_metrics, batch.forward, config, state,
-                self._batch_index, dropped,
-            )
-        _observe_distributions(experience)
-        if config.run_id:
-            runs.put(config.run_id, state)
-        else:
-            self._local_state = state
+
+            def step(state: RunState) -> tuple[RunState, Experience]:
+                experience, state = estimate_experience(
+                    batch.rollout, batch.rewards, batch.reward_metrics, batch.forward, config, state,
+                    self._batch_index, dropped,
+                )
+                return state, experience
+
+            if self._statistics is None:
+                self._local_state, experience = step(self._local_state)
+            else:
+                experience = await self._stages.runs.advance(self._statistics, initial_state(config), step)
+        metrics.observe_distributions(experience)
         self._handled.update(dropped)
         experience = experience._replace(
             actor_policy_version=min(g.actor_version for g in groups),
@@ -377,20 +398,3 @@ class _Consumer:
         self._handled.update(part.prompt_index)
         run.window.end(part.prompt_index)  # streamed: their leases admit the next prompts
 
-
-def _observe_distributions(experience: Experience) -> None:
-    """Each row's reward and mean per-token KL (nats, over ``action_mask``) into their histograms."""
-    for reward in experience.reward.tolist():
-        if math.isfinite(reward):  # a NaN would poison the histogram's sum for good
-            metrics.REWARD.observe(reward)
-    if experience.kl is None:  # no reference ran
-        return
-    mask = experience.action_mask.float()
-    for row_kl in ((experience.kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).tolist():
-        if math.isfinite(row_kl):
-            metrics.KL_NATS.observe(row_kl)
-
-
-def _initial_state(config: ExperienceConfig) -> RunState:
-    kl = config.kl
-    return RunState(RunningMoments(), KLController(kl.kl_coef, kl.kl_target, kl.kl_horizon))

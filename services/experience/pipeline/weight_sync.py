@@ -1,15 +1,20 @@
 """The weight-sync stage: policy and critic updates from trainers, and the live policy version.
 
-A policy update is checked against the actor replica, forwarded to the generator fleet with the version it makes
-live (the sender's ``policy_version``, else the live one + 1; live there once every replica that stays has it),
-then copied into the actor replica between forward passes. While it runs, aborting partial rollouts stop
-(:meth:`VersionClock.update_begun`). A critic update is checked and copied into the critic. Nothing is applied
-anywhere unless the whole update checks out.
+Versions are issued by the :class:`~services.experience.pipeline.ledger.VersionLedger` (the state store's, shared
+by every experience replica): an update claims what it updates (one update of a thing at a time, on any replica),
+and its version is the sender's ``policy_version``, else the live one + 1. A policy update is checked against the
+actor replica, forwarded to the generator fleet with that version (live there once every replica that stays has
+it), copied into the actor replica between forward passes, then committed to the ledger with its weights (stored
+by reference). While it runs, aborting partial rollouts stop (:meth:`VersionClock.update_begun`). A critic update
+is checked and copied into the critic. Nothing is applied anywhere unless the whole update checks out.
 
-The actor replica holds exactly the live version's weights whenever no update is being applied, so it is what a
-generator replica that restarted or joined late is sent (:meth:`WeightSync.sync_replica`); one lock serializes
-updates, such syncs and the removal of a deleted LoRA run's adapter, so a replica is never sent half-updated
-weights under either version's number, nor an adapter being removed.
+Another experience replica's update reaches this one through the ledger: :meth:`WeightSync.catch_up` loads the live
+versions' weights this replica lacks (actor, critic, LoRA runs' adapters) from their blobs, and moves the local
+clocks, so streams here sample and forward the live version. A generator replica that restarted or joined late is
+sent the live version's weights from the ledger's blobs (:meth:`WeightSync.sync_replica`), never another
+process's memory; with a local ledger (one process) from the actor replica, which then holds exactly the live
+weights. One lock serializes updates, catch-ups, such syncs and the removal of a deleted LoRA run's adapter, so a
+replica is never sent half-updated weights under either version's number, nor an adapter being removed.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.common.deadlines import Deadline
-from services.common.errors import FailedPrecondition, InvalidRequest
+from services.common.errors import FailedPrecondition, InvalidRequest, NotReady
 from services.common.lora import AdapterConfig, check_adapter, expected_tensors
+from services.common.versions import Claim, Live, Snapshot
 from services.common.weight_checks import TensorSpec, check_update
-from services.common.weights import ReceivedUpdate, module_spec
+from services.common.weights import ReceivedUpdate, TensorEntry, module_spec
 from services.experience.pipeline.events import Generator
 from services.experience.pipeline.forwarder import Forwarder
+from services.experience.pipeline.ledger import LocalLedger, VersionLedger
 from services.experience.pipeline.versions import PolicyClocks, VersionClock
 
 if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
@@ -42,13 +49,17 @@ class WeightSync:
     """Applies updates to the generator and the forwarder's models, in step (module docs)."""
 
     def __init__(
-        self, generator: Generator, forwarder: Forwarder, clocks: PolicyClocks, sync_timeout_s: float = 600.0
+        self, generator: Generator, forwarder: Forwarder, clocks: PolicyClocks, sync_timeout_s: float = 600.0,
+        ledger: VersionLedger | None = None,
     ) -> None:
         self._generator = generator
         self._forwarder = forwarder
         self.clocks = clocks
         self.policy = clocks.base
         self.critic_version = 0
+        self.ledger = ledger if ledger is not None else LocalLedger(forwarder.adapter_versions)
+        #: LoRA runs' adapter configs by run id, for adapters this replica loads from the ledger (their run's)
+        self.adapter_configs: Callable[[], dict[str, AdapterConfig]] = dict
         self._sync_timeout_s = sync_timeout_s
         self._applying = asyncio.Lock()  # a policy update or a replica sync; the actor replica is stable outside it
 
@@ -82,8 +93,15 @@ class WeightSync:
         if tensors is None:
             raise InvalidRequest("header.target", "this experience service runs no critic (set critic_model)")
         check_update(update.entries, module_spec(tensors))
-        await self._forwarder.load_critic(update.entries, tensors)
-        self.critic_version += 1
+        async with self._applying:
+            claim = await self.ledger.claim(target="critic")
+            version = None
+            try:
+                await self._forwarder.load_critic(update.entries, tensors)
+                version = max(claim.live.version, self.critic_version) + 1
+            finally:
+                await asyncio.shield(self._commit(claim, version, update.entries))
+            self.critic_version = version
 
     def adapter_spec(self, config: AdapterConfig) -> dict[str, TensorSpec]:
         """The tensors a LoRA run's adapter update with ``config`` is checked against as it arrives (peft names,
@@ -112,14 +130,18 @@ class WeightSync:
         check_adapter(name, config, tensors, modules, config.rank)  # every tensor there, finite
         clock = self.clocks.of(name)
         async with self._applying:
-            version = self._next_version(update, clock)
-            await clock.begin_update()
+            claim = await self.ledger.claim(run_id=name)
             live = None
             try:
-                live = await self._generator.load_adapter(name, config, tensors, version, deadline)
-                await asyncio.shield(self._forwarder.load_adapter(name, config, tensors, live))
+                version = self._next_version(update, clock, claim.live)
+                await clock.begin_update()
+                try:
+                    live = await self._generator.load_adapter(name, config, tensors, version, deadline)
+                    await asyncio.shield(self._forwarder.load_adapter(name, config, tensors, live))
+                finally:
+                    await clock.end_update(live)
             finally:
-                await clock.end_update(live)
+                await asyncio.shield(self._commit(claim, live, update.entries))
         logger.info("run %s: adapter version %d live (%d tensors, %d bytes)", name, live, len(tensors), update.num_bytes)
         return live
 
@@ -132,16 +154,22 @@ class WeightSync:
             self.clocks.forget(name)
 
     @staticmethod
-    def _next_version(update: ReceivedUpdate, clock: VersionClock) -> int:
-        """The version an update makes live: the sender's, else the live one + 1.
+    def _next_version(update: ReceivedUpdate, clock: VersionClock, live: Live) -> int:
+        """The version an update makes live: the sender's, else the live one + 1 (the ledger's, or this
+        replica's when it is ahead: a generator's version adopted at start).
 
         Raises:
             InvalidRequest: ``header.policy_version`` is not after the live one.
         """
-        requested = clock.version + 1 if update.policy_version is None else update.policy_version
-        if requested <= clock.version:
-            raise InvalidRequest("header.policy_version", f"{requested} is not after the live version {clock.version}")
+        current = max(clock.version, live.version)
+        requested = current + 1 if update.policy_version is None else update.policy_version
+        if requested <= current:
+            raise InvalidRequest("header.policy_version", f"{requested} is not after the live version {current}")
         return requested
+
+    async def _commit(self, claim: Claim, version: int | None, entries: list[TensorEntry]) -> None:
+        """End ``claim`` in the ledger: ``version`` live with ``entries`` as its weights, or released (None)."""
+        await self.ledger.commit(claim, version, entries if version is not None else None)
 
     async def _update_policy(self, update: ReceivedUpdate, deadline: Deadline) -> None:
         tensors = self._forwarder.actor_tensors()
@@ -151,37 +179,155 @@ class WeightSync:
                 raise FailedPrecondition(
                     f"header.target: LoRA runs {', '.join(runs)} sample adapters over the base model; updating it "
                     "would change their policies under them (delete them first)")
-            requested = self._next_version(update, self.policy)
-            await self.policy.begin_update()
+            claim = await self.ledger.claim(target="policy")  # FailedPrecondition: LoRA runs on any replica
             version = None
             try:
-                version = await self._generator.update_weights(update, deadline, requested)
-                # the generator serves it now: the replica must follow even if the caller goes away
-                await asyncio.shield(self._forwarder.load_actor(update.entries, version, tensors))
+                requested = self._next_version(update, self.policy, claim.live)
+                await self.policy.begin_update()
+                try:
+                    version = await self._generator.update_weights(update, deadline, requested)
+                    # the generator serves it now: the replica must follow even if the caller goes away
+                    await asyncio.shield(self._forwarder.load_actor(update.entries, version, tensors))
+                finally:
+                    await self.policy.end_update(version)
             finally:
-                await self.policy.end_update(version)
+                await asyncio.shield(self._commit(claim, version, update.entries))
         logger.info("policy version %d live (%d tensors, %d bytes)", version, len(update.entries), update.num_bytes)
 
     async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
-        """Bring a generator replica to the live policy: the actor replica's weights, live there as ``version()``
-        (read once no update is being applied), unless it serves that version already; then every LoRA run's live
-        adapter it lacks at its version. Returns the policy version the replica then serves.
+        """Bring a generator replica to the live policy, unless it serves that version already: by reference, the
+        ledger's live version from its blob; else (a local ledger, or version 0: the model folder the actor loaded)
+        the actor replica's weights, live as ``version()`` (read once no update is being applied). Then every LoRA
+        run's live adapter it lacks, at its version. Returns the policy version the replica then serves.
 
         Raises:
+            NotReady: an update is being applied (on any replica: synced after it), or the ledger is unavailable.
             NotReady, UpstreamTimeout, Overloaded, InvalidRequest: from the replica; it keeps what it had.
         """
         async with self._applying:
             deadline = Deadline.from_remaining(self._sync_timeout_s)
             info = await replica.model_info(min(INFO_TIMEOUT_S, self._sync_timeout_s))
-            applied = live = version()
-            if info.policy_version != live:
-                tensors = list(self._forwarder.actor_tensors().items())
-                applied = await replica.load_tensors(iter(tensors), len(tensors), live, deadline)
-                logger.info("generator replica brought to policy version %d (%d tensors)", applied, len(tensors))
-            for name, adapter_version in self.clocks.live_adapters().items():
-                if info.adapters.get(name) != adapter_version:
-                    config = self._forwarder.adapter_config(name)
-                    tensors = await self._forwarder.adapter_tensors(name)
-                    await replica.load_adapter(name, config, tensors, adapter_version, deadline)
-                    logger.info("generator replica given run %s's adapter, version %d", name, adapter_version)
+            snapshot = await self.ledger.snapshot() if self.ledger.by_reference else None
+            if snapshot is not None and (snapshot.policy.updating or any(a.updating for a in snapshot.adapters.values())):
+                raise NotReady("a weight update is being applied; the replica is brought up to date after it")
+            applied = await self._sync_policy(replica, info.policy_version, version, snapshot, deadline)
+            if snapshot is None:
+                adapters = self.clocks.live_adapters()
+                for name, adapter_version in adapters.items():
+                    if info.adapters.get(name) != adapter_version:
+                        tensors = await self._forwarder.adapter_tensors(name)
+                        await replica.load_adapter(name, self._forwarder.adapter_config(name), tensors,
+                                                   adapter_version, deadline)
+                        logger.info("generator replica given run %s's adapter, version %d", name, adapter_version)
+                return applied
+            for name, live in snapshot.adapters.items():
+                if live.version > 0 and live.weights_digest and info.adapters.get(name) != live.version:
+                    entries = await asyncio.to_thread(self.ledger.weights, live.weights_digest)
+                    tensors = await asyncio.to_thread(lambda entries=entries: {e.name: e.load() for e in entries})
+                    await replica.load_adapter(name, snapshot.configs[name], tensors, live.version, deadline)
+                    logger.info("generator replica given run %s's adapter, version %d (blob %s)", name,
+                                live.version, live.weights_digest)
         return applied
+
+    async def _sync_policy(self, replica: ReplicaClient, serving: int, version: Callable[[], int],
+                           snapshot: Snapshot | None, deadline: Deadline) -> int:
+        """The policy part of :meth:`sync_replica`; returns the version the replica serves."""
+        if snapshot is not None and snapshot.policy.weights_digest is not None:
+            live = snapshot.policy
+            if serving == live.version:
+                return serving
+            entries = await asyncio.to_thread(self.ledger.weights, live.weights_digest)
+            pairs = ((entry.name, entry.load()) for entry in entries)  # one tensor in memory at a time
+            applied = await replica.load_tensors(pairs, len(entries), live.version, deadline)
+            logger.info("generator replica brought to policy version %d from blob %s", applied, live.weights_digest)
+            return applied
+        live_version = version()
+        if serving == live_version:
+            return serving
+        tensors = list(self._forwarder.actor_tensors().items())
+        applied = await replica.load_tensors(iter(tensors), len(tensors), live_version, deadline)
+        logger.info("generator replica brought to policy version %d (%d tensors)", applied, len(tensors))
+        return applied
+
+    async def catch_up(self) -> Snapshot | None:
+        """Bring this replica's models to the ledger's live versions (updates made through other experience
+        replicas): the actor, the critic and each LoRA run's adapter from their blobs, and forget the adapters of
+        runs deleted elsewhere; the local clocks move with them (waiters wake, aborting partial rollouts stop).
+        Cheap when nothing changed (one read of the ledger). Returns the snapshot it followed (None: a local
+        ledger, nothing to follow).
+
+        Raises:
+            NotReady: the ledger or a blob is unavailable (this replica keeps what it had).
+        """
+        if not self.ledger.by_reference:
+            return None
+        snapshot = await self.ledger.snapshot()
+        if not self._behind(snapshot):
+            return snapshot
+        async with self._applying:  # read again under the lock: no update of this replica's lands in between
+            snapshot = await self.ledger.snapshot()
+            await self._catch_up_policy(snapshot.policy)
+            await self._catch_up_critic(snapshot.critic)
+            await self._catch_up_adapters(snapshot)
+        return snapshot
+
+    def _behind(self, snapshot: Snapshot) -> bool:
+        """Whether this replica's models differ from ``snapshot``'s settled live versions."""
+        policy, critic = snapshot.policy, snapshot.critic
+        if policy.weights_digest and not policy.updating and policy.version != self.policy.version:
+            return True
+        if critic.weights_digest and not critic.updating and critic.version != self.critic_version:
+            return True
+        local = self._forwarder.adapter_versions()
+        if set(local) - set(snapshot.adapters):
+            return True
+        return any(live.weights_digest and not live.updating and local.get(name) != live.version
+                   for name, live in snapshot.adapters.items())
+
+    async def _catch_up_policy(self, live: Live) -> None:
+        if not live.weights_digest or live.updating or live.version == self.policy.version:
+            return
+        entries = await asyncio.to_thread(self.ledger.weights, live.weights_digest)
+        tensors = self._forwarder.actor_tensors()
+        check_update(entries, module_spec(tensors))
+        await self.policy.begin_update()
+        loaded = None
+        try:
+            await asyncio.shield(self._forwarder.load_actor(entries, live.version, tensors))
+            loaded = live.version
+        finally:
+            await self.policy.end_update(loaded)
+        logger.info("caught up with policy version %d from blob %s (updated through another replica)",
+                    live.version, live.weights_digest)
+
+    async def _catch_up_critic(self, live: Live) -> None:
+        tensors = self._forwarder.critic_tensors()
+        if tensors is None or not live.weights_digest or live.updating or live.version == self.critic_version:
+            return
+        entries = await asyncio.to_thread(self.ledger.weights, live.weights_digest)
+        check_update(entries, module_spec(tensors))
+        await self._forwarder.load_critic(entries, tensors)
+        self.critic_version = live.version
+        logger.info("caught up with critic version %d from blob %s", live.version, live.weights_digest)
+
+    async def _catch_up_adapters(self, snapshot: Snapshot) -> None:
+        local = self._forwarder.adapter_versions()
+        for name in sorted(set(local) - set(snapshot.adapters)):  # its run was deleted through another replica
+            await self._forwarder.remove_adapter(name)
+            self.clocks.forget(name)
+            logger.info("run %s was deleted: its adapter is no longer used here", name)
+        for name, live in snapshot.adapters.items():
+            if not live.weights_digest or live.updating or local.get(name) == live.version:
+                continue
+            entries = await asyncio.to_thread(self.ledger.weights, live.weights_digest)
+            tensors = await asyncio.to_thread(lambda entries=entries: {e.name: e.load() for e in entries})
+            clock = self.clocks.of(name)
+            await clock.begin_update()
+            loaded = None
+            try:
+                await asyncio.shield(self._forwarder.load_adapter(name, snapshot.configs[name], tensors, live.version))
+                loaded = live.version
+            finally:
+                await clock.end_update(loaded)
+            logger.info("caught up with run %s's adapter version %d from blob %s", name, live.version,
+                        live.weights_digest)

@@ -1,0 +1,115 @@
+"""Where live versions are issued and their weights found: the :class:`VersionLedger` the weight-sync stage asks.
+
+A version is issued once, by the ledger: an update *claims* what it updates (the deployment's ``policy`` or
+``critic``, or one LoRA run's adapter), is told the version live then, and *commits* the version it made live
+together with its weights, or releases the claim when it failed. Two updates of one thing never run at once, on any
+replica (the second is refused, RESOURCE_EXHAUSTED). A base ``policy`` update is refused while LoRA runs exist
+(their adapters sit on the base), whichever replica holds them.
+
+Two implementations: :class:`LocalLedger` for one process (an in-process maker: versions in memory, weights are
+the models' own), and the state store's (:class:`services.experience.state.ledger.StoredLedger`), shared by every
+experience replica and kept across restarts, with each version's weights written by reference
+(:mod:`services.experience.state.blobs`) so any replica loads the live version from there.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from services.common.errors import FailedPrecondition, Overloaded
+from services.common.versions import Claim, Live, Snapshot
+from services.common.weights import TensorEntry
+
+
+class VersionLedger(Protocol):
+    """Issues versions and finds their weights (module docs)."""
+
+    #: Whether committed versions' weights can be loaded back (:meth:`weights`): then a replica lagging behind, or a
+    #: generator replica, is brought up to date from them, never from a process's memory.
+    by_reference: bool
+
+    async def claim(self, *, target: str | None = None, run_id: str | None = None) -> Claim:
+        """Claim an update of ``target`` (``policy``, ``critic``) or of LoRA run ``run_id``'s adapter.
+
+        Raises:
+            Overloaded: another update of it is in progress. FailedPrecondition: a ``policy`` update while LoRA
+            runs exist. NotFound: no run ``run_id``. NotReady: the ledger's store is unavailable.
+        """
+        ...
+
+    async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None) -> None:
+        """End ``claim``: ``version`` is live with the weights ``entries`` (stored by reference first), or (None)
+        the update failed and the version live before stays.
+
+        Raises:
+            NotReady: the store is unavailable, or the claim had expired and another update took it over (the
+                version is not live: the caller's update must be repeated).
+        """
+        ...
+
+    async def snapshot(self) -> Snapshot:
+        """Every live version now (:class:`Snapshot`).
+
+        Raises:
+            NotReady: the store is unavailable.
+        """
+        ...
+
+    def weights(self, digest: str) -> list[TensorEntry]:
+        """The tensors of a committed version's weights, verified (blocking: call it off the event loop).
+
+        Raises:
+            NotReady: missing or corrupt.
+        """
+        ...
+
+
+class LocalLedger:
+    """:class:`VersionLedger` of one process: versions in memory, weights not kept (the models hold the live
+    ones: ``by_reference`` False). ``lora_runs()`` names the LoRA runs that exist (a base update refuses)."""
+
+    by_reference = False
+
+    def __init__(self, lora_runs=lambda: ()) -> None:
+        self._live: dict[tuple[str, str], Live] = {}
+        self._claims: dict[tuple[str, str], str] = {}
+        self._lora_runs = lora_runs
+
+    @staticmethod
+    def _key(target: str | None, run_id: str | None) -> tuple[str, str]:
+        return ("run", run_id) if run_id is not None else ("model", target or "policy")
+
+    async def claim(self, *, target: str | None = None, run_id: str | None = None) -> Claim:
+        key = self._key(target, run_id)
+        if key in self._claims:
+            raise Overloaded(f"run_id: another update of run {run_id!r}'s adapter is in progress" if run_id
+                             else f"another {target} weight update is in progress")
+        if key == ("model", "policy") and (runs := sorted(self._lora_runs())):
+            raise FailedPrecondition(
+                f"header.target: LoRA runs {', '.join(runs)} sample adapters over the base model; updating it "
+                "would change their policies under them (delete them first)")
+        claim = Claim(uuid.uuid4().hex, self._live.get(key, Live()), target, run_id)
+        self._claims[key] = claim.claim_id
+        return claim
+
+    async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None) -> None:
+        key = self._key(claim.target, claim.run_id)
+        if self._claims.get(key) == claim.claim_id:
+            del self._claims[key]
+            if version is not None:
+                self._live[key] = replace(claim.live, version=version)
+
+    async def snapshot(self) -> Snapshot:
+        models = {name: live for (kind, name), live in self._live.items() if kind == "model"}
+        adapters = {name: live for (kind, name), live in self._live.items() if kind == "run"}
+        return Snapshot(models.get("policy", Live()), models.get("critic", Live()), adapters)
+
+    def forget(self, run_id: str) -> None:
+        """A LoRA run was deleted: its adapter's version goes (a run of that id later starts again at 0)."""
+        self._live.pop(("run", run_id), None)
+
+    def weights(self, digest: str) -> list[TensorEntry]:
+        raise NotImplementedError("a local ledger keeps no weights (by_reference is False)")

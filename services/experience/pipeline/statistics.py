@@ -1,0 +1,81 @@
+"""The running statistics a run carries from batch to batch and request to request (reward moments and the
+adaptive KL coefficient, :class:`~fastexp.rl.running.RunState`), behind one interface.
+
+Whose statistics a stream advances is a :class:`StatisticsKey`: a created run's own (every token that may stream
+the run shares them), or, for a ``run_id`` no run was created for, that id *scoped to the calling token*: another
+token streaming the same id keeps statistics of its own and can neither read nor write these. A request without
+``run_id`` keeps them for itself (the stream's own, in memory).
+
+:class:`RunStatistics` is what the pipeline asks: ``advance`` reads the state, lets one batch's estimate step it,
+and stores the result, as one step that no other stream of the key interleaves with (a row lock in the state
+store: :class:`services.experience.state.statistics.StoredStatistics`, shared by every experience replica and kept
+across restarts). :class:`MemoryStatistics` is the same for one process (in-process makers and tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from cachetools import LRUCache
+
+from fastexp.rl.running import KLController, RunningMoments, RunState, carried_over
+from services.experience.config import ExperienceConfig
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StatisticsKey:
+    """Whose statistics: ``run_id``'s; ``principal`` None for a created run's own, else the caller's scope."""
+
+    run_id: str
+    principal: str | None = None
+
+
+def initial_state(config: ExperienceConfig) -> RunState:
+    """The state a key starts from: no rewards seen, beta at the request's ``kl_coef`` (its target and horizon)."""
+    kl = config.kl
+    return RunState(RunningMoments(), KLController(kl.kl_coef, kl.kl_target, kl.kl_horizon))
+
+
+class RunStatistics(Protocol):
+    """Where the pipeline keeps runs' statistics (module docs)."""
+
+    async def advance(self, key: StatisticsKey, initial: RunState, step: Callable[[RunState], tuple[RunState, T]]) -> T:
+        """Read ``key``'s state (``initial`` when none is stored: a first batch), run ``step`` on it (the batch's
+        estimate: returns the new state and its result), store the new state, return the result. Atomic per key.
+
+        Raises:
+            NotReady: the store is unavailable (nothing was stored; the batch is not delivered).
+            NotFound: the created run was deleted while its stream ran.
+        """
+        ...
+
+
+class MemoryStatistics:
+    """:class:`RunStatistics` in this process's memory: the latest state of at most ``max_runs`` keys (least
+    recently used evicted). Not thread-safe: the event loop alone calls it.
+
+    Raises:
+        ValueError: ``max_runs < 1``.
+    """
+
+    def __init__(self, max_runs: int = 1024) -> None:
+        if max_runs < 1:
+            raise ValueError(f"max_runs must be >= 1, got {max_runs}")
+        self._states: LRUCache[StatisticsKey, RunState] = LRUCache(maxsize=max_runs)
+
+    def get(self, key: StatisticsKey, initial: RunState) -> RunState:
+        """``key``'s state, or ``initial`` for a key not seen yet (or evicted)."""
+        state = self._states.get(key)  # a hit counts as a use
+        return initial if state is None else carried_over(state, initial)
+
+    async def advance(self, key: StatisticsKey, initial: RunState, step: Callable[[RunState], tuple[RunState, T]]) -> T:
+        state, result = step(self.get(key, initial))  # no await between the read and the write
+        self._states[key] = state
+        return result
+
+    def __len__(self) -> int:
+        return len(self._states)
