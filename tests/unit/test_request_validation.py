@@ -188,12 +188,11 @@ class _Context:
 async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(tokenizer, tmp_path):
     import asyncio
 
+    from services.common.errors import Overloaded
+    from services.experience.api.servicer import ExperienceServicer
     from services.experience.runs.limits import OperatorLimits
     from services.experience.runs.registry import RunRegistry
     from services.experience.state.store import StateStore
-
-    from services.common.errors import Overloaded
-    from services.experience.api.servicer import ExperienceServicer
 
     maker = _HeldMaker()
     from services.experience.fleet.readiness import GeneratorInfo

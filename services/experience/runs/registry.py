@@ -19,6 +19,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+from sqlalchemy.engine import Connection
 
 from fastexp.errors import FailedPrecondition, NotFound, Overloaded, PermissionDenied
 from services.common.identity import Caller
@@ -98,6 +101,8 @@ def check_update(run: Run, caller: Caller) -> Run:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 def _from_row(row: rows.RunRow) -> Run:
     lora = None if row.lora is None else LoraSpec(row.lora[0], row.lora[1], row.lora[2])
@@ -161,8 +166,8 @@ class RunRegistry:
         if lora is not None:
             check_servable(lora, served_rank())
         run = Run(run_id, caller.principal, lora, limits, self._clock())
-        await self.store.transact("CreateRun", functools.partial(rows.insert_run, row=_to_row(run),
-                                                                 max_runs=self.limits.max_runs))
+        await self._write("CreateRun", functools.partial(rows.insert_run, row=_to_row(run),
+                                                         max_runs=self.limits.max_runs))
         return RunStatus(run, 0)
 
     async def find(self, run_id: str) -> Run | None:
@@ -213,9 +218,22 @@ class RunRegistry:
         return tuple(RunStatus(_from_row(row), streams.get(row.run_id, 0)) for row in found)
 
     def statuses(self) -> tuple[RunStatus, ...]:
-        """Every run, by run id, whoever owns it, as of the last :meth:`heartbeat` (for the service's own reports:
-        metrics; safe from another thread)."""
+        """Every run, by run id, whoever owns it, as of this replica's last change to the runs or its last
+        :meth:`heartbeat` (for the service's own reports: metrics; safe from another thread)."""
         return self._snapshot
+
+    async def _write(self, what: str, work: Callable[[Connection], T]) -> T:
+        """``work`` in one transaction, then (in it) the snapshot :meth:`statuses` reports."""
+        now, alive_after = self._clock(), self._alive_after()
+
+        def write(connection: Connection) -> tuple[T, tuple[RunStatus, ...]]:
+            result = work(connection)
+            streams = rows.count_streams(connection, alive_after)
+            return result, tuple(RunStatus(_from_row(row), streams.get(row.run_id, 0))
+                                 for row in rows.select_runs(connection, now))
+
+        result, self._snapshot = await self.store.transact(what, write)
+        return result
 
     async def delete(self, run_id: str, caller: Caller) -> RunStatus:
         """Remove the run ``run_id`` and everything of it in the store (owner, adapter version, statistics);
@@ -244,7 +262,7 @@ class RunRegistry:
             rows.delete_run(connection, run_id)
             return RunStatus(run, 0)
 
-        return await self.store.transact("DeleteRun", delete)
+        return await self._write("DeleteRun", delete)
 
     @contextlib.asynccontextmanager
     async def streaming(self, run_id: str, caller: Caller) -> AsyncIterator[Run | None]:
@@ -261,15 +279,15 @@ class RunRegistry:
             yield None
             return
         check_user(run, caller)
-        slot = await self.store.transact("opening a stream slot", functools.partial(
+        slot = await self._write("opening a stream slot", functools.partial(
             rows.open_slot, run_id=run_id, replica_id=self.replica.replica_id, now=self._clock(),
             alive_after=self._alive_after()))
         try:
             yield run
         finally:
             try:
-                await asyncio.shield(self.store.transact("closing a stream slot",
-                                                         functools.partial(rows.close_slot, slot_id=slot)))
+                await asyncio.shield(self._write("closing a stream slot",
+                                                 functools.partial(rows.close_slot, slot_id=slot)))
             except Exception as error:  # noqa: BLE001 - the slot stops counting once this replica is gone
                 logger.warning("run %s: stream slot %s not given back (%s); it counts until this replica stops",
                                run_id, slot, error)
