@@ -157,6 +157,8 @@ class LocalCluster:
     process as ``FASTEXP_<SERVICE>_<FIELD>`` environment variables; ``config_file`` is passed as ``--config``.
     ``generator_replicas`` > 1 runs a fleet: processes ``generator``, ``generator-1``, ... (each its own port and
     share of the engine cores), all given to the experience service as ``generator_addresses``.
+    ``experience_replicas`` > 1 runs that many experience services, ``experience``, ``experience-1``, ... (each its
+    own port; they share the state store that ``overrides`` names: ``state_url``, ``weights_dir``).
     """
 
     host: str = "127.0.0.1"
@@ -169,19 +171,27 @@ class LocalCluster:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     core_split: CoreSplit | None = field(default_factory=default_core_split)
     generator_replicas: int = 1
+    experience_replicas: int = 1
     #: The interpreter that runs the services (e.g. a virtualenv with the fastexp-server wheel); this one's by default.
     python: str = sys.executable
 
     def __post_init__(self) -> None:
-        names = (*SERVICES, *self.generator_names[1:])
+        names = (*SERVICES, *self.generator_names[1:], *self.experience_names[1:])
         self.ports = {name: free_port(self.host) for name in names} | dict(self.ports or {})
         if "generator" in self.services and not set(self.generator_names[1:]) & set(self.services):
             self.services = (*self.generator_names, *(s for s in self.services if s != "generator"))
+        if "experience" in self.services and not set(self.experience_names[1:]) & set(self.services):
+            self.services = (*self.services, *self.experience_names[1:])
 
     @property
     def generator_names(self) -> tuple[str, ...]:
         """The generator replicas' process names: ``generator``, ``generator-1``, ..."""
         return ("generator", *(f"generator-{i}" for i in range(1, self.generator_replicas)))
+
+    @property
+    def experience_names(self) -> tuple[str, ...]:
+        """The experience replicas' process names: ``experience``, ``experience-1``, ..."""
+        return ("experience", *(f"experience-{i}" for i in range(1, self.experience_replicas)))
 
     def address(self, service: str) -> str:
         return f"{self.host}:{self.ports[service]}"
@@ -266,7 +276,7 @@ class LocalCluster:
         return f"\n--- last lines of {self.log_path(service)} ---\n{tail}"
 
     def _spawn(self, name: str) -> None:
-        kind = "generator" if name in self.generator_names else name
+        kind = "generator" if name in self.generator_names else "experience" if name in self.experience_names else name
         generators = [self.address(g) for g in self.generator_names]
         extra = {"experience": {"generator_address": generators[0], "scorer_address": self.address("scorer")}}
         if len(generators) > 1:
@@ -297,7 +307,7 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every process (experience first), then SIGKILL what is left after ``grace_s``."""
-        for name in ("experience", "scorer", *self.generator_names):
+        for name in (*self.experience_names, "scorer", *self.generator_names):
             process = self.processes.get(name)
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)

@@ -261,6 +261,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         forward_threads=_forward_threads(settings, fleet), agents=agents,
         max_samples_in_flight=settings.max_samples_in_flight, ledger=ledger,
     )
+    maker.on_policy_live(fleet.members.follow)
     try:  # the live versions in the store (a restart, or updates through other replicas) before anything serves
         await maker.catch_up()
     except NotReady as error:
@@ -284,7 +285,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         asyncio.create_task(fleet.run(), name="generator-fleet"),
         asyncio.create_task(upstream.run(running.set_serving), name="upstream-monitor"),
         asyncio.create_task(runs.run_heartbeats(), name="state-heartbeat"),
-        asyncio.create_task(_follow_ledger(maker, ledger, fleet, settings), name="state-follower"),
+        asyncio.create_task(_follow_ledger(maker, ledger, settings), name="state-follower"),
     )
     logger.info(
         "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",
@@ -294,19 +295,14 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
                              runs, gateway, agents)
 
 
-async def _follow_ledger(maker: ExperienceMaker, ledger: StoredLedger, fleet: GeneratorFleet,
-                         settings: ExperienceSettings) -> None:
-    """Every ``state_poll_interval_s``: load the live versions made through other replicas, keep the generator
-    fleet at the store's live policy version (when it changed: a generator updated directly and alone is still
-    followed until the next update), and now and then collect the blobs no live version names."""
-    followed, polls = None, 0
-    collect_every = max(1, int(60.0 / settings.state_poll_interval_s))
+async def _follow_ledger(maker: ExperienceMaker, ledger: StoredLedger, settings: ExperienceSettings) -> None:
+    """Every ``state_poll_interval_s``: load the live versions made through other replicas (the generator fleet
+    follows the live policy version: ``WeightSync.on_policy_live``), and now and then collect the blobs no live
+    version names."""
+    polls, collect_every = 0, max(1, int(60.0 / settings.state_poll_interval_s))
     while True:
         try:
-            snapshot = await maker.catch_up()
-            if snapshot is not None and snapshot.policy.version and snapshot.policy.version != followed:
-                fleet.members.follow(snapshot.policy.version)
-                followed = snapshot.policy.version
+            await maker.catch_up()
             if polls % collect_every == 0:
                 await ledger.collect(settings.weights_collect_grace_s)
         except Exception as error:  # noqa: BLE001 - the store or a blob is unavailable: streams report it

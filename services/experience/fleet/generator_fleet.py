@@ -201,12 +201,16 @@ class GeneratorFleet:
         """Place the call's pending groups on replicas with room and start one stream per replica used.
 
         Raises:
-            NotReady: no routable replica (besides those that failed this call) while groups are pending.
+            NotReady: no routable replica (besides those that failed this call), and none being synced, while groups
+                are pending.
         """
         if not call.pending:
             return
         candidates = {r.address: r for r in self.replicas
                       if self.members.routable(r) and r.address not in call.excluded}
+        if not candidates and any(r.state is ReplicaState.SYNCING and r.address not in call.excluded
+                                  for r in self.replicas):
+            return  # a replica being brought to the live version serves soon: its groups wait for it
         if not candidates:
             raise NotReady(
                 f"no generator replica left for {len(call.pending)} prompt groups: {self.members.describe()}"

@@ -172,11 +172,9 @@ class ExperienceMaker:
         return self.clocks.live_adapters().get(name, 0)
 
     async def remove_adapter(self, name: str) -> None:
-        """Free a deleted LoRA run's adapter. Its use stops first (:meth:`WeightSync.remove_adapter`: the
-        forwarder's copy, then its clock, so no stream names it and no replica sync sends it); then every generator
-        replica drops it (``Generator.unload_adapter``): one that cannot be told is logged and unloads it before it
-        serves again, and this does not fail for it. Callers run it to the end (the servicer shields it from a
-        cancelled DeleteRun): stopped half-way, the forwarder could keep the adapter."""
+        """Free a deleted LoRA run's adapter: its use here first (:meth:`WeightSync.remove_adapter`), then on every
+        generator replica (one that cannot be told unloads it before it serves again). Callers run it to the end
+        (the servicer shields it from a cancelled DeleteRun): stopped half-way, the forwarder could keep it."""
         await self._weights.remove_adapter(name)
         await self._generator.unload_adapter(name)
 
@@ -195,6 +193,10 @@ class ExperienceMaker:
     async def catch_up(self) -> Snapshot | None:
         """Load the live versions other experience replicas made (:meth:`WeightSync.catch_up`)."""
         return await self._weights.catch_up()
+
+    def on_policy_live(self, follow: Callable[[int], None]) -> None:
+        """Tell ``follow`` each new live policy version the ledger shows (the generator fleet's version)."""
+        self._weights.on_policy_live = follow
 
     async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
         """Send a generator replica the live policy's weights (the fleet's weight source; see

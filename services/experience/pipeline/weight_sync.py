@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.common.deadlines import Deadline
-from services.common.errors import FailedPrecondition, InvalidRequest, NotReady
+from services.common.errors import FailedPrecondition, InvalidRequest, UpstreamTimeout
 from services.common.lora import AdapterConfig, check_adapter, expected_tensors
 from services.common.versions import Claim, Live, Snapshot
 from services.common.weight_checks import TensorSpec, check_update
@@ -58,8 +58,10 @@ class WeightSync:
         self.policy = clocks.base
         self.critic_version = 0
         self.ledger = ledger if ledger is not None else LocalLedger(forwarder.adapter_versions)
-        #: LoRA runs' adapter configs by run id, for adapters this replica loads from the ledger (their run's)
-        self.adapter_configs: Callable[[], dict[str, AdapterConfig]] = dict
+        #: Told each new live policy version the ledger shows (not while an update of it is applied): the generator
+        #: fleet follows it (``ReplicaSet.follow``), so it routes to replicas at the version live everywhere
+        self.on_policy_live: Callable[[int], None] = lambda version: None
+        self._followed: int | None = None
         self._sync_timeout_s = sync_timeout_s
         self._applying = asyncio.Lock()  # a policy update or a replica sync; the actor replica is stable outside it
 
@@ -207,9 +209,7 @@ class WeightSync:
         async with self._applying:
             deadline = Deadline.from_remaining(self._sync_timeout_s)
             info = await replica.model_info(min(INFO_TIMEOUT_S, self._sync_timeout_s))
-            snapshot = await self.ledger.snapshot() if self.ledger.by_reference else None
-            if snapshot is not None and (snapshot.policy.updating or any(a.updating for a in snapshot.adapters.values())):
-                raise NotReady("a weight update is being applied; the replica is brought up to date after it")
+            snapshot = await self._settled_snapshot(deadline) if self.ledger.by_reference else None
             applied = await self._sync_policy(replica, info.policy_version, version, snapshot, deadline)
             if snapshot is None:
                 adapters = self.clocks.live_adapters()
@@ -228,6 +228,30 @@ class WeightSync:
                     logger.info("generator replica given run %s's adapter, version %d (blob %s)", name,
                                 live.version, live.weights_digest)
         return applied
+
+    async def _settled_snapshot(self, deadline: Deadline, poll_s: float = 0.25) -> Snapshot:
+        """The ledger's live versions once no update is being applied on any replica (an update through another
+        experience replica is moving the generators: a sync waits for it, then follows it).
+
+        Raises:
+            UpstreamTimeout: the update did not end before ``deadline``. NotReady: the ledger is unavailable.
+        """
+        while True:
+            snapshot = await self.ledger.snapshot()
+            if not snapshot.policy.updating and not any(a.updating for a in snapshot.adapters.values()):
+                self._follow(snapshot)
+                return snapshot
+            if deadline.remaining() <= poll_s:
+                raise UpstreamTimeout("a weight update through another experience replica did not end in time")
+            await asyncio.sleep(poll_s)  # polling the store: it has no notifications common to both backends
+
+    def _follow(self, snapshot: Snapshot) -> None:
+        """Tell :attr:`on_policy_live` a settled live policy version it was not told yet (version 0, nothing
+        committed, is the generator's own)."""
+        live = snapshot.policy
+        if live.version and live.weights_digest and not live.updating and live.version != self._followed:
+            self._followed = live.version
+            self.on_policy_live(live.version)
 
     async def _sync_policy(self, replica: ReplicaClient, serving: int, version: Callable[[], int],
                            snapshot: Snapshot | None, deadline: Deadline) -> int:
@@ -262,13 +286,13 @@ class WeightSync:
         if not self.ledger.by_reference:
             return None
         snapshot = await self.ledger.snapshot()
-        if not self._behind(snapshot):
-            return snapshot
-        async with self._applying:  # read again under the lock: no update of this replica's lands in between
-            snapshot = await self.ledger.snapshot()
-            await self._catch_up_policy(snapshot.policy)
-            await self._catch_up_critic(snapshot.critic)
-            await self._catch_up_adapters(snapshot)
+        if self._behind(snapshot):
+            async with self._applying:  # read again under the lock: no update of this replica's lands in between
+                snapshot = await self.ledger.snapshot()
+                await self._catch_up_policy(snapshot.policy)
+                await self._catch_up_critic(snapshot.critic)
+                await self._catch_up_adapters(snapshot)
+        self._follow(snapshot)
         return snapshot
 
     def _behind(self, snapshot: Snapshot) -> bool:
