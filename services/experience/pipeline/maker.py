@@ -39,6 +39,7 @@ from services.common.weight_checks import TensorSpec
 from services.common.weights import ReceivedUpdate
 from services.experience.config import ExperienceConfig, ExperienceRequest
 from services.experience.pipeline import batcher
+from services.experience.pipeline import statistics as run_statistics
 from services.experience.pipeline.assembly import split_experience
 from services.experience.pipeline.batcher import Inbox, Step
 from services.experience.pipeline.episodes import EpisodeRunner
@@ -62,12 +63,6 @@ from services.experience.pipeline.forwarder import EarlyForwards, Forwarder, For
 from services.experience.pipeline.ledger import VersionLedger
 from services.experience.pipeline.producer import Producer, ProducerRun
 from services.experience.pipeline.rollouts import RolloutParts
-from services.experience.pipeline.statistics import (
-    MemoryStatistics,
-    RunStatistics,
-    StatisticsKey,
-    initial_state,
-)
 from services.experience.pipeline.versions import PolicyClocks, VersionClock
 from services.experience.pipeline.weight_sync import WeightSync
 
@@ -93,7 +88,7 @@ class ExperienceMaker:
         scorer: Scorer,
         models: ForwardModels,
         pad_token_id: int,
-        runs: RunStatistics | None = None,
+        runs: run_statistics.RunStatistics | None = None,
         policy: VersionClock | None = None,
         max_groups_ahead: int = 64,
         sync_timeout_s: float = 600.0,
@@ -111,7 +106,7 @@ class ExperienceMaker:
         self._weights = WeightSync(generator, self._forwarder, self.clocks, sync_timeout_s, ledger)
         self._stages = _Stages(
             Producer(RolloutParts(generator, scorer, episodes, agents), self.clocks, max_groups_ahead, self._share),
-            self._forwarder, runs if runs is not None else MemoryStatistics(),
+            self._forwarder, runs if runs is not None else run_statistics.MemoryStatistics(),
         )
         self._consumers: set[_Consumer] = set()
         self.runs_episodes = episodes is not None  # multi-turn requests are accepted
@@ -205,7 +200,7 @@ class ExperienceMaker:
 
     async def make_experiences(
         self, request: ExperienceRequest, deadline: Deadline, stats: StreamStats | None = None,
-        statistics: StatisticsKey | None = None,
+        statistics: run_statistics.StatisticsKey | None = None,
     ) -> AsyncIterator[Experience]:
         """Yield Experiences of whole prompt groups, each delivered group exactly once, as groups finish.
 
@@ -213,7 +208,7 @@ class ExperienceMaker:
         :class:`StreamFailed` listing the prompt indices neither delivered nor reported dropped. ``stats``
         (optional) is filled in as the stream runs: generation rounds, dynamic-sampling drops, resamples, and on
         failure the undelivered prompt indices. ``statistics``: whose running statistics (reward moments, adaptive
-        beta) the batches advance (:class:`StatisticsKey`; None: the stream's own, starting afresh).
+        beta) the batches advance (:class:`run_statistics.StatisticsKey`; None: the stream's own, starting afresh).
 
         With ``max_staleness`` s, batch b waits for policy version v0 + b - s and holds only groups sampled at that
         version or later; older groups go back for resampling (see ``MakeExperiencesRequest.max_staleness``).
@@ -244,23 +239,23 @@ class _Stages:
 
     producer: Producer
     forwarder: Forwarder
-    runs: RunStatistics
+    runs: run_statistics.RunStatistics
 
 
 class _Consumer:
     """One stream's consumer: receives events, forwards ready groups, estimates and streams batches."""
 
     def __init__(self, stages: _Stages, request: ExperienceRequest, deadline: Deadline, stats: StreamStats,
-                 statistics: StatisticsKey | None = None):
+                 statistics: run_statistics.StatisticsKey | None = None):
         self._stages, self._request, self._deadline, self._stats = stages, request, deadline, stats
         run_id = request.config.run_id  # a maker used without the servicer keeps statistics under the run_id
-        self._statistics = statistics or (StatisticsKey(run_id) if run_id else None)
+        self._statistics = statistics or (run_statistics.StatisticsKey(run_id) if run_id else None)
         self._config: ExperienceConfig = request.config
         self.inbox = Inbox()
         self._handled: set[int] = set()  # prompt indices delivered to the trainer or reported dropped
         self._batch_index = 0
         self._resampled_reported = 0
-        self._local_state = initial_state(self._config)
+        self._local_state = run_statistics.initial_state(self._config)
         # prompt_overflow SKIP: reported like dynamic-sampling drops, with the first batch
         self._skipped_unreported = request.skipped_prompt_indices
         stats.dropped_groups += len(request.skipped_prompt_indices)
@@ -355,7 +350,7 @@ class _Consumer:
 
     async def _estimate(self, groups: tuple[ForwardedGroup, ...]) -> list[Experience]:
         """The batch (or, with rollout scope, the batches) of ``groups``, estimated with the run's state (its
-        statistics advanced in one step: :class:`RunStatistics`)."""
+        statistics advanced in one step: :class:`run_statistics.RunStatistics`)."""
         config = self._config
         dropped, self.inbox = batcher.reported_drops(self.inbox)
         with metrics.stage_timer("advantages"):
@@ -371,7 +366,8 @@ class _Consumer:
             if self._statistics is None:
                 self._local_state, experience = step(self._local_state)
             else:
-                experience = await self._stages.runs.advance(self._statistics, initial_state(config), step)
+                initial = run_statistics.initial_state(config)
+                experience = await self._stages.runs.advance(self._statistics, initial, step)
         metrics.observe_distributions(experience)
         self._handled.update(dropped)
         experience = experience._replace(
