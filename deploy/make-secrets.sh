@@ -10,5 +10,7 @@ token() { python3 -c 'import secrets; print(secrets.token_urlsafe(32))'; }
 # admin: UpdateWeights and the experience service's own calls to the generator and scorer
 [ -s secrets/admin-tokens ] || { token; cat secrets/upstream-token; } > secrets/admin-tokens
 [ -s secrets/sandbox-token ] || token > secrets/sandbox-token
+# the experience tier's PostgreSQL (the postgres service and the experience service read it)
+[ -s secrets/state-db-password ] || token > secrets/state-db-password
 chmod 600 secrets/*
 echo "tokens in $(pwd)/secrets (trainers: call-tokens)"

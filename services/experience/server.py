@@ -313,7 +313,7 @@ async def _follow_ledger(maker: ExperienceMaker, ledger: StoredLedger, settings:
 
 async def _open_state(settings: ExperienceSettings) -> tuple[RunRegistry, StoredLedger]:
     """The state store (migrated, waiting for it as long as it takes), its runs and its version ledger."""
-    store = StateStore(settings.state_url, timeout_s=settings.state_timeout_s, pool_size=settings.state_pool_size)
+    store = StateStore(settings.state_store_url(), timeout_s=settings.state_timeout_s, pool_size=settings.state_pool_size)
     await _migrate(store)
     runs = RunRegistry(settings.run_limits(), store, ReplicaIdentity.new(socket.gethostname(), settings.replica_ttl_s))
     return runs, StoredLedger(store, WeightsBlobs(settings.weights_dir), claim_s=settings.update_weights_timeout_s + 60)

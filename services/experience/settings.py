@@ -147,6 +147,10 @@ class ExperienceSettings(GenerationLimits):
         2.0, gt=0, description="how often this replica reads the live versions in the state store and loads those "
         "made through other replicas (a stream also checks when it starts)",
     )
+    state_password_file: Path | None = Field(
+        None, description="a file whose first line is the state store's password (set: it replaces the password of "
+        "state_url, which then need not carry one)",
+    )
     state_timeout_s: float = Field(10.0, gt=0, description="deadline of one call to the state store (connect, "
                                                               "statement, lock wait); past it: UNAVAILABLE naming it")
     state_pool_size: int = Field(4, ge=1, le=64, description="connections to the state store (its calls queue for them: "
@@ -177,6 +181,19 @@ class ExperienceSettings(GenerationLimits):
         default_factory=dict, description="agent servers requests may name (name -> url, timeout_s); a request "
         "names one, never a URL. Needs gateway_port (the agents call the model through it)",
     )
+
+    def state_store_url(self) -> str:
+        """``state_url`` with the password of ``state_password_file`` when set.
+
+        Raises:
+            SecurityConfigError: the password file is unreadable or empty.
+        """
+        if self.state_password_file is None:
+            return self.state_url
+        from sqlalchemy.engine import make_url
+
+        password = read_tokens(self.state_password_file, "state_password_file")[0].decode()
+        return make_url(self.state_url).set(password=password).render_as_string(hide_password=False)
 
     @property
     def generator_targets(self) -> list[str]:

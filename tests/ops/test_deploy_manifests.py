@@ -114,14 +114,28 @@ def test_compose_runs_tool_code_in_a_sandbox_container_with_nothing_to_take():
 def test_compose_ships_with_tokens_on_and_each_service_mounts_only_its_secrets():
     services = _compose()["services"]
     expected = {"generator": {"admin-tokens"}, "scorer": {"admin-tokens", "sandbox-token"},
-                "experience": {"call-tokens", "admin-tokens", "upstream-token"}}
+                "experience": {"call-tokens", "admin-tokens", "upstream-token", "state-db-password"}}
     for name, secrets in expected.items():
         assert _secret_names(services[name]) == secrets, name
-        files = {v for k, v in services[name]["environment"].items() if k.endswith(("TOKENS_FILE", "TOKEN_FILE"))}
+        files = {v for k, v in services[name]["environment"].items()
+                 if k.endswith(("TOKENS_FILE", "TOKEN_FILE", "PASSWORD_FILE"))}
         assert files == {f"/run/secrets/{secret}" for secret in secrets}, name
     script = (ROOT / "deploy/make-secrets.sh").read_text()
     assert all(f"secrets/{name}" in script for name in ("call-tokens", "admin-tokens", "upstream-token",
-                                                         "sandbox-token"))
+                                                         "sandbox-token", "state-db-password"))
+
+
+def test_compose_gives_the_experience_service_a_shared_state_store_and_weights_volume():
+    config = _compose()
+    experience, postgres = config["services"]["experience"], config["services"]["postgres"]
+    environment = experience["environment"]
+    assert environment["FASTEXP_EXPERIENCE_STATE_URL"].startswith("postgresql://fastexp@postgres:5432/")
+    assert environment["FASTEXP_EXPERIENCE_STATE_PASSWORD_FILE"] == "/run/secrets/state-db-password"
+    assert any(str(v).startswith("experience-weights:/weights") or (isinstance(v, dict) and v.get("target") == "/weights")
+               for v in experience["volumes"]) and environment["FASTEXP_EXPERIENCE_WEIGHTS_DIR"] == "/weights"
+    assert "ports" not in postgres, "the state store is not published on the host"
+    assert postgres["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/state-db-password"
+    assert {"experience-state", "experience-weights"} <= set(config["volumes"])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -192,7 +206,7 @@ def test_tokens_are_on_and_each_pod_mounts_only_its_own_secret_keys(overlay):
             assert tokens == [] and {s["secretName"] for s in secret_volumes} == {"fastexp-sandbox-token"}
             continue
         assert {item["key"] for item in tokens[0]["items"]} == TOKEN_ITEMS[service], service
-        env = {e["name"]: e["value"] for e in spec["containers"][0]["env"]}
+        env = {e["name"]: e.get("value", "") for e in spec["containers"][0]["env"]}
         assert f"FASTEXP_{service.upper()}_ADMIN_TOKENS_FILE" in env, service
         mounted = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
         assert all(path.startswith(tuple(mounted)) for name, path in env.items() if name.endswith("_FILE"))
@@ -202,7 +216,7 @@ def test_gpu_overlay_turns_on_mtls_with_a_certificate_per_service():
     deployments = _deployments("gpu")
     for service in GRPC_SERVICES:
         spec = deployments[service]
-        env = {e["name"]: e["value"] for e in spec["containers"][0]["env"]}
+        env = {e["name"]: e.get("value", "") for e in spec["containers"][0]["env"]}
         for field in ("TLS_CERT_FILE", "TLS_KEY_FILE", "TLS_CLIENT_CA_FILE"):
             assert f"FASTEXP_{service.upper()}_{field}" in env, (service, field)
         tls = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} - {
@@ -221,7 +235,7 @@ def test_the_sandbox_pod_holds_nothing_and_reaches_nothing(overlay):
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                             "capabilities": {"drop": ["ALL"]}}
     assert {v["name"] for v in spec["volumes"]} == {"token", "tmp"}
-    scorer_env = {e["name"]: e["value"] for e in _deployments(overlay)["scorer"]["containers"][0]["env"]}
+    scorer_env = {e["name"]: e.get("value", "") for e in _deployments(overlay)["scorer"]["containers"][0]["env"]}
     assert scorer_env["FASTEXP_SCORER_SANDBOX__BACKEND"] == "remote"
     assert "seccompProfile" not in _deployments(overlay)["scorer"]["securityContext"]
     policies = {d["metadata"]["name"]: d["spec"] for d in documents if d["kind"] == "NetworkPolicy"}
@@ -252,3 +266,29 @@ def test_dashboard_queries_only_series_the_services_export():
     used = {name for panel in dashboard["panels"] for target in panel["targets"]
             for name in re.findall(r"\bfastexp_[a-z_]+", target["expr"])}
     assert used and used <= exported, used - exported
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_experience_replicas_share_a_state_store_by_url_and_a_weights_volume(overlay):
+    documents = _kustomize(overlay)
+    deployment = next(d for d in documents if d["kind"] == "Deployment" and d["metadata"]["name"] == "fastexp-experience")
+    spec = deployment["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in spec["containers"][0]["env"]}
+    assert env["FASTEXP_EXPERIENCE_STATE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "fastexp-state", "key": "url"}
+    assert env["FASTEXP_EXPERIENCE_WEIGHTS_DIR"]["value"] == "/weights"
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    assert claims == {"weights": "fastexp-experience-weights"} and mounts["weights"] == "/weights"
+    claim = next(d for d in documents if d["kind"] == "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == (["ReadWriteOnce"] if overlay == "cpu-demo" else ["ReadWriteMany"])
+    autoscaler = next(d for d in documents if d["kind"] == "HorizontalPodAutoscaler"
+                      and d["metadata"]["name"] == "fastexp-experience")
+    assert autoscaler["spec"]["maxReplicas"] >= 2  # more than one replica for real
+    statefulsets = [d for d in documents if d["kind"] == "StatefulSet"]
+    if overlay == "cpu-demo":  # its own PostgreSQL, reachable from the experience pods alone
+        assert [d["metadata"]["name"] for d in statefulsets] == ["fastexp-postgres"]
+        policy = next(d for d in documents if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "fastexp-postgres")
+        assert policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == {
+            "app.kubernetes.io/name": "fastexp-experience"}
+    else:  # production: an external database by URL
+        assert statefulsets == []
