@@ -32,6 +32,25 @@ logger = logging.getLogger(__name__)
 LIVENESS_SERVICE = "liveness"
 
 
+class ServingGate:
+    """Readiness over several conditions: health SERVING only while every one of ``conditions`` holds (e.g. the
+    upstream dependencies reached, and the state store answering). Each condition starts false except those in
+    ``initially``; :meth:`setter` gives the callback that reports one of them."""
+
+    def __init__(self, running: RunningServer, conditions: tuple[str, ...], initially: tuple[str, ...] = ()) -> None:
+        self._running = running
+        self._holds = {name: name in initially for name in conditions}
+
+    def setter(self, condition: str) -> Callable[[bool], Awaitable[None]]:
+        """``await setter(condition)(holds)`` reports ``condition`` and updates health."""
+
+        async def report(holds: bool) -> None:
+            self._holds[condition] = holds
+            await self._running.set_serving(all(self._holds.values()))
+
+        return report
+
+
 @dataclass
 class RunningServer:
     """A started server, its bound port and its health servicer."""

@@ -19,7 +19,7 @@ from services.common.channels import open_channel
 from services.common.errors import NotReady
 from services.common.models import resolve_model
 from services.common.security import read_tokens
-from services.common.server import RunningServer, run_service, start_service
+from services.common.server import RunningServer, ServingGate, run_service, start_service
 from services.experience.api.servicer import ExperienceServicer
 from services.experience.fleet.clients import EnvironmentClient, GeneratorClient, ScorerClient
 from services.experience.fleet.generator_fleet import GeneratorFleet
@@ -281,18 +281,26 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     metrics.POLICY_VERSION.labels("experience").set_function(lambda: maker.policy.version)
     for queue in ("scored", "forwarded"):
         metrics.QUEUE_DEPTH.labels(queue).set_function(lambda queue=queue: maker.queue_depth(queue))
-    watchers = (
-        asyncio.create_task(fleet.run(), name="generator-fleet"),
-        asyncio.create_task(upstream.run(running.set_serving), name="upstream-monitor"),
-        asyncio.create_task(runs.run_heartbeats(), name="state-heartbeat"),
-        asyncio.create_task(_follow_ledger(maker, ledger, settings), name="state-follower"),
-    )
+    watchers = _watch(running, upstream, fleet, runs, maker, ledger, settings)
     logger.info(
         "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",
         settings.host, running.port, generators, settings.scorer_address,
     )
     return ExperienceService(running, upstream, fleet, watchers, (scorer_channel, environment_channel), sessions,
                              runs, gateway, agents)
+
+
+def _watch(running: RunningServer, upstream: UpstreamMonitor, fleet: GeneratorFleet, runs: RunRegistry,
+           maker: ExperienceMaker, ledger: StoredLedger, settings: ExperienceSettings) -> tuple[asyncio.Task, ...]:
+    """The service's background tasks: the generator fleet, readiness (SERVING while the generator and scorer are
+    reached and the state store answers), the store's heartbeat, and following the live versions."""
+    gate = ServingGate(running, ("upstream", "state store"), initially=("state store",))  # migrated: it answered
+    return (
+        asyncio.create_task(fleet.run(), name="generator-fleet"),
+        asyncio.create_task(upstream.run(gate.setter("upstream")), name="upstream-monitor"),
+        asyncio.create_task(runs.run_heartbeats(gate.setter("state store")), name="state-heartbeat"),
+        asyncio.create_task(_follow_ledger(maker, ledger, settings), name="state-follower"),
+    )
 
 
 async def _follow_ledger(maker: ExperienceMaker, ledger: StoredLedger, settings: ExperienceSettings) -> None:

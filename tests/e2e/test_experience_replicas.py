@@ -8,7 +8,8 @@ stops, bearer tokens for two tenants and an admin, the real client. What one rep
 - a run created through A is the same run through B: owned, refused to another token, not re-creatable;
 - both experience replicas killed and started again: the run, its owner, the live version (the actor loads it from
   the weights' blob) and the running statistics continue;
-- PostgreSQL stopped: UNAVAILABLE naming the store, nothing answered from memory; started again: served again.
+- PostgreSQL stopped: readiness NOT_SERVING and UNAVAILABLE naming the store, nothing answered from memory;
+  started again: SERVING and served again.
 
 Events, not sleeps: the tests wait for a replica's log line, a health status, or a response.
 """
@@ -25,7 +26,7 @@ import torch
 
 from fastexp import ExperienceClient, Sampling
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, health_status
 from tests.support.postgres import PostgresServer
 
 pytestmark = [pytest.mark.smollm2]
@@ -54,7 +55,7 @@ def cluster(tiny_model_path, tmp_path_factory, postgres):
             "actor_model": tiny_model_path, "reference_model": tiny_model_path, "dtype": "float32",
             "torch_threads": 1, "upstream_probe_interval_s": 0.5, "upstream_backoff_max_s": 1.0,
             "state_url": postgres.create_database(), "weights_dir": str(root / "weights"), "state_timeout_s": 3.0,
-            "state_poll_interval_s": 0.5, "auth_tokens_file": str(root / "call.tokens"),
+            "state_poll_interval_s": 0.5, "replica_ttl_s": 6.0, "auth_tokens_file": str(root / "call.tokens"),
             "admin_tokens_file": str(root / "admin.tokens"),
         },
     }
@@ -187,6 +188,10 @@ def test_postgresql_stopped_is_unavailable_naming_it_then_served_again(cluster, 
     with _client(cluster, "experience", "alice") as alice:
         postgres.stop()
         try:
+            # readiness follows the store: both replicas leave their Service's endpoints
+            for replica in cluster.experience_names:
+                _wait_for(lambda replica=replica: health_status(cluster.address(replica)) == "NOT_SERVING",
+                          f"{replica} NOT_SERVING while its state store is down")
             for action in (lambda: alice.get_run("alice-run"), lambda: _stream(alice, run_id="alice-run")):
                 with pytest.raises(grpc.RpcError) as unavailable:
                     action()
@@ -194,5 +199,8 @@ def test_postgresql_stopped_is_unavailable_naming_it_then_served_again(cluster, 
                 assert "state store postgresql://" in unavailable.value.details()
         finally:
             postgres.start()
+        for replica in cluster.experience_names:
+            _wait_for(lambda replica=replica: health_status(cluster.address(replica)) == "SERVING",
+                      f"{replica} SERVING once its state store is back")
         assert alice.get_run("alice-run").run_id == "alice-run"
         assert len(_stream(alice, run_id="alice-run")) > 0

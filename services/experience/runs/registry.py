@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -323,12 +323,16 @@ class RunRegistry:
         """This replica stops: its stream slots are given back at once."""
         await self.store.transact("leaving", functools.partial(rows.leave, replica_id=self.replica.replica_id))
 
-    async def run_heartbeats(self) -> None:
-        """:meth:`heartbeat` every ``ttl_s / 3`` seconds until cancelled; a failure is logged and retried."""
+    async def run_heartbeats(self, reachable: Callable[[bool], Awaitable[None]] | None = None) -> None:
+        """:meth:`heartbeat` every ``ttl_s / 3`` seconds until cancelled (every second while the store does not
+        answer); ``reachable`` is told whether it answered (the service's readiness follows it)."""
         while True:
             try:
                 await self.heartbeat()
-            except Exception as error:  # noqa: BLE001 - the store is down: it is reported where it is used
+                answered = True
+            except Exception as error:  # noqa: BLE001 - the store is down: reported here and where it is used
                 logger.warning("heartbeat to the state store failed: %s", error)
-            await asyncio.sleep(self.replica.ttl_s / 3)
-
+                answered = False
+            if reachable is not None:
+                await reachable(answered)
+            await asyncio.sleep(self.replica.ttl_s / 3 if answered else 1.0)
