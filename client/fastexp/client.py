@@ -103,7 +103,8 @@ class ExperienceClient:
 
         Each yielded Experience holds whole prompt groups; every prompt's group arrives exactly once. Stopping
         the iteration (or ``close``) cancels the stream, which aborts the remaining generation. ``run_id=`` a run
-        of :meth:`create_run` streams within that run's limits; any other id names running statistics only.
+        of :meth:`create_run` streams within that run's limits; any other id names running statistics only (this
+        token's own).
 
         Raises:
             grpc.RpcError: the call failed (INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, ...; with a created

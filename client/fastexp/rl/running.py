@@ -3,7 +3,7 @@
 A training run sends many ``MakeExperiences`` requests with the same ``run_id``; ``reward_running_norm`` and an
 adaptive ``kl_coef`` need statistics from all of them. The records here are frozen; every update returns a new
 record; the experience service keeps the latest one per run
-(:class:`services.experience.pipeline.run_store.RunStore`).
+(:mod:`services.experience.pipeline.statistics`: in the state store, shared by every replica).
 """
 
 from __future__ import annotations
