@@ -37,6 +37,25 @@ STAGE_SECONDS = Histogram(
     "advantages (a batch), stream (a batch handed to the trainer)",
     ["stage"], buckets=_SECONDS,
 )
+STATE_STORE_SECONDS = Histogram(
+    "fastexp_state_store_seconds",
+    "Time of one call to the experience tier's state store (waiting for a connection included), by what it did: "
+    "CreateRun, opening a stream slot, running statistics (one per delivered batch), reading live versions, ...",
+    ["operation"], buckets=_SECONDS,
+)
+STATE_STORE_FAILURES = Counter(
+    "fastexp_state_store_failures", "Calls to the state store that failed because it was unreachable or too slow",
+    ["operation"],
+)
+WEIGHTS_BLOB_SECONDS = Histogram(
+    "fastexp_weights_blob_seconds",
+    "Time to write a version's weights as a blob (put) or to read and verify one (open)",
+    ["operation"], buckets=_SECONDS,
+)
+CATCH_UPS = Counter(
+    "fastexp_catch_ups", "Live versions made through another experience replica and loaded here, by what",
+    ["model"],
+)
 GENERATED_TOKENS = Counter("fastexp_generated_tokens", "Response tokens sampled by the generator", ["backend"])
 GENERATION_REQUESTS_IN_FLIGHT = Gauge(
     "fastexp_generation_requests_in_flight", "Sequences submitted to the engine and not yet finished"

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FailedPrecondition, InvalidRequest, UpstreamTimeout
 from services.common.lora import AdapterConfig, check_adapter, expected_tensors
@@ -321,6 +322,7 @@ class WeightSync:
             loaded = live.version
         finally:
             await self.policy.end_update(loaded)
+        metrics.CATCH_UPS.labels("policy").inc()
         logger.info("caught up with policy version %d from blob %s (updated through another replica)",
                     live.version, live.weights_digest)
 
@@ -332,6 +334,7 @@ class WeightSync:
         check_update(entries, module_spec(tensors))
         await self._forwarder.load_critic(entries, tensors)
         self.critic_version = live.version
+        metrics.CATCH_UPS.labels("critic").inc()
         logger.info("caught up with critic version %d from blob %s", live.version, live.weights_digest)
 
     async def _catch_up_adapters(self, snapshot: Snapshot) -> None:
@@ -353,5 +356,6 @@ class WeightSync:
                 loaded = live.version
             finally:
                 await clock.end_update(loaded)
+            metrics.CATCH_UPS.labels("adapter").inc()
             logger.info("caught up with run %s's adapter version %d from blob %s", name, live.version,
                         live.weights_digest)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from services.common import metrics
 from services.common.errors import NotReady
 from services.common.weights import DATA_FILE, MANIFEST, TensorEntry, staged_entries
 
@@ -53,6 +54,10 @@ class WeightsBlobs:
         """
         temporary = self.root / f".incoming-{uuid.uuid4().hex}"
         temporary.mkdir()
+        with metrics.WEIGHTS_BLOB_SECONDS.labels("put").time():
+            return self._put(entries, temporary)
+
+    def _put(self, entries: Iterable[TensorEntry], temporary: Path) -> str:
         try:
             manifest, data_hash, offset = [], hashlib.sha256(), 0
             with open(temporary / DATA_FILE, "wb") as data:
@@ -94,6 +99,10 @@ class WeightsBlobs:
             NotReady: the blob is missing or its bytes do not match its digest (a volume not shared by this
                 replica, or corrupted): naming the blob and the folder.
         """
+        with metrics.WEIGHTS_BLOB_SECONDS.labels("open").time():
+            return self._open(digest)
+
+    def _open(self, digest: str) -> list[TensorEntry]:
         folder = self.path(digest)
         try:
             manifest_bytes = (folder / MANIFEST).read_bytes()

@@ -31,6 +31,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
+from services.common import metrics
 from services.common.errors import NotReady
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class StateStore:
 
     def _run(self, what: str, work: Callable[[Connection], T]) -> T:
         try:
-            with self._engine.begin() as connection:
+            with metrics.STATE_STORE_SECONDS.labels(what).time(), self._engine.begin() as connection:
                 return work(connection)
         except (exc.OperationalError, exc.InterfaceError, exc.TimeoutError) as error:
             raise self._unavailable(what, error) from None
@@ -163,6 +164,7 @@ class StateStore:
             raise
 
     def _unavailable(self, what: str, error: Exception) -> NotReady:
+        metrics.STATE_STORE_FAILURES.labels(what).inc()
         cause = getattr(error, "orig", None) or error
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         logger.warning("state store %s: %s failed: %s", self.name, what, detail)
