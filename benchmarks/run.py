@@ -27,6 +27,7 @@ from benchmarks import (
     packing,
     pipeline,
     runs,
+    state,
     stream_overhead,
     trl_step,
 )
@@ -55,6 +56,12 @@ TARGETS = {
     "runs_concurrent_vs_sequential_tokens_per_s": ">= 1.5",
     "runs_share_vs_weight_a": "1 ± 0.10",
     "adapter_memory_rss_vs_tensor_bytes": "informative (resident memory per LoRA adapter / its tensor bytes)",
+    "state_store_vs_stream_s_sqlite": "<= 0.03",
+    "state_store_vs_stream_s_postgresql": "<= 0.03",
+    "state_store_vs_update_s_sqlite": "informative (store calls and the version's blob / the update)",
+    "state_store_vs_update_s_postgresql": "informative (store calls and the version's blob / the update)",
+    "catch_up_vs_update_s_sqlite": "informative (a second replica loading the version / the update)",
+    "catch_up_vs_update_s_postgresql": "informative (a second replica loading the version / the update)",
 }
 SMALL_WORKLOAD = pipeline.Workload(
     num_prompts=4, n_samples_per_prompt=2, max_new_tokens=16, max_num_seqs=4, kv_cache_memory_bytes=256 * 1024**2,
@@ -67,6 +74,8 @@ SMALL_EPISODE_WORKLOAD = episodes.EpisodeWorkload(
 )
 SMALL_RUNS_WORKLOAD = runs.RunsWorkload(num_prompts=2, throughput_prompts=2, n_samples_per_prompt=2, max_new_tokens=4,
                                        backend="hf")
+SMALL_STATE_WORKLOAD = state.StateWorkload(num_prompts=2, n_samples_per_prompt=2, max_new_tokens=4,
+                                           micro_rollout_batch_size=2, backend="hf")
 SMALL_JUDGE_WORKLOAD = judge.JudgeWorkload(
     num_prompts=2, n_samples_per_prompt=2, judge_max_new_tokens=2, policy_max_new_tokens=2, refill_rounds=2
 )
@@ -94,6 +103,7 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
         results.update(episodes.run(model, episode_workload, out / "logs"))
         results.update(judge.run(model, SMALL_JUDGE_WORKLOAD if small else judge.JudgeWorkload()))
         results.update(runs.run(model, SMALL_RUNS_WORKLOAD if small else runs.RunsWorkload(), out / "logs"))
+        results.update(state.run(model, SMALL_STATE_WORKLOAD if small else state.StateWorkload(), out / "logs"))
         if not small:  # two trainers and the services: minutes even at tiny sizes (tests/integration/test_trl.py
             # covers the integration itself)
             results.update(trl_step.run(model, trl_step.TrlStepWorkload(), out / "logs"))

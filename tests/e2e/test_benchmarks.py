@@ -17,7 +17,9 @@ FIGURES = {
     "stream_vs_generation", "stream_skip_actor_vs_generation", "stream_lean_vs_generation",
     "reference_free_vs_with_reference", "fleet_two_vs_one_replica", "episodes_async_vs_turn_synchronous",
     "judge_batched_vs_per_response", "runs_concurrent_vs_sequential_tokens_per_s", "runs_adapter_vs_full_update_s",
-    "runs_adapter_qv_vs_full_update_s",
+    "runs_adapter_qv_vs_full_update_s", "state_store_vs_stream_s_sqlite", "state_store_vs_stream_s_postgresql",
+    "state_store_vs_update_s_sqlite", "state_store_vs_update_s_postgresql", "catch_up_vs_update_s_sqlite",
+    "catch_up_vs_update_s_postgresql",
 }
 
 
@@ -52,3 +54,7 @@ def test_benchmarks_run_and_write_every_figure(tmp_path):
         2 * workload.throughput_prompts * workload.n_samples_per_prompt * workload.max_new_tokens)
     assert 0 <= runs["share_a_while_both"] <= 1 and isinstance(written["runs_share_vs_weight_a"], float)
     assert runs["adapter_qv_update_bytes"] < runs["adapter_update_bytes"] < runs["full_update_bytes"]
+    state = results["state_inputs"]  # both backends streamed every row through a created run and caught up
+    workload = run.SMALL_STATE_WORKLOAD
+    assert {b["rows"] for b in state.values()} == {workload.num_prompts * workload.n_samples_per_prompt}, state
+    assert all(b["stream_store_calls"] > 0 and b["catch_up_s"] > 0 for b in state.values()), state
