@@ -34,7 +34,7 @@ from fastexp.channels import message_options
 from fastexp.v1 import environment_pb2, environment_pb2_grpc, generation_pb2, generation_pb2_grpc
 from fastexp.wire import sampling_to_pb
 from services.demo.datasets import task_problems
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, fresh_state_dir
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ def run(model: str, workload: EpisodeWorkload, log_dir: Path) -> dict:
     )
     overrides = {"generator": {"model": model, "backend": workload.backend, "max_num_seqs": workload.max_num_seqs},
                  "experience": {"actor_model": model, "reference_model": model}}
-    with LocalCluster(overrides=overrides, log_dir=log_dir / "episodes") as cluster:
+    with LocalCluster(overrides=overrides, log_dir=log_dir / "episodes",
+                      state_dir=fresh_state_dir(log_dir / "episodes-state")) as cluster:
         with ExperienceClient(cluster.address("experience")) as client:
             client.wait_until_ready(600)
             warm = dataclasses.replace(options, n_samples_per_prompt=2, micro_rollout_batch_size=2)

@@ -35,7 +35,7 @@ from pathlib import Path
 from benchmarks.stream_overhead import _stream
 from fastexp import RequestOptions, Sampling
 from services.demo.datasets import task_problems
-from services.launcher import CoreSplit, LocalCluster, free_port
+from services.launcher import CoreSplit, LocalCluster, free_port, fresh_state_dir
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ def run(model: str, workload: FleetWorkload, log_dir: Path) -> dict:
                        "generator_max_samples_in_flight": workload.max_num_seqs},
     }
     with LocalCluster(overrides=overrides, log_dir=log_dir / "fleet", generator_replicas=2,
+                      state_dir=fresh_state_dir(log_dir / "fleet-state"),
                       core_split=CoreSplit(engine_cores=(0, 1), forward_threads=1, pin_generators=True)) as cluster:
         address = cluster.address("experience")
         _stream(address, problems[:2], RequestOptions(n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=8),

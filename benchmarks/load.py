@@ -23,7 +23,7 @@ import typer
 from fastexp import ExperienceClient, Sampling
 from services.common.models import resolve_model
 from services.demo.datasets import reasoning_gym_problems
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, fresh_state_dir
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,8 @@ def main(
         "generator": {"model": model, "backend": backend, "kv_cache_memory_bytes": config.kv_cache_memory_bytes},
         "experience": {"actor_model": model, "reference_model": model, "torch_threads": 1},
     }
-    with LocalCluster(overrides=overrides, log_dir=out / "logs" / "load") as cluster:
+    with LocalCluster(overrides=overrides, log_dir=out / "logs" / "load",
+                      state_dir=fresh_state_dir(out / "logs" / "load-state")) as cluster:
         summary = run(config, cluster.address("experience"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "load.json").write_text(json.dumps(summary, indent=2) + "\n")

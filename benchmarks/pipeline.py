@@ -46,7 +46,7 @@ from fastexp.types import Experience
 from fastexp.v1 import experience_pb2, generation_pb2, generation_pb2_grpc
 from fastexp.wire import experience_from_pb, experience_to_pb, sampling_to_pb
 from services.demo.datasets import reasoning_gym_problems
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, fresh_state_dir
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -91,7 +91,8 @@ def run(model: str, workload: Workload, log_dir: Path) -> dict:
         # the forwards share the host's cores with the CPU engine: one thread avoids oversubscribing them
         "experience": {"actor_model": model, "reference_model": model, "torch_threads": workload.experience_threads},
     }
-    with LocalCluster(overrides=overrides, log_dir=log_dir / "vllm") as cluster:
+    with LocalCluster(overrides=overrides, log_dir=log_dir / "vllm",
+                      state_dir=fresh_state_dir(log_dir / "vllm-state")) as cluster:
         generator = cluster.address("generator")
         generate_once(generator, prompt_ids[:2], 1, fixed)  # warm-up
         service = generate_once(generator, prompt_ids, workload.n_samples_per_prompt, fixed)

@@ -40,7 +40,7 @@ from services.common.lora import AdapterConfig, expected_tensors, linear_modules
 from services.common.weights import model_spec
 from services.demo.datasets import task_problems
 from services.experience.runs.limits import DEFAULT_LORA_TARGET_MODULES
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, fresh_state_dir
 
 WEIGHTS = {"a": 3, "b": 1}
 
@@ -145,7 +145,7 @@ def _services(model: str, backend: str, log_dir: Path, max_samples_in_flight: in
     capacity = {} if max_samples_in_flight is None else {"max_samples_in_flight": max_samples_in_flight}
     overrides = {"generator": {"model": model, "backend": backend},
                  "experience": {"actor_model": model, "reference_model": model, **capacity}}
-    with LocalCluster(overrides=overrides, log_dir=log_dir) as cluster:
+    with LocalCluster(overrides=overrides, log_dir=log_dir, state_dir=fresh_state_dir(log_dir / "state")) as cluster:
         address = cluster.address("experience")
         with ExperienceClient(address) as client:
             client.wait_until_ready(900)

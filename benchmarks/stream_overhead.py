@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks.pipeline import generate_once
 from fastexp import ExperienceClient, RequestOptions, Sampling
 from services.demo.datasets import task_problems
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, fresh_state_dir
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ def run(model: str, workload: DemoWorkload, log_dir: Path) -> dict:
                           advantage_estimator="group_norm", packing_samples=True)
     overrides = {"generator": {"model": model, "backend": "vllm"},
                  "experience": {"actor_model": model, "reference_model": model}}
-    with LocalCluster(overrides=overrides, log_dir=log_dir / "stream_overhead") as cluster:
+    with LocalCluster(overrides=overrides, log_dir=log_dir / "stream_overhead",
+                      state_dir=fresh_state_dir(log_dir / "stream_overhead-state")) as cluster:
         address = cluster.address("experience")
         prompt_ids = _prompt_ids(model, problems)
         generate_once(cluster.address("generator"), prompt_ids[:2], 1, Sampling(max_new_tokens=8))  # warm-up

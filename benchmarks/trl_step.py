@@ -46,13 +46,14 @@ class TrlStepWorkload:
 def run(model: str, workload: TrlStepWorkload, log_dir: Path) -> dict:
     """Train ``workload.steps`` steps each way on ``model`` (a local folder); returns the figure and its inputs."""
     from fastexp.integrations.trl import FastexpRollout, fastexp_reward
-    from services.launcher import LocalCluster
+    from services.launcher import LocalCluster, fresh_state_dir
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     alone = _train(model, workload, log_dir / "trl_alone", reward_funcs=[_math_verify_reward])
     overrides = {"generator": {"model": model, "backend": workload.backend, "max_model_len": 1024},
                  "experience": {"actor_model": model, "reference_model": model}}
-    with LocalCluster(overrides=overrides, log_dir=log_dir / "trl_fastexp") as cluster, \
+    with LocalCluster(overrides=overrides, log_dir=log_dir / "trl_fastexp",
+                      state_dir=fresh_state_dir(log_dir / "trl_fastexp-state")) as cluster, \
             FastexpRollout(cluster.address("experience"), dataset=_dataset(workload)) as rollout:
         through = _train(model, workload, log_dir / "trl_fastexp", reward_funcs=[fastexp_reward],
                          rollout_func=rollout)

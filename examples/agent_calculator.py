@@ -223,7 +223,7 @@ def demo(num_prompts: int = 4, n_samples_per_prompt: int = 2, max_calls: int = 4
          backend: str = "auto", out: Path = Path("out/agent-demo")) -> None:  # noqa: B008 - typer reads the default
     """Start the three services on the embedded SmolLM2 with this agent and stream a few batches."""
     from services.common.models import resolve_model
-    from services.launcher import LocalCluster, free_port
+    from services.launcher import LocalCluster, free_port, fresh_state_dir
 
     model = resolve_model("smollm2-135m-instruct")
     listener = socket.create_server(("127.0.0.1", 0))  # the agent server's port, bound before the services start
@@ -231,7 +231,7 @@ def demo(num_prompts: int = 4, n_samples_per_prompt: int = 2, max_calls: int = 4
     overrides = {"generator": {"model": model, "backend": backend, "max_model_len": 2048},
                  "experience": {"actor_model": model, "reference_model": model, "gateway_port": free_port(),
                                 "agents": json.dumps(agents)}}
-    with LocalCluster(overrides=overrides, log_dir=out / "logs") as cluster:
+    with LocalCluster(overrides=overrides, log_dir=out / "logs", state_dir=fresh_state_dir(out / "state")) as cluster:
         server = uvicorn.Server(uvicorn.Config(agent_app(max_calls, max_tokens), log_level="warning"))
 
         async def run() -> None:

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from fastexp import Experience, ExperienceClient, Sampling
 from services.common.models import resolve_model
 from services.demo.datasets import Problem, task_problems
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, fresh_state_dir
 
 logger = logging.getLogger("grpo_arithmetic")
 
@@ -134,7 +134,7 @@ def main(
     }
     curve: list[dict] = []
     evals: list[dict] = []
-    with LocalCluster(overrides=overrides, log_dir=out / "logs") as cluster, \
+    with LocalCluster(overrides=overrides, log_dir=out / "logs", state_dir=fresh_state_dir(out / "state")) as cluster, \
             ExperienceClient(cluster.address("experience"), timeout_s=1800) as client, \
             (out / "metrics.jsonl").open("w") as log:
 

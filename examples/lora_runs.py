@@ -83,7 +83,7 @@ def demo(
 ) -> None:
     """Start one deployment with two tenants' tokens, run both trainers at once, write and print the summary."""
     from services.common.models import resolve_model
-    from services.launcher import LocalCluster
+    from services.launcher import LocalCluster, fresh_state_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # SIGTERM as Ctrl-C: unwind, so the trainers and the services are stopped on the way out
@@ -102,7 +102,7 @@ def demo(
     sizes = ["--steps", str(steps), "--prompts-per-step", str(prompts_per_step), "--num-generations",
              str(num_generations), "--max-completion-length", str(max_completion_length), "--out", str(out)]
     started = time.monotonic()
-    with LocalCluster(overrides=overrides, log_dir=out / "logs") as cluster:
+    with LocalCluster(overrides=overrides, log_dir=out / "logs", state_dir=fresh_state_dir(out / "state")) as cluster:
         logger.info("deployment SERVING after %.0f s; starting %d trainers", time.monotonic() - started, len(TENANTS))
         run_trainers([Trainer.start(t, cluster.address("experience"), tokens[t.name], sizes, out) for t in TENANTS])
     summary = summarize(out, time.monotonic() - started)

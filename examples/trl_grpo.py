@@ -31,7 +31,7 @@ import typer
 from fastexp.integrations.trl import FastexpRollout, fastexp_reward
 from services.common.models import resolve_model
 from services.demo.datasets import task_problems
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, fresh_state_dir
 
 logger = logging.getLogger("trl_grpo")
 TASK = "basic_arithmetic"
@@ -67,7 +67,7 @@ def main(
     )
     overrides = {"generator": {"model": model_path, "backend": backend, "max_model_len": 1024},
                  "experience": {"actor_model": model_path, "reference_model": model_path}}
-    with LocalCluster(overrides=overrides, log_dir=out / "logs") as cluster, \
+    with LocalCluster(overrides=overrides, log_dir=out / "logs", state_dir=fresh_state_dir(out / "state")) as cluster, \
             FastexpRollout(cluster.address("experience"), dataset=train) as rollout:
         trainer = GRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(model_path, dtype="float32"),

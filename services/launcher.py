@@ -24,6 +24,14 @@ logger = logging.getLogger(__name__)
 SERVICES = ("generator", "scorer", "experience")
 
 
+def fresh_state_dir(folder: Path) -> Path:
+    """``folder`` emptied (created if missing): the state of a deployment that starts from nothing (no runs, policy
+    version 0), for :attr:`LocalCluster.state_dir`."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host``, taken below the kernel's ephemeral range: the ports it
     hands out to port-0 binds and outgoing connections (vLLM's engine opens several while it starts) come from that
@@ -172,6 +180,10 @@ class LocalCluster:
     core_split: CoreSplit | None = field(default_factory=default_core_split)
     generator_replicas: int = 1
     experience_replicas: int = 1
+    #: The experience replicas' state store (an SQLite file) and weights folder under this folder, unless the
+    #: overrides name them; None: the settings' own (``state_url``, ``weights_dir``). A demo passes
+    #: :func:`fresh_state_dir`: a deployment of its own that starts from nothing.
+    state_dir: Path | None = None
     #: The interpreter that runs the services (e.g. a virtualenv with the fastexp-server wheel); this one's by default.
     python: str = sys.executable
 
@@ -286,7 +298,10 @@ class LocalCluster:
         split = self.core_split.environment(kind, replica, self.generator_replicas) if self.core_split else {}
         for key, value in split.items():
             env.setdefault(key, value)
-        for key, value in {**self.overrides.get(kind, {}), **self.overrides.get(name, {}), **extra.get(kind, {})}.items():
+        state = {} if self.state_dir is None or kind != "experience" else {
+            "state_url": f"sqlite:///{self.state_dir / 'state.db'}", "weights_dir": str(self.state_dir / "weights")}
+        for key, value in {**state, **self.overrides.get(kind, {}), **self.overrides.get(name, {}),
+                           **extra.get(kind, {})}.items():
             env[f"FASTEXP_{kind.upper()}_{key.upper()}"] = str(value)
         command = [self.python, "-m", "services.cli", "serve", kind,
                    "--host", self.host, "--port", str(self.ports[name])]

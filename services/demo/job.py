@@ -29,7 +29,7 @@ from fastexp.types import Experience
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common.models import resolve_model
 from services.demo.datasets import task_problems
-from services.launcher import LocalCluster, free_port
+from services.launcher import LocalCluster, free_port, fresh_state_dir
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ def run_demo(options: DemoOptions) -> dict:
         "experience": {"actor_model": model, "reference_model": model},
     }
     began = time.monotonic()
-    with LocalCluster(overrides=overrides, log_dir=options.out / "logs") as cluster:
+    with LocalCluster(overrides=overrides, log_dir=options.out / "logs",
+                      state_dir=fresh_state_dir(options.out / "state")) as cluster:
         startup_s = time.monotonic() - began
         info = _model_info(cluster.address("generator"))
         with ExperienceClient(cluster.address("experience")) as client, \
