@@ -203,6 +203,9 @@ class ReplicaSet:
         if self._pending_version is None and version != self._version:
             logger.info("generator fleet follows policy version %d (live in the state store)", version)
             self._version = version
+            for replica in self.replicas:  # groups wait for them (not fail) until a probe confirms or syncs them
+                if replica.state is ReplicaState.SERVING and replica.version != version:
+                    self._move(replica, ReplicaState.SYNCING, f"serves version {replica.version}, live {version}")
             self.changes.notify()
 
     def update_failed(self, replica: Replica, reason: str) -> None:

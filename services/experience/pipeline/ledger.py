@@ -40,9 +40,11 @@ class VersionLedger(Protocol):
         """
         ...
 
-    async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None) -> None:
+    async def commit(self, claim: Claim, version: int | None,
+                     entries: Sequence[TensorEntry] | None = None) -> str | None:
         """End ``claim``: ``version`` is live with the weights ``entries`` (stored by reference first), or (None)
-        the update failed and the version live before stays.
+        the update failed and the version live before stays. Returns the weights' digest (None: not by reference,
+        or no version).
 
         Raises:
             NotReady: the store is unavailable, or the claim had expired and another update took it over (the
@@ -95,12 +97,14 @@ class LocalLedger:
         self._claims[key] = claim.claim_id
         return claim
 
-    async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None) -> None:
+    async def commit(self, claim: Claim, version: int | None,
+                     entries: Sequence[TensorEntry] | None = None) -> str | None:
         key = self._key(claim.target, claim.run_id)
         if self._claims.get(key) == claim.claim_id:
             del self._claims[key]
             if version is not None:
                 self._live[key] = replace(claim.live, version=version)
+        return None
 
     async def snapshot(self) -> Snapshot:
         models = {name: live for (kind, name), live in self._live.items() if kind == "model"}

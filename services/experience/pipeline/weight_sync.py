@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
+
+import torch
 
 from services.common import metrics
 from services.common.deadlines import Deadline
@@ -34,7 +36,7 @@ from services.common.weights import ReceivedUpdate, TensorEntry, module_spec
 from services.experience.pipeline.events import Generator
 from services.experience.pipeline.forwarder import Forwarder
 from services.experience.pipeline.ledger import LocalLedger, VersionLedger
-from services.experience.pipeline.versions import PolicyClocks, VersionClock
+from services.experience.pipeline.versions import PolicyClocks
 
 if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
     from services.experience.fleet.replicas import ReplicaClient
@@ -63,6 +65,7 @@ class WeightSync:
         #: fleet follows it (``ReplicaSet.follow``), so it routes to replicas at the version live everywhere
         self.on_policy_live: Callable[[int], None] = lambda version: None
         self._followed: int | None = None
+        self._held: dict[str, str] = {}  # the blob this replica's copy of each model/adapter is (by reference)
         self._sync_timeout_s = sync_timeout_s
         self._applying = asyncio.Lock()  # a policy update or a replica sync; the actor replica is stable outside it
 
@@ -103,7 +106,7 @@ class WeightSync:
                 await self._forwarder.load_critic(update.entries, tensors)
                 version = max(claim.live.version, self.critic_version) + 1
             finally:
-                await asyncio.shield(self._commit(claim, version, update.entries))
+                await asyncio.shield(self._commit(claim, version, _entries(tensors), "critic"))
             self.critic_version = version
 
     def adapter_spec(self, config: AdapterConfig) -> dict[str, TensorSpec]:
@@ -136,7 +139,10 @@ class WeightSync:
             claim = await self.ledger.claim(run_id=name)
             live = None
             try:
-                version = self._next_version(update, clock, claim.live)
+                # the ledger's version when it has one: a run of this name deleted and made again through another
+                # replica starts again at 0, whatever this replica's clock of the old run says
+                current = claim.live.version if self.ledger.by_reference else clock.version
+                version = self._next_version(update, current)
                 await clock.begin_update()
                 try:
                     live = await self._generator.load_adapter(name, config, tensors, version, deadline)
@@ -144,7 +150,7 @@ class WeightSync:
                 finally:
                     await clock.end_update(live)
             finally:
-                await asyncio.shield(self._commit(claim, live, update.entries))
+                await asyncio.shield(self._commit(claim, live, update.entries, f"adapter/{name}"))
         logger.info("run %s: adapter version %d live (%d tensors, %d bytes)", name, live, len(tensors), update.num_bytes)
         return live
 
@@ -157,22 +163,23 @@ class WeightSync:
             self.clocks.forget(name)
 
     @staticmethod
-    def _next_version(update: ReceivedUpdate, clock: VersionClock, live: Live) -> int:
-        """The version an update makes live: the sender's, else the live one + 1 (the ledger's, or this
-        replica's when it is ahead: a generator's version adopted at start).
+    def _next_version(update: ReceivedUpdate, current: int) -> int:
+        """The version an update makes live: the sender's, else the live one (``current``) + 1.
 
         Raises:
             InvalidRequest: ``header.policy_version`` is not after the live one.
         """
-        current = max(clock.version, live.version)
         requested = current + 1 if update.policy_version is None else update.policy_version
         if requested <= current:
             raise InvalidRequest("header.policy_version", f"{requested} is not after the live version {current}")
         return requested
 
-    async def _commit(self, claim: Claim, version: int | None, entries: list[TensorEntry]) -> None:
-        """End ``claim`` in the ledger: ``version`` live with ``entries`` as its weights, or released (None)."""
-        await self.ledger.commit(claim, version, entries if version is not None else None)
+    async def _commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry], key: str) -> None:
+        """End ``claim`` in the ledger: ``version`` live with ``entries`` (the whole model's or adapter's tensors:
+        what a replica starting from nothing loads) as its weights, or released (None); this replica holds it."""
+        digest = await self.ledger.commit(claim, version, entries if version is not None else None)
+        if version is not None and digest is not None:
+            self._held[key] = digest
 
     async def _update_policy(self, update: ReceivedUpdate, deadline: Deadline) -> None:
         tensors = self._forwarder.actor_tensors()
@@ -185,7 +192,8 @@ class WeightSync:
             claim = await self.ledger.claim(target="policy")  # FailedPrecondition: LoRA runs on any replica
             version = None
             try:
-                requested = self._next_version(update, self.policy, claim.live)
+                # the generator's version adopted at start may be ahead of a store that never saw an update
+                requested = self._next_version(update, max(self.policy.version, claim.live.version))
                 await self.policy.begin_update()
                 try:
                     version = await self._generator.update_weights(update, deadline, requested)
@@ -194,7 +202,8 @@ class WeightSync:
                 finally:
                     await self.policy.end_update(version)
             finally:
-                await asyncio.shield(self._commit(claim, version, update.entries))
+                # by reference: the actor's every tensor (an update may carry only the tensors a step changed)
+                await asyncio.shield(self._commit(claim, version, _entries(tensors), "policy"))
         logger.info("policy version %d live (%d tensors, %d bytes)", version, len(update.entries), update.num_bytes)
 
     async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
@@ -296,21 +305,24 @@ class WeightSync:
         self._follow(snapshot)
         return snapshot
 
+    def _stale(self, key: str, live: Live) -> bool:
+        """Whether this replica's copy of ``key`` (``policy``, ``critic``, ``adapter/<run id>``) is not the ledger's
+        settled live blob: compared by digest, so a run deleted and made again at the same version number is
+        loaded anew."""
+        return bool(live.weights_digest) and not live.updating and self._held.get(key) != live.weights_digest
+
     def _behind(self, snapshot: Snapshot) -> bool:
         """Whether this replica's models differ from ``snapshot``'s settled live versions."""
-        policy, critic = snapshot.policy, snapshot.critic
-        if policy.weights_digest and not policy.updating and policy.version != self.policy.version:
+        if self._stale("policy", snapshot.policy):
             return True
-        if critic.weights_digest and not critic.updating and critic.version != self.critic_version:
+        if self._forwarder.critic_tensors() is not None and self._stale("critic", snapshot.critic):
             return True
-        local = self._forwarder.adapter_versions()
-        if set(local) - set(snapshot.adapters):
+        if set(self._forwarder.adapter_versions()) - set(snapshot.adapters):
             return True
-        return any(live.weights_digest and not live.updating and local.get(name) != live.version
-                   for name, live in snapshot.adapters.items())
+        return any(self._stale(f"adapter/{name}", live) for name, live in snapshot.adapters.items())
 
     async def _catch_up_policy(self, live: Live) -> None:
-        if not live.weights_digest or live.updating or live.version == self.policy.version:
+        if not self._stale("policy", live):
             return
         entries = await asyncio.to_thread(self.ledger.weights, live.weights_digest)
         tensors = self._forwarder.actor_tensors()
@@ -322,29 +334,31 @@ class WeightSync:
             loaded = live.version
         finally:
             await self.policy.end_update(loaded)
+        self._held["policy"] = live.weights_digest
         metrics.CATCH_UPS.labels("policy").inc()
         logger.info("caught up with policy version %d from blob %s (updated through another replica)",
                     live.version, live.weights_digest)
 
     async def _catch_up_critic(self, live: Live) -> None:
         tensors = self._forwarder.critic_tensors()
-        if tensors is None or not live.weights_digest or live.updating or live.version == self.critic_version:
+        if tensors is None or not self._stale("critic", live):
             return
         entries = await asyncio.to_thread(self.ledger.weights, live.weights_digest)
         check_update(entries, module_spec(tensors))
         await self._forwarder.load_critic(entries, tensors)
         self.critic_version = live.version
+        self._held["critic"] = live.weights_digest
         metrics.CATCH_UPS.labels("critic").inc()
         logger.info("caught up with critic version %d from blob %s", live.version, live.weights_digest)
 
     async def _catch_up_adapters(self, snapshot: Snapshot) -> None:
-        local = self._forwarder.adapter_versions()
-        for name in sorted(set(local) - set(snapshot.adapters)):  # its run was deleted through another replica
+        for name in sorted(set(self._forwarder.adapter_versions()) - set(snapshot.adapters)):  # deleted elsewhere
             await self._forwarder.remove_adapter(name)
             self.clocks.forget(name)
+            self._held.pop(f"adapter/{name}", None)
             logger.info("run %s was deleted: its adapter is no longer used here", name)
         for name, live in snapshot.adapters.items():
-            if not live.weights_digest or live.updating or local.get(name) == live.version:
+            if not self._stale(f"adapter/{name}", live):
                 continue
             entries = await asyncio.to_thread(self.ledger.weights, live.weights_digest)
             tensors = await asyncio.to_thread(lambda entries=entries: {e.name: e.load() for e in entries})
@@ -356,6 +370,13 @@ class WeightSync:
                 loaded = live.version
             finally:
                 await clock.end_update(loaded)
+            self._held[f"adapter/{name}"] = live.weights_digest
             metrics.CATCH_UPS.labels("adapter").inc()
             logger.info("caught up with run %s's adapter version %d from blob %s", name, live.version,
                         live.weights_digest)
+
+
+def _entries(tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
+    """Live tensors as update entries (each read when the blob is written; the caller holds the update lock)."""
+    return [TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), lambda t=t: t.detach().cpu())
+            for name, t in tensors.items()]

@@ -36,7 +36,8 @@ class StoredLedger:
         return await self._store.transact("claiming a weight update", functools.partial(
             rows.claim_update, now=now, until=now + self._claim_s, target=target, run_id=run_id))
 
-    async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None) -> None:
+    async def commit(self, claim: Claim, version: int | None,
+                     entries: Sequence[TensorEntry] | None = None) -> str | None:
         digest = None
         if version is not None and entries is not None:
             digest = await asyncio.to_thread(self._blobs.put, entries)
@@ -45,6 +46,7 @@ class StoredLedger:
         if not held and version is not None:
             raise NotReady(f"the claim of this update expired after {self._claim_s:.0f} s and another update took "
                            f"it over: version {version} is not live; send the update again")
+        return digest
 
     async def snapshot(self) -> Snapshot:
         return await self._store.transact("reading live versions", functools.partial(rows.select_live,

@@ -1,0 +1,138 @@
+"""LoRA runs on two experience replicas sharing one state store (issue 42), in process: one HF generator (tiny
+Llama, float32), a rule scorer, experience services A and B with bearer tokens on the module's store. What a tenant
+does through one replica holds on the other: alice's adapter sent through A is what B's streams sample and
+forward (B loads it from its blob), a new version sent through B is what A then uses, bob can neither update
+alice's adapter nor take her run id through either replica, and a run deleted through B and made again through A
+(another rank, other modules; or the same, at the same version number) is never served with the old adapter
+anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from fastexp import ExperienceClient
+from services.experience.server import start_experience
+from services.experience.settings import ExperienceSettings
+from services.generator.hf_engine import HFEngine
+from services.generator.server import start_generator
+from services.generator.settings import GeneratorSettings
+from services.scorer.server import build_scorer, start_scorer
+from services.scorer.settings import ScorerSettings
+from tests.integration.test_lora_runs import (
+    GREEDY,
+    N_SAMPLES,
+    NEW_TOKENS,
+    PROMPTS,
+    TOLERANCE,
+    make_adapter,
+    peft_model,
+    response_log_probs,
+)
+
+ALICE, BOB, ADMIN = "alice-token-7b1e", "bob-token-0c52", "admin-token-44d9"  # noqa: S105 - test credentials
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+async def replicas(tiny_model_path, tmp_path_factory):
+    """The addresses of experience replicas A and B (one generator, one scorer, one state store)."""
+    folder = tmp_path_factory.mktemp("tokens")
+    (folder / "call-tokens").write_text(f"{ALICE}\n{BOB}\n")
+    (folder / "admin-tokens").write_text(f"{ADMIN}\n")
+    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
+    generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
+    scorer_settings = ScorerSettings(port=0, sources=[
+        {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}])
+    scorer_core = build_scorer(scorer_settings)
+    scorer = await start_scorer(scorer_settings, scorer_core)
+    services = []
+    for _ in "AB":
+        service = await start_experience(ExperienceSettings(  # state_url, weights_dir: the module's (conftest)
+            port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
+            actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32", state_poll_interval_s=0.2,
+            auth_tokens_file=folder / "call-tokens", admin_tokens_file=folder / "admin-tokens"))
+        await service.wait_ready(60)
+        services.append(service)
+    yield {name: f"127.0.0.1:{s.running.port}" for name, s in zip("AB", services, strict=True)}
+    for service in services:
+        await service.running.stop(1)
+        await service.close()
+    await scorer.stop(1)
+    await scorer_core.close()
+    await generator.stop(0)
+    await engine.close()
+
+
+async def _call(address: str, token: str, method: str, *args, **kwargs):
+    def call():
+        with ExperienceClient(address, timeout_s=120, token=token) as client:
+            result = getattr(client, method)(*args, **kwargs)
+            return list(result) if method == "make_experiences" else result
+
+    return await asyncio.to_thread(call)
+
+
+def _assert_rows_follow(batches, adapted, version: int) -> None:
+    rows = [(b, r) for b in batches for r in range(len(b.reward))]
+    assert len(rows) == len(PROMPTS) * N_SAMPLES
+    for batch, row in rows:
+        assert int(batch.response_length[row]) == NEW_TOKENS
+        assert batch.policy_version[row] == version and batch.actor_policy_version == version
+        expected, greedy = response_log_probs(adapted, batch, row)
+        width = batch.sequences.shape[1] - batch.action_mask.shape[1]
+        assert torch.equal(batch.sequences[row][width:width + NEW_TOKENS], greedy), "not the adapter's tokens"
+        torch.testing.assert_close(batch.action_log_probs[row][:NEW_TOKENS], expected, atol=TOLERANCE, rtol=0)
+
+
+async def _stream(address: str, run_id: str):
+    return await _call(address, ALICE, "make_experiences", PROMPTS, n_samples_per_prompt=N_SAMPLES, sampling=GREEDY,
+                       run_id=run_id)
+
+
+async def _denied(code: grpc.StatusCode, call) -> None:
+    with pytest.raises(grpc.RpcError) as raised:
+        await call
+    assert raised.value.code() == code, raised.value.details()
+
+
+async def test_a_tenants_adapter_is_the_same_on_every_replica_and_nobody_elses(replicas, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    run = await _call(replicas["A"], ALICE, "create_run", "alice-lora", lora_rank=8)
+    first = make_adapter(base, run.lora, seed=1)
+    assert (await _call(replicas["A"], ALICE, "update_weights", first.items(), run_id="alice-lora")).policy_version == 1
+    # B never saw the update: it loads version 1 from its blob before the stream
+    _assert_rows_follow(await _stream(replicas["B"], "alice-lora"), peft_model(base, run.lora, first), 1)
+    second = make_adapter(base, run.lora, seed=2)
+    assert (await _call(replicas["B"], ALICE, "update_weights", second.items(), run_id="alice-lora")).policy_version == 2
+    _assert_rows_follow(await _stream(replicas["A"], "alice-lora"), peft_model(base, run.lora, second), 2)
+    # bob, through either replica: not alice's adapter, not her run id
+    for address in replicas.values():
+        await _denied(grpc.StatusCode.PERMISSION_DENIED,
+                      _call(address, BOB, "update_weights", first.items(), run_id="alice-lora"))
+        await _denied(grpc.StatusCode.ALREADY_EXISTS, _call(address, BOB, "create_run", "alice-lora", lora_rank=4))
+    # deleted through B, made again through A with another rank and modules: its version 1 is the new adapter
+    await _call(replicas["B"], ALICE, "delete_run", "alice-lora")
+    again = await _call(replicas["A"], ALICE, "create_run", "alice-lora", lora_rank=4, target_modules=["q_proj", "v_proj"])
+    third = make_adapter(base, again.lora, seed=3)
+    assert (await _call(replicas["A"], ALICE, "update_weights", third.items(), run_id="alice-lora")).policy_version == 1
+    for address in replicas.values():
+        _assert_rows_follow(await _stream(address, "alice-lora"), peft_model(base, again.lora, third), 1)
+    # once more, the same shape and the same version number: B holds "alice-lora" version 1 already, of the old run
+    await _call(replicas["A"], ALICE, "delete_run", "alice-lora")
+    await _call(replicas["A"], ALICE, "create_run", "alice-lora", lora_rank=4, target_modules=["q_proj", "v_proj"])
+    fourth = make_adapter(base, again.lora, seed=4)
+    assert (await _call(replicas["A"], ALICE, "update_weights", fourth.items(), run_id="alice-lora")).policy_version == 1
+    _assert_rows_follow(await _stream(replicas["B"], "alice-lora"), peft_model(base, again.lora, fourth), 1)
