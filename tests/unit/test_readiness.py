@@ -127,3 +127,26 @@ async def test_an_unexpected_probe_error_does_not_end_the_watch():
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_readiness_holds_only_while_every_condition_does():
+    from grpc_health.v1 import health, health_pb2
+
+    from services.common.server import RunningServer, ServingGate
+
+    servicer = health.aio.HealthServicer()
+    running = RunningServer(server=None, port=0, health=servicer, service_names=("fastexp.v1.ExperienceService",))
+    gate = ServingGate(running, ("upstream", "state store"), initially=("state store",))
+
+    async def status() -> int:
+        request = health_pb2.HealthCheckRequest(service="")
+        return (await servicer.Check(request, None)).status
+
+    await gate.setter("upstream")(True)
+    assert await status() == health_pb2.HealthCheckResponse.SERVING
+    await gate.setter("state store")(False)  # the database stopped answering
+    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    await gate.setter("upstream")(True)  # the other condition alone does not make it ready
+    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    await gate.setter("state store")(True)
+    assert await status() == health_pb2.HealthCheckResponse.SERVING
