@@ -204,12 +204,13 @@ class RemoteScorer:
             wait_initial=config.backoff_initial_s,
             wait_max=config.backoff_max_s,
         )
-        async for attempt in retries:
-            with attempt:
-                if attempt.num > 1:
-                    REMOTE_REWARD_RETRIES.labels(config.name).inc()
-                async with self._gateway.attempt(0, deadline):
-                    response = await self._try(payload, deadline, attempt.num)
+        async with self._gateway.guarded():  # the breaker counts the call once, after its retries
+            async for attempt in retries:
+                with attempt:
+                    if attempt.num > 1:
+                        REMOTE_REWARD_RETRIES.labels(config.name).inc()
+                    async with self._gateway.attempt(0, deadline):
+                        response = await self._try(payload, deadline, attempt.num)
         return response
 
     async def _try(self, payload: dict, deadline: Deadline, number: int) -> _Reply:

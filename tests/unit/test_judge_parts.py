@@ -156,6 +156,51 @@ async def test_gateway_fails_fast_with_the_breaker_named_once_open():
     assert len(calls) == 2  # the refused call never reached the endpoint
 
 
+async def _fail_calls(gateway: CallGuard, count: int, max_attempts: int) -> list[int]:
+    """``count`` calls to an endpoint that is down, each retried ``max_attempts`` times; the tries sent."""
+    tries: list[int] = []
+
+    async def down() -> None:
+        tries.append(1)
+        raise SourceUnavailable("HTTP 503")
+
+    for _ in range(count):
+        with pytest.raises(SourceUnavailable):
+            await gateway.call(down, tokens=1, deadline=Deadline(), max_attempts=max_attempts,
+                               backoff_initial_s=0.001, backoff_max_s=0.001)
+    return tries
+
+
+async def test_guide_a_failed_call_counts_once_after_its_retries():
+    # docs/reward-teams/judges.md: "`failure_threshold` consecutive failed calls (..., each after its retries) open it"
+    gateway = CallGuard("judge-retries", BudgetConfig(), BreakerConfig(failure_threshold=3, open_s=60))
+    assert len(await _fail_calls(gateway, 2, max_attempts=2)) == 4  # two calls, four tries
+    assert gateway.breaker.state.status is BreakerStatus.CLOSED and gateway.breaker.state.failures == 2
+    await _fail_calls(gateway, 1, max_attempts=2)
+    assert gateway.breaker.state.status is BreakerStatus.OPEN  # the third call
+
+
+async def test_guide_enabled_false_turns_the_breaker_off():
+    # "`breaker: {enabled: false}` turns it off": never open, in its state, its gauge and its health
+    from prometheus_client import REGISTRY
+
+    gateway = CallGuard("judge-no-breaker", BudgetConfig(), BreakerConfig(enabled=False, failure_threshold=1))
+    statuses = []
+    gateway.breaker.listen(statuses.append)
+    assert len(await _fail_calls(gateway, 5, max_attempts=1)) == 5  # every call reached the endpoint
+    assert gateway.breaker.state.status is BreakerStatus.CLOSED and statuses == []
+    assert REGISTRY.get_sample_value("fastexp_reward_source_breaker_state", {"source": "judge-no-breaker"}) == 0
+
+
+async def test_guide_each_source_has_a_breaker_of_its_own_even_on_one_endpoint():
+    # "Each networked source has a breaker of its own": two sources on one endpoint count their own calls
+    first = CallGuard("judge-a", BudgetConfig(), BreakerConfig(failure_threshold=2))
+    second = CallGuard("judge-b", BudgetConfig(), BreakerConfig(failure_threshold=2))
+    await _fail_calls(first, 2, max_attempts=1)
+    assert first.breaker.state.status is BreakerStatus.OPEN
+    assert second.breaker.state.status is BreakerStatus.CLOSED and second.breaker.state.failures == 0
+
+
 def test_judge_configuration_errors_name_the_field():
     def problems(**fields) -> str:
         entry = {"type": "judge", "name": "j", "backend": "openai", "url": "http://j/v1", "template": "{response}"}

@@ -64,11 +64,12 @@ def succeeded(state: BreakerState) -> BreakerState:
 
 
 def failed(state: BreakerState, now: float, config: BreakerConfig, error: str) -> BreakerState:
-    """After a call that failed (timeout, connection error, 5xx): opens at the threshold, or on a failed probe."""
+    """After a call that failed (timeout, connection error, 5xx), after its retries: opens at the threshold, or on a
+    failed probe; never with ``enabled`` false (failures are still counted, for errors and logs)."""
     failures = state.failures + 1
-    if state.status is BreakerStatus.HALF_OPEN or (
+    if config.enabled and (state.status is BreakerStatus.HALF_OPEN or (
         state.status is BreakerStatus.CLOSED and failures >= config.failure_threshold
-    ):
+    )):
         return BreakerState(BreakerStatus.OPEN, failures, now, 0, error)
     return replace(state, failures=failures, last_error=error)
 

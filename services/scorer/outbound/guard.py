@@ -57,18 +57,41 @@ class CallGuard:
         self._failures = (SourceUnavailable, *failures)
 
     @contextlib.asynccontextmanager
-    async def attempt(self, tokens: int, deadline: Deadline) -> AsyncIterator[None]:
-        """One try of one call (module docs).
+    async def guarded(self) -> AsyncIterator[None]:
+        """One call, its retries included: the breaker admits it once and records its outcome once, after the
+        last try (docs/reward-teams/judges.md: a failed call is one that failed after its retries). A call whose
+        tries ended in :class:`SourceRejected` got an answer; a cancelled one, or one whose deadline passed before
+        a try was sent, counts neither way.
 
         Raises:
-            BreakerOpen: refused (nothing was sent). BudgetTimeout: the deadline passed in the queue.
+            BreakerOpen: refused (nothing was sent).
         """
-        calls = SOURCE_CALLS
         try:
             self.breaker.admit()
         except BreakerOpen:
-            calls.labels(self.name, "breaker_open").inc()
+            SOURCE_CALLS.labels(self.name, "breaker_open").inc()
             raise
+        try:
+            yield
+        except self._failures as error:
+            self.breaker.failed(str(error) or type(error).__name__)
+            raise
+        except SourceRejected:
+            self.breaker.succeeded()  # it answered: up, but said no
+            raise
+        except BaseException:  # cancelled, a deadline passed in the budget's queue, or not the endpoint's doing
+            self.breaker.abandoned()
+            raise
+        self.breaker.succeeded()
+
+    @contextlib.asynccontextmanager
+    async def attempt(self, tokens: int, deadline: Deadline) -> AsyncIterator[None]:
+        """One try of a call (inside :meth:`guarded`): the budget's slot and the try's metrics.
+
+        Raises:
+            BudgetTimeout: the deadline passed in the queue.
+        """
+        calls = SOURCE_CALLS
         try:
             async with self.budget.slot(tokens, deadline):
                 started = time.perf_counter()
@@ -79,45 +102,42 @@ class CallGuard:
                     SOURCE_IN_FLIGHT.labels(self.name).dec()
                     SOURCE_CALL_SECONDS.labels(self.name).observe(time.perf_counter() - started)
         except UpstreamTimeout as error:  # before sending: queued past the deadline, or too little of it left
-            self.breaker.abandoned()
             calls.labels(self.name, "budget_timeout" if isinstance(error, BudgetTimeout) else "timeout").inc()
             raise
         except asyncio.CancelledError:
-            self.breaker.abandoned()
             calls.labels(self.name, "cancelled").inc()
             raise
         except self._failures as error:
-            self.breaker.failed(str(error) or type(error).__name__)
             timeout = getattr(error, "timeout", False) or "Timeout" in type(error).__name__
             calls.labels(self.name, "timeout" if timeout else "error").inc()
             raise
         except SourceRejected:
-            self.breaker.succeeded()  # it answered: up, but said no
             calls.labels(self.name, "rejected").inc()
             raise
         except BaseException:
-            self.breaker.abandoned()
             calls.labels(self.name, "error").inc()
             raise
-        self.breaker.succeeded()
         calls.labels(self.name, "ok").inc()
 
     async def call(self, send: Callable[[], Awaitable[T]], *, tokens: int, deadline: Deadline, max_attempts: int,
                    backoff_initial_s: float, backoff_max_s: float) -> T:
-        """``await send()`` through :meth:`attempt`, retried on :class:`SourceUnavailable` up to ``max_attempts``
-        tries while the deadline allows (``send`` takes its own timeout from the deadline).
+        """``await send()`` as one :meth:`guarded` call, each try an :meth:`attempt`, retried on
+        :class:`SourceUnavailable` up to ``max_attempts`` tries while the deadline allows (``send`` takes its own
+        timeout from the deadline).
 
         Raises:
-            SourceUnavailable: the last try failed. BreakerOpen, BudgetTimeout: see :meth:`attempt` (not retried).
+            SourceUnavailable: the last try failed. BreakerOpen, BudgetTimeout: see :meth:`guarded`,
+                :meth:`attempt` (not retried).
         """
         retries = stamina.retry_context(
             on=SourceUnavailable, attempts=max_attempts, timeout=deadline.remaining(),
             wait_initial=backoff_initial_s, wait_max=backoff_max_s,
         )
-        async for attempt in retries:
-            with attempt:
-                async with self.attempt(tokens, deadline):
-                    result = await send()
+        async with self.guarded():
+            async for attempt in retries:
+                with attempt:
+                    async with self.attempt(tokens, deadline):
+                        result = await send()
         return result
 
     def describe(self) -> str:
