@@ -346,6 +346,23 @@ def test_where_user_namespaces_are_refused_the_sandbox_says_so():
     assert "user namespaces" in result.stdout and "ISOLATED" not in result.stdout
 
 
+async def test_a_bwrap_named_on_the_scorers_path_only_is_the_one_runs_use(tmp_path, monkeypatch):
+    # sandbox.bwrap as a bare name found on the scorer's PATH (not in /bin or /usr/bin, where a run's empty
+    # environment looks): the start-up check and every run use the same program
+    import shutil
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "fastexp-test-bwrap").symlink_to(shutil.which("bwrap"))
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    from services.scorer.sandbox.bubblewrap import BubblewrapOptions
+
+    sandbox = BubblewrapSandbox(BubblewrapOptions(bwrap="fastexp-test-bwrap"))
+    await sandbox.check()
+    result = await sandbox.run("print(6 * 7)", SandboxLimits(timeout_s=30.0))
+    assert result.stdout.strip() == "42", result
+
+
 # --- the remote backend -----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

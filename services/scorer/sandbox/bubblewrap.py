@@ -95,7 +95,10 @@ class BubblewrapSandbox:
         self._uid = options.uid if options.uid is not None else (_NOBODY if running_as_root else None)
         self._gid = options.gid if options.gid is not None else (_NOBODY if running_as_root else None)
         self._slots = asyncio.Semaphore(options.max_concurrent)
-        self.description = f"bubblewrap ({options.bwrap}; {self._python}; host uid {self._uid or os.geteuid()})"
+        # resolved once, on this process's PATH: runs start with an empty environment, where a bare name that is
+        # not in the default path (/bin, /usr/bin) would not be found; start-up and runs use the same program
+        self._bwrap = shutil.which(options.bwrap)
+        self.description = f"bubblewrap ({self._bwrap or options.bwrap}; {self._python}; host uid {self._uid or os.geteuid()})"
 
     async def check(self) -> None:
         """Run the probe in a real sandbox (see :meth:`run`).
@@ -103,7 +106,7 @@ class BubblewrapSandbox:
         Raises:
             SandboxUnavailable: ``bwrap`` or the interpreter is missing, or the kernel refuses the namespaces.
         """
-        bwrap = shutil.which(self._options.bwrap)
+        bwrap = self._bwrap
         if bwrap is None:
             raise SandboxUnavailable(
                 f"{self._options.bwrap!r} is not installed: install bubblewrap (Debian: apt-get install bubblewrap), "
@@ -151,7 +154,7 @@ class BubblewrapSandbox:
             )
         except OSError as error:  # bwrap missing, or the uid/gid cannot be taken
             os.close(status_read)
-            raise SandboxError(f"cannot start {self._options.bwrap}: {error}") from error
+            raise SandboxError(f"cannot start {self._bwrap or self._options.bwrap}: {error}") from error
         finally:
             os.close(source)
             os.close(status_write)
@@ -169,7 +172,7 @@ class BubblewrapSandbox:
     def _command(self, limits: SandboxLimits, source: int, status: int) -> list[str]:
         o = self._options
         command = [
-            o.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            self._bwrap or o.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--clearenv", "--hostname", "sandbox", "--json-status-fd", str(status),
             "--ro-bind", "/usr", "/usr", *_root_links(), *_prefix_bind(self._python),
             "--dev", "/dev", "--remount-ro", "/dev", *(["--proc", "/proc"] if o.mount_proc else []),
