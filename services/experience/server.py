@@ -175,7 +175,8 @@ def _serve_gateway(
     name = _gateway_model_name(settings, policy)
     gateway = Gateway(fleet, policy.tokenizer, name, lambda: upstream.require_ready().max_model_len,
                       settings.gateway_call_timeout_s)
-    running = start_gateway(create_app(gateway, sessions, tokens), settings.host, settings.gateway_port,
+    app = create_app(gateway, sessions, tokens, settings.gateway_max_body_bytes)
+    running = start_gateway(app, settings.host, settings.gateway_port,
                             settings.grace_period_s, settings.tls_cert_file, settings.tls_key_file)
     logger.info("OpenAI-compatible gateway on %s:%d (model %s)", settings.host, running.port, name)
     return running

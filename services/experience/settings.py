@@ -177,6 +177,8 @@ class ExperienceSettings(GenerationLimits):
         None, description="the model name the gateway serves outside sessions (None: the actor folder's name)"
     )
     gateway_call_timeout_s: float = Field(300.0, gt=0, description="deadline of one gateway call's generation")
+    gateway_max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest gateway request body; "
+                                        "bigger ones are 413, unread (after the key is checked)")
     agents: dict[str, AgentEndpoint] = Field(
         default_factory=dict, description="agent servers requests may name (name -> url, timeout_s); a request "
         "names one, never a URL. Needs gateway_port (the agents call the model through it)",

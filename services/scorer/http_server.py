@@ -19,12 +19,14 @@ import contextlib
 import logging
 import math
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
 from services.common.errors import InvalidRequest
+from services.common.http_limits import BoundedBody, bearer_check
+from services.common.security import check_exposure, read_tokens
 from services.scorer.composition import RewardComposer, build_composer
 from services.scorer.scorer import make_items
 from services.scorer.settings import RewardServerSettings
@@ -54,8 +56,11 @@ def _json_floats(values) -> list[float | None]:
     return [None if math.isnan(v) else float(v) for v in values.tolist()]
 
 
-def create_app(composer: RewardComposer, max_queries_per_request: int = 65536, manage_sources: bool = True) -> FastAPI:
-    """The FastAPI app serving ``composer``; with ``manage_sources`` its lifespan starts and closes the sources."""
+def create_app(composer: RewardComposer, max_queries_per_request: int = 65536, manage_sources: bool = True,
+               tokens: Sequence[bytes] = (), max_body_bytes: int = 64 * 1024 * 1024) -> FastAPI:
+    """The FastAPI app serving ``composer``; with ``manage_sources`` its lifespan starts and closes the sources.
+    ``tokens``: the bearer tokens a call must present (empty: none), checked before its body is read; bodies over
+    ``max_body_bytes`` are 413, unread (:class:`~services.common.http_limits.BoundedBody`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -69,6 +74,7 @@ def create_app(composer: RewardComposer, max_queries_per_request: int = 65536, m
             await composer.close()
 
     app = FastAPI(title="fastexp reward server", lifespan=lifespan)
+    app.add_middleware(BoundedBody, max_bytes=max_body_bytes, authorized=bearer_check(tokens))
 
     @app.get("/health")
     async def health() -> dict[str, object]:
@@ -100,15 +106,21 @@ def serve(settings: RewardServerSettings) -> None:
 
     Raises:
         ConfigError: a source could not be built or started (before the port is opened).
+        SecurityConfigError: bound beyond loopback without TLS or tokens and not ``insecure`` (the gRPC services'
+            rule); a token file is unreadable.
     """
     import uvicorn
 
+    check_exposure(settings.host, secured=settings.secured(), insecure=settings.insecure, service="reward-server")
+    tokens = [*(read_tokens(settings.auth_tokens_file, "auth_tokens_file") if settings.auth_tokens_file else ()),
+              *(read_tokens(settings.admin_tokens_file, "admin_tokens_file") if settings.admin_tokens_file else ())]
     composer = build_composer(settings)
 
     async def main() -> None:
         await composer.start()
         try:
-            app = create_app(composer, settings.max_queries_per_request, manage_sources=False)
+            app = create_app(composer, settings.max_queries_per_request, manage_sources=False, tokens=tokens,
+                             max_body_bytes=settings.max_body_bytes)
             config = uvicorn.Config(
                 app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                 timeout_graceful_shutdown=int(settings.grace_period_s),

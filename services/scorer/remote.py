@@ -39,6 +39,7 @@ from services.common.deadlines import Deadline
 from services.common.errors import UpstreamTimeout
 from services.common.metrics import REMOTE_REWARD_FAILURES, REMOTE_REWARD_REQUESTS, REMOTE_REWARD_RETRIES
 from services.scorer.config import RemoteConfig
+from services.scorer.outbound.bodies import ReplyTooLarge, read_capped
 from services.scorer.outbound.breaker import Breaker, BreakerOpen
 from services.scorer.outbound.config import BudgetConfig
 from services.scorer.outbound.guard import CallGuard
@@ -58,10 +59,6 @@ class _ServerError(Exception):
 
 class _TotalTimeout(httpx.TimeoutException):
     """The whole exchange took longer than ``timeout_s`` (retried as httpx's own timeouts are)."""
-
-
-class _TooLarge(Exception):
-    """The answer body passed ``max_response_bytes`` (not retried: it would again)."""
 
 
 @dataclass(frozen=True)
@@ -90,23 +87,6 @@ class _Reply:
     def json(self) -> object:
         """The body parsed. Raises ValueError: not JSON."""
         return json.loads(self.content)
-
-
-async def _read_capped(response: httpx.Response, max_bytes: int) -> bytes:
-    """The body of a streamed ``response``, read until it passes ``max_bytes`` at most.
-
-    Raises:
-        _TooLarge: the declared length or the bytes read pass ``max_bytes``.
-    """
-    declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _TooLarge(f"answer of {declared} bytes, over max_response_bytes ({max_bytes})")
-    body = bytearray()
-    async for part in response.aiter_bytes():
-        body += part
-        if len(body) > max_bytes:
-            raise _TooLarge(f"answer passed max_response_bytes ({max_bytes}); the rest was not read")
-    return bytes(body)
 
 
 class RemoteScorer:
@@ -178,7 +158,7 @@ class RemoteScorer:
             reason = str(error) or type(error).__name__
             return SourceScores.all_failed(n, f"{self._where}: {reason} (after {self._config.max_attempts} "
                                               f"tries; {self._gateway.describe()})")
-        except _TooLarge as error:
+        except ReplyTooLarge as error:
             return SourceScores.all_failed(n, f"{self._where}: {error}")
         if response.is_client_error:
             return SourceScores.all_failed(n, f"{self._where}: HTTP {response.status_code}: {response.text[:200]}")
@@ -214,7 +194,7 @@ class RemoteScorer:
         return response
 
     async def _try(self, payload: dict, deadline: Deadline, number: int) -> _Reply:
-        """One POST, counted. Raises: httpx.TransportError, _ServerError (5xx), _TooLarge, UpstreamTimeout."""
+        """One POST, counted. Raises: httpx.TransportError, _ServerError (5xx), ReplyTooLarge, UpstreamTimeout."""
         config, requests = self._config, REMOTE_REWARD_REQUESTS
         try:
             response = await self._exchange(payload, deadline.timeout(config.timeout_s))
@@ -234,13 +214,13 @@ class RemoteScorer:
         """One POST and its whole answer within ``timeout_s`` seconds in total, body capped.
 
         Raises:
-            _TotalTimeout: past ``timeout_s``. _TooLarge: see :func:`_read_capped`. httpx.TransportError.
+            _TotalTimeout: past ``timeout_s``. ReplyTooLarge: see :func:`~services.scorer.outbound.bodies.read_capped`. httpx.TransportError.
         """
         assert self._client is not None, "start() first"
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._client.stream("POST", self._config.url, json=payload, timeout=timeout_s) as response:
-                    return _Reply(response.status_code, await _read_capped(response, self._config.max_response_bytes))
+                    return _Reply(response.status_code, await read_capped(response, self._config.max_response_bytes))
         except TimeoutError:
             raise _TotalTimeout(f"Timeout: no whole answer within {timeout_s:.2f} s (timeout_s is the total per "
                                 "request)") from None

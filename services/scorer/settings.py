@@ -65,3 +65,5 @@ class RewardServerSettings(ScorerSettings):
     model_config = SettingsConfigDict(env_prefix="FASTEXP_REWARD_SERVER_", extra="forbid")
 
     port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest request body; bigger ones are 413, "
+                                                                       "unread (checked after the bearer token)")

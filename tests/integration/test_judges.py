@@ -223,3 +223,29 @@ async def test_a_judge_served_by_a_fastexp_generator(smollm2_generator):
     assert ((result.rewards[scored] >= 0) & (result.rewards[scored] <= 1)).all()
     assert all(error.startswith(f"smol (generator {address})") for error in result.errors if error)
     assert (result.metrics["completion_tokens"] >= 1).all() and (result.metrics["prompt_tokens"] > 20).all()
+
+
+async def test_a_judge_answering_more_than_max_response_bytes_is_refused_unread():
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def flood():
+        async def chunks():  # 64 MiB: far past the cap
+            for _ in range(1024):
+                yield b" " * 65536
+        return StreamingResponse(chunks(), media_type="application/json")
+
+    with serving(app) as url:
+        config = JudgeConfig.model_validate(judge("flooding", f"{url}/v1", max_response_bytes=256 * 1024,
+                                                  cache={"enabled": False}))
+        source = JudgeScorer(config)
+        await source.start()
+        try:
+            result = await source.score([ScoreItem("What is 3 + 4? 7", "What is 3 + 4? ", "7", "", "7")],
+                                        Deadline.from_remaining(60))
+        finally:
+            await source.close()
+    assert np.isnan(result.rewards[0]) and "max_response_bytes (262144)" in result.errors[0], result.errors

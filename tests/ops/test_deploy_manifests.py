@@ -292,3 +292,17 @@ def test_experience_replicas_share_a_state_store_by_url_and_a_weights_volume(ove
             "app.kubernetes.io/name": "fastexp-experience"}
     else:  # production: an external database by URL
         assert statefulsets == []
+
+
+def test_compose_publishes_only_authenticated_services_beyond_the_hosts_loopback():
+    # gRPC services with bearer tokens may be published; Prometheus (no authentication) and the reward server
+    # (tokens too, but an HTTP demo) only on the host's loopback; the state store and the sandbox not at all
+    services = _compose()["services"]
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            published = port if isinstance(port, str) else f"{port.get('host_ip', '')}:{port['published']}"
+            if name in ("prometheus", "reward-server"):
+                assert published.startswith("127.0.0.1:"), (name, port)
+            else:
+                assert name in ("experience", "scorer"), (name, port)
+    assert services["reward-server"]["environment"]["FASTEXP_REWARD_SERVER_AUTH_TOKENS_FILE"] == "/run/secrets/call-tokens"

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.common.errors import InvalidRequest, NotReady, Overloaded, UpstreamTimeout
+from services.common.http_limits import BoundedBody
 from services.experience.gateway.core import Gateway
 from services.experience.gateway.requests import parse_chat, parse_completion
 from services.experience.gateway.responses import chat_body, chat_chunks, completion_body, error_body, sse
@@ -84,9 +85,30 @@ def _check_model(model: str, session: Session | None, served: str) -> None:
                                        "invalid_request_error", "model", "model_not_found"))
 
 
-def create_app(gateway: Gateway, sessions: SessionRegistry, tokens: Sequence[bytes]) -> FastAPI:
-    """The app (module docs); ``tokens``: the service's bearer tokens (empty: only session keys are checked)."""
+def create_app(gateway: Gateway, sessions: SessionRegistry, tokens: Sequence[bytes],
+               max_body_bytes: int = 16 * 1024 * 1024) -> FastAPI:
+    """The app (module docs); ``tokens``: the service's bearer tokens (empty: only session keys are checked). The
+    key is checked, and a body over ``max_body_bytes`` refused (413), before the body is read
+    (:class:`~services.common.http_limits.BoundedBody`)."""
     app = FastAPI(title="fastexp gateway")
+
+    def authorized(headers) -> bool:
+        scheme, _, key = (headers.get("authorization") or "").partition(" ")
+        key = key.strip() if scheme.lower() == "bearer" else ""
+        if key.startswith(KEY_PREFIX):
+            try:
+                sessions.get(key)
+                return True
+            except UnknownSession:
+                return False
+        return not tokens or any(hmac.compare_digest(key.encode(), token) for token in tokens)
+
+    def refused(status: int, message: str) -> dict[str, Any]:
+        if status == 401:
+            return error_body(message, "authentication_error", code="invalid_api_key")
+        return error_body(message, "invalid_request_error", "body")
+
+    app.add_middleware(BoundedBody, max_bytes=max_body_bytes, authorized=authorized, error_body=refused)
 
     def caller(request: Request) -> Session | None:
         return _caller(request, sessions, tokens)

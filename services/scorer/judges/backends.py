@@ -25,6 +25,7 @@ import httpx
 
 from fastexp.security import read_file
 from services.scorer.judges.config import JudgeConfig
+from services.scorer.outbound.bodies import ReplyTooLarge, read_capped
 from services.scorer.outbound.guard import SourceRejected, SourceUnavailable
 
 #: Candidates asked for a yes/no verdict's first token.
@@ -113,16 +114,20 @@ class OpenAIBackend:
             body.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
         try:
             async with asyncio.timeout(timeout_s):
-                response = await self._client.post(self._endpoint, json=body, timeout=timeout_s)
+                async with self._client.stream("POST", self._endpoint, json=body, timeout=timeout_s) as response:
+                    content = await read_capped(response, config.max_response_bytes)
         except (TimeoutError, httpx.TimeoutException):
             raise SourceUnavailable(f"no answer within {timeout_s:.2f} s", timeout=True) from None
         except httpx.TransportError as error:
             raise SourceUnavailable(f"{type(error).__name__}: {error}") from None
+        except ReplyTooLarge as error:  # it answered, with more than a verdict can be: not an outage
+            raise SourceRejected(str(error)) from None
+        text = content[:200].decode(errors="replace")
         if response.status_code >= 500 or response.status_code == 429:
-            raise SourceUnavailable(f"HTTP {response.status_code}: {response.text[:200]}")
+            raise SourceUnavailable(f"HTTP {response.status_code}: {text}")
         if response.status_code >= 400:
-            raise SourceRejected(f"HTTP {response.status_code}: {response.text[:200]}")
-        return _reply(response.content)
+            raise SourceRejected(f"HTTP {response.status_code}: {text}")
+        return _reply(content)
 
     async def close(self) -> None:
         """Close the connection pool."""

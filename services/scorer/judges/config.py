@@ -103,6 +103,10 @@ class JudgeConfig(BaseModel):
     temperature: float = Field(0.0, ge=0, description="judge sampling temperature (0: greedy)")
     batch_size: int = Field(32, ge=1, description="generator backend: prompts per Generate call")
     timeout_s: float = Field(60.0, gt=0, description="deadline of one call, capped by the request's")
+    max_response_bytes: int = Field(
+        1024 * 1024, ge=1024, description="largest answer of one call (openai backend); a bigger one is refused, "
+        "unread past the cap, and its items fail naming it",
+    )
     max_attempts: int = Field(2, ge=1, description="tries per call on timeouts, connection errors and 5xx")
     backoff_initial_s: float = Field(0.5, gt=0, description="first retry wait; doubles per retry, with jitter")
     backoff_max_s: float = Field(8.0, gt=0, description="cap of one retry wait")

@@ -27,6 +27,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.http_limits import BoundedBody, bearer_check
 from services.common.security import check_exposure, read_tokens
 from services.common.settings import ServiceSettings
 from services.scorer.sandbox.base import MIB, Sandbox, SandboxError, SandboxLimits, SandboxResult
@@ -49,6 +50,8 @@ class SandboxServerSettings(ServiceSettings):
     max_output_bytes: int = Field(64 * 1024, ge=1024, description="stdout and stderr kept of every run")
     max_file_bytes: int = Field(16 * MIB, ge=1024, description="bytes any file a run writes may reach")
     max_code_bytes: int = Field(1 * MIB, ge=1024, description="largest program accepted")
+    max_body_bytes: int = Field(8 * MIB, ge=1024, description="largest request body (the program JSON-encoded); "
+                                                             "bigger ones are 413, unread, after the token check")
 
 
 class RunCodeRequest(BaseModel):
@@ -108,6 +111,8 @@ def create_app(sandbox: Sandbox, settings: SandboxServerSettings) -> FastAPI:
             raise HTTPException(401, "authorization: a valid bearer token is required")
 
     app = FastAPI(title="fastexp sandbox")
+    # the token, then the body's size, before a byte of the body is read (FastAPI parses it before any dependency)
+    app.add_middleware(BoundedBody, max_bytes=settings.max_body_bytes, authorized=bearer_check(tokens))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
