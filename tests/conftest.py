@@ -30,6 +30,17 @@ def experience_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.environ[name] = value
 
 
+@pytest.fixture
+def state_store(tmp_path: Path):
+    """A real state store of the test's own: an SQLite file, migrated."""
+    from services.experience.state.store import StateStore
+
+    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}", timeout_s=5.0)
+    store.migrate()
+    yield store
+    store.close()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """The embedded SmolLM2-135M-Instruct as a bf16 safetensors folder (converted from its GGUF once)."""

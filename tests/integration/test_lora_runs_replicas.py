@@ -29,19 +29,12 @@ from tests.integration.test_lora_runs import (
     PROMPTS,
     TOLERANCE,
     make_adapter,
+    one_thread,  # noqa: F401 - the module's autouse fixture: one torch thread
     peft_model,
     response_log_probs,
 )
 
 ALICE, BOB, ADMIN = "alice-token-7b1e", "bob-token-0c52", "admin-token-44d9"  # noqa: S105 - test credentials
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

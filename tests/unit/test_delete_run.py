@@ -51,12 +51,8 @@ class Runs(RunMethods):
 
 
 @pytest.fixture
-def store(tmp_path):
-    """A real state store: an SQLite file, migrated."""
-    state = StateStore(f"sqlite:///{tmp_path / 'state.db'}", timeout_s=5.0)
-    state.migrate()
-    yield state
-    state.close()
+def store(state_store):
+    return state_store
 
 
 async def _until(condition) -> None:

@@ -116,12 +116,8 @@ def test_a_caller_is_named_by_its_tokens_hash_never_the_token():
 
 
 @pytest.fixture
-def store(tmp_path):
-    """A real state store: an SQLite file, migrated."""
-    state = StateStore(f"sqlite:///{tmp_path / 'state.db'}", timeout_s=5.0)
-    state.migrate()
-    yield state
-    state.close()
+def store(state_store):
+    return state_store
 
 
 async def _enter_stream(registry: RunRegistry, run_id: str, caller: Caller) -> None:
