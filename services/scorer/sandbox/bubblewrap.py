@@ -17,7 +17,10 @@ Each run is ``bwrap`` with, for the tool's process tree:
 - **limits** set by a trusted launcher inside, before the tool's code starts (the code cannot raise them):
   ``RLIMIT_NPROC`` (``max_processes``), ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and
   ``RLIMIT_CORE`` = 0; a wall-clock timeout kills the whole tree; stdout and stderr are cut to
-  ``max_output_bytes`` (the rest is read and dropped).
+  ``max_output_bytes`` (the rest is read and dropped);
+- **one unit that ends once**: however the call ends (its result, the timeout, the caller's cancellation: a
+  cancelled Step or stream, a step timeout, the scorer stopping), the run's whole tree is killed and reaped before
+  the call returns or its cancellation completes, and only then is its ``max_concurrent`` slot free.
 
 A scorer running as root starts ``bwrap`` as an unprivileged uid (``uid``, default 65534) through util-linux's
 ``setpriv``: the kernel does not enforce ``RLIMIT_NPROC`` for processes that are root on the host, and a kernel
@@ -238,11 +241,30 @@ async def _collect(process: asyncio.subprocess.Process, limits: SandboxLimits) -
         await asyncio.wait_for(asyncio.shield(process.wait()), limits.timeout_s)
     except TimeoutError:
         stopped = "timeout"
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        await process.wait()
+        await _end(process)
+    except BaseException:  # the caller gave up (cancelled, its deadline): the run ends here, before its slot is free
+        await _end(process)
+        reads.cancel()
+        raise
     stdout, stderr = await reads
     return stopped, stdout, stderr
+
+
+async def _end(process: asyncio.subprocess.Process) -> None:
+    """Kill the run's whole tree and reap it, even while the caller is being cancelled: SIGKILL to bwrap's process
+    group ends the sandbox's pid namespace with it (its init dies with its parent, and the kernel kills every
+    process of a namespace whose init died), then the wait is shielded and taken up again after each cancel."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    reaped = asyncio.ensure_future(process.wait())
+    cancelled = False
+    while not reaped.done():
+        try:
+            await asyncio.shield(reaped)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _drain(stream: asyncio.StreamReader | None, keep: int) -> bytes:
