@@ -461,3 +461,26 @@ async def test_cancelled_calls_leave_nothing_running_even_queued_under_load():
     assert [m for m in markers if _processes_running(m)] == []  # killed and reaped before the cancel completed
     result = await sandbox.run("print('free')", SandboxLimits(timeout_s=30.0))  # the slots were given back
     assert result.stdout.strip() == "free"
+
+
+async def test_the_system_call_filter_refuses_the_keyring_and_kernel_interfaces():
+    # tool code calls the kernel directly (libc's syscall): every one of these is EPERM inside a run, the keyring
+    # included (a key the scorer's session holds, or one a previous call left, is out of reach); forks, threads
+    # and subprocesses still work
+    code = textwrap.dedent("""
+        import ctypes, os, subprocess, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        def call(number, *args):
+            ctypes.set_errno(0)
+            return libc.syscall(number, *args), ctypes.get_errno()
+        calls = {"keyctl": (250, 0, -3, 0), "add_key": (248, b"user", b"left-behind", b"secret", 6, -3),
+                 "request_key": (249, b"user", b"left-behind", None, 0), "bpf": (321, 0, 0, 0),
+                 "perf_event_open": (298, 0, 0, -1, -1, 0), "userfaultfd": (323, 0), "ptrace": (101, 0, 1, 0, 0),
+                 "unshare": (272, 0x10000000), "mount": (165, b"none", b"/tmp", b"tmpfs", 0, 0),
+                 "clone_newuser": (56, 0x10000000 | 17, 0, 0, 0, 0)}
+        print(sorted(name for name, args in calls.items() if call(*args) != (-1, 1)))
+        print(subprocess.run(["echo", "forked"], capture_output=True, text=True).stdout.strip())
+        threading.Thread(target=print, args=("threaded",)).start()
+    """)
+    result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=30.0))
+    assert result.stdout.split("\n")[:3] == ["[]", "forked", "threaded"], result

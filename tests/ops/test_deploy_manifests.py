@@ -81,8 +81,8 @@ def test_every_service_image_runs_as_non_root_with_a_health_check():
         assert "USER fastexp" in body, target
         assert "HEALTHCHECK" in body, target
         assert "ENTRYPOINT" in body, target
-    for target in ("scorer", "sandbox"):  # the tool sandbox's backend
-        assert "bubblewrap=" in "\n".join(stages[target]), target
+    for target in ("scorer", "sandbox"):  # the tool sandbox's backend and its system-call filter's library
+        assert "bubblewrap=" in "\n".join(stages[target]) and "libseccomp2=" in "\n".join(stages[target]), target
 
 
 def _compose() -> dict:

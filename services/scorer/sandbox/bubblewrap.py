@@ -12,6 +12,9 @@ Each run is ``bwrap`` with, for the tool's process tree:
   vanishes with the run; the sandbox's root and its ``/dev`` are remounted read-only (bwrap makes both as tmpfs
   without a size limit: writable, they would let a run fill the host's memory), so ``/dev/shm`` is not writable;
 - **an empty environment** (``--clearenv``) but ``PATH``, ``HOME`` and ``LANG``;
+- **a system-call filter** (``--seccomp``: :mod:`services.scorer.sandbox.seccomp`, a Docker-default-like deny list:
+  the kernel keyring, ``bpf``, ``perf_event_open``, ``userfaultfd``, ``ptrace``, mounts and namespaces, ...); a
+  host where it cannot be built runs no tool (fail closed);
 - ``--die-with-parent`` and ``--new-session``; when the run's first process ends, the kernel kills every process
   left in its pid namespace, so nothing outlives the run;
 - **limits** set by a trusted launcher inside, before the tool's code starts (the code cannot raise them):
@@ -52,6 +55,7 @@ from services.scorer.sandbox.base import (
     SandboxUnavailable,
     cut,
 )
+from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
 
 #: Runs inside the sandbox first: sets the limits (argv: cpu_s, memory_bytes, max_file_bytes, max_processes), then
 #: replaces itself with the tool's program so that the tool runs as a clean ``__main__``.
@@ -147,19 +151,25 @@ class BubblewrapSandbox:
         return None
 
     async def _run(self, code: str, limits: SandboxLimits) -> SandboxResult:
+        try:
+            program = filter_program()
+        except SeccompUnavailable as error:  # fail closed: no run without its system-call filter
+            raise SandboxError(str(error)) from None
         source = _memory_file("tool-code", code.encode())
+        rules = _memory_file("tool-seccomp", program)
         status_read, status_write = os.pipe()
         try:
             process = await asyncio.create_subprocess_exec(
-                *self._command(limits, source, status_write),
+                *self._command(limits, source, status_write, rules),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(source, status_write), start_new_session=True, env={},
+                pass_fds=(source, status_write, rules), start_new_session=True, env={},
             )
         except OSError as error:  # bwrap missing, or the uid/gid cannot be taken
             os.close(status_read)
             raise SandboxError(f"cannot start {self._bwrap or self._options.bwrap}: {error}") from error
         finally:
             os.close(source)
+            os.close(rules)
             os.close(status_write)
         with open(status_read, "rb") as status:
             stopped, stdout, stderr = await _collect(process, limits)
@@ -172,7 +182,7 @@ class BubblewrapSandbox:
         return SandboxResult(cut(stdout, limits.max_output_bytes), cut(stderr, limits.max_output_bytes),
                              exit_code, stopped)
 
-    def _command(self, limits: SandboxLimits, source: int, status: int) -> list[str]:
+    def _command(self, limits: SandboxLimits, source: int, status: int, rules: int) -> list[str]:
         o = self._options
         command = [
             self._bwrap or o.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -181,6 +191,7 @@ class BubblewrapSandbox:
             "--dev", "/dev", "--remount-ro", "/dev", *(["--proc", "/proc"] if o.mount_proc else []),
             "--size", str(o.tmpfs_bytes), "--tmpfs", _WORKDIR,
             "--ro-bind-data", str(source), f"{_WORKDIR}/main.py", "--remount-ro", "/", "--chdir", _WORKDIR,
+            "--seccomp", str(rules),
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", _WORKDIR,
             "--setenv", "LANG", "C.UTF-8",
         ]
