@@ -197,6 +197,11 @@ class GeneratorFleet:
             getting.cancel()  # a get cancelled before it returned leaves its item in the queue
         return getting.result() if getting.done() and not getting.cancelled() else None
 
+    def _coming(self, replica: Replica) -> bool:
+        """Being synced, or serving at a version other than the fleet's new one (its next probe, at once, tells)."""
+        return replica.state is ReplicaState.SYNCING or (
+            replica.state is ReplicaState.SERVING and replica.version != self.members.version)
+
     def _dispatch(self, call: Call) -> None:
         """Place the call's pending groups on replicas with room and start one stream per replica used.
 
@@ -208,9 +213,8 @@ class GeneratorFleet:
             return
         candidates = {r.address: r for r in self.replicas
                       if self.members.routable(r) and r.address not in call.excluded}
-        if not candidates and any(r.state is ReplicaState.SYNCING and r.address not in call.excluded
-                                  for r in self.replicas):
-            return  # a replica being brought to the live version serves soon: its groups wait for it
+        if not candidates and any(self._coming(r) and r.address not in call.excluded for r in self.replicas):
+            return  # a replica being brought to (or probed at) the live version serves soon: its groups wait
         if not candidates:
             raise NotReady(
                 f"no generator replica left for {len(call.pending)} prompt groups: {self.members.describe()}"

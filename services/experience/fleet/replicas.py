@@ -10,11 +10,10 @@
 - **Health.** Each replica is probed (``GetModelInfo``) every ``probe.interval_s`` while up, with capped
   exponential backoff and jitter while down. ``down_after_failures`` failed probes in a row take a serving
   replica out: the streams running on it are stopped, and the fleet sends their groups elsewhere.
-- **Version.** The set serves one policy version (adopted from the first replica reached, then each update's). A
-  replica at any other version, or lacking a LoRA run's live adapter (it restarted, joined late, or an update to it
-  failed or was cancelled) is first sent the live weights and adapters by :attr:`ReplicaSet.weight_source` (the
-  experience service's actor replica, which holds exactly those) and gets work only then, so every completion's
-  ``policy_version`` is true.
+- **Version.** The set serves one policy version (the first replica's, then each update's or the state store's:
+  :meth:`ReplicaSet.follow`). A replica at any other version, or lacking a LoRA run's live adapter, is first sent
+  the live weights and adapters by :attr:`ReplicaSet.weight_source` (from the state store's blobs) and gets work
+  only then, so every completion's ``policy_version`` is true.
 
 One owner: only the set writes its :class:`~services.experience.fleet.replica_state.Replica` records. Probes, syncs,
 discovery and the fleet's calls (``take_out``, ``begin_work``/``sample_done``/``end_work``, ``update_applied``/
@@ -89,6 +88,7 @@ class ReplicaSet:
         self.weight_source: WeightSource | None = None
         self.live_adapters: Callable[[], Mapping[str, int]] = dict  # LoRA run adapters a replica must hold to serve
         self.changes = Changes()  # notified on every change of a replica's state, version or load
+        self._probe_now = asyncio.Event()  # set (and replaced) to probe every replica at once
         self._version: int | None = None
         self._pending_version: int | None = None
         self._connect = connect
@@ -199,13 +199,12 @@ class ReplicaSet:
 
     def follow(self, version: int) -> None:
         """The state store's live ``version`` changed (an update through another experience replica): the set
-        serves it now; replicas at another version get no work until their next probe brings them to it."""
+        serves it now, and every replica is probed at once (one at another version is synced; its groups wait)."""
         if self._pending_version is None and version != self._version:
             logger.info("generator fleet follows policy version %d (live in the state store)", version)
             self._version = version
-            for replica in self.replicas:  # groups wait for them (not fail) until a probe confirms or syncs them
-                if replica.state is ReplicaState.SERVING and replica.version != version:
-                    self._move(replica, ReplicaState.SYNCING, f"serves version {replica.version}, live {version}")
+            woken, self._probe_now = self._probe_now, asyncio.Event()
+            woken.set()
             self.changes.notify()
 
     def update_failed(self, replica: Replica, reason: str) -> None:
@@ -310,7 +309,8 @@ class ReplicaSet:
                 up = False
             if up:
                 attempt = 0
-                await asyncio.sleep(settings.probe.interval_s)
+                with contextlib.suppress(TimeoutError):  # or at once, when the fleet follows a new version
+                    await asyncio.wait_for(self._probe_now.wait(), settings.probe.interval_s)
             else:
                 await asyncio.sleep(backoff_s(attempt, settings.probe))
                 attempt += 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -85,14 +85,11 @@ def _check_model(model: str, session: Session | None, served: str) -> None:
                                        "invalid_request_error", "model", "model_not_found"))
 
 
-def create_app(gateway: Gateway, sessions: SessionRegistry, tokens: Sequence[bytes],
-               max_body_bytes: int = 16 * 1024 * 1024) -> FastAPI:
-    """The app (module docs); ``tokens``: the service's bearer tokens (empty: only session keys are checked). The
-    key is checked, and a body over ``max_body_bytes`` refused (413), before the body is read
-    (:class:`~services.common.http_limits.BoundedBody`)."""
-    app = FastAPI(title="fastexp gateway")
+def _key_check(sessions: SessionRegistry, tokens: Sequence[bytes]) -> Callable[[Any], bool]:
+    """Whether a request's ``Authorization`` is an open session's key or one of the service's tokens (any key
+    without token files), decided from its headers alone (before its body is read)."""
 
-    def authorized(headers) -> bool:
+    def authorized(headers: Any) -> bool:
         scheme, _, key = (headers.get("authorization") or "").partition(" ")
         key = key.strip() if scheme.lower() == "bearer" else ""
         if key.startswith(KEY_PREFIX):
@@ -103,12 +100,24 @@ def create_app(gateway: Gateway, sessions: SessionRegistry, tokens: Sequence[byt
                 return False
         return not tokens or any(hmac.compare_digest(key.encode(), token) for token in tokens)
 
-    def refused(status: int, message: str) -> dict[str, Any]:
-        if status == 401:
-            return error_body(message, "authentication_error", code="invalid_api_key")
-        return error_body(message, "invalid_request_error", "body")
+    return authorized
 
-    app.add_middleware(BoundedBody, max_bytes=max_body_bytes, authorized=authorized, error_body=refused)
+
+def _refused_body(status: int, message: str) -> dict[str, Any]:
+    """OpenAI's error shape for a request refused before it was read (401, 413)."""
+    if status == 401:
+        return error_body(message, "authentication_error", code="invalid_api_key")
+    return error_body(message, "invalid_request_error", "body")
+
+
+def create_app(gateway: Gateway, sessions: SessionRegistry, tokens: Sequence[bytes],
+               max_body_bytes: int = 16 * 1024 * 1024) -> FastAPI:
+    """The app (module docs); ``tokens``: the service's bearer tokens (empty: only session keys are checked). The
+    key is checked, and a body over ``max_body_bytes`` refused (413), before the body is read
+    (:class:`~services.common.http_limits.BoundedBody`)."""
+    app = FastAPI(title="fastexp gateway")
+    app.add_middleware(BoundedBody, max_bytes=max_body_bytes, authorized=_key_check(sessions, tokens),
+                       error_body=_refused_body)
 
     def caller(request: Request) -> Session | None:
         return _caller(request, sessions, tokens)
