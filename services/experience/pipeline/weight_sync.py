@@ -103,6 +103,7 @@ class WeightSync:
             claim = await self.ledger.claim(target="critic")
             version = None
             try:
+                await self._catch_up_critic(claim.live)  # the update applies to the live critic (as the policy's)
                 await self._forwarder.load_critic(update.entries, tensors)
                 version = max(claim.live.version, self.critic_version) + 1
             finally:
@@ -192,6 +193,9 @@ class WeightSync:
             claim = await self.ledger.claim(target="policy")  # FailedPrecondition: LoRA runs on any replica
             version = None
             try:
+                # an update may carry only the tensors a step changed: it applies to the live version, which this
+                # replica loads first when another replica made it
+                await self._catch_up_policy(claim.live)
                 # the generator's version adopted at start may be ahead of a store that never saw an update
                 requested = self._next_version(update, max(self.policy.version, claim.live.version))
                 await self.policy.begin_update()

@@ -1,5 +1,6 @@
-"""LoRA runs on two experience replicas sharing one state store (issue 42), in process: one HF generator (tiny
-Llama, float32), a rule scorer, experience services A and B with bearer tokens on the module's store. What a tenant
+"""Two experience replicas sharing one state store (issue 42), in process: one HF generator (tiny Llama, float32),
+a rule scorer, experience services A and B. A policy update that carries only some tensors, sent through a replica
+that had not loaded the live version yet, applies to the live version. LoRA runs (tokens on, the module's store): What a tenant
 does through one replica holds on the other: alice's adapter sent through A is what B's streams sample and
 forward (B loads it from its blob), a new version sent through B is what A then uses, bob can neither update
 alice's adapter nor take her run id through either replica, and a run deleted through B and made again through A
@@ -129,3 +130,54 @@ async def test_a_tenants_adapter_is_the_same_on_every_replica_and_nobody_elses(r
     fourth = make_adapter(base, again.lora, seed=4)
     assert (await _call(replicas["A"], ALICE, "update_weights", fourth.items(), run_id="alice-lora")).policy_version == 1
     _assert_rows_follow(await _stream(replicas["B"], "alice-lora"), peft_model(base, again.lora, fourth), 1)
+
+
+async def test_a_partial_update_through_a_replica_that_lags_applies_to_the_live_version(tiny_model_path, tmp_path):
+    # replicas that never poll (state_poll_interval_s: 10 min): one tensor changed through A (version 1), then
+    # another through B, which had not loaded version 1 yet; version 2 is both changes, whoever streams it
+    from transformers import AutoModelForCausalLM
+
+    from services.generator.hf_engine import HFEngine as Engine
+    from tests.integration.test_policy_updates import _forward_log_probs
+
+    engine = Engine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
+    generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
+    scorer_settings = ScorerSettings(port=0, sources=[
+        {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}])
+    scorer_core = build_scorer(scorer_settings)
+    scorer = await start_scorer(scorer_settings, scorer_core)
+    state = {"state_url": f"sqlite:///{tmp_path / 'state.db'}", "weights_dir": tmp_path / "weights"}
+    services = [await start_experience(ExperienceSettings(
+        port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
+        actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
+        state_poll_interval_s=600.0, **state)) for _ in "AB"]
+    try:
+        for service in services:
+            await service.wait_ready(60)
+        a, b = (f"127.0.0.1:{s.running.port}" for s in services)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+        noise = torch.Generator().manual_seed(5)
+        changed = {}
+        for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
+            parameter = dict(model.named_parameters())[name]
+            with torch.no_grad():
+                parameter.add_(0.2 * torch.randn(parameter.shape, generator=noise))
+            changed[name] = parameter.detach().clone()
+        first, second = list(changed.items())
+        assert (await _call(a, None, "update_weights", [first])).policy_version == 1
+        assert (await _call(b, None, "update_weights", [second])).policy_version == 2
+        batches = await _call(a, None, "make_experiences", PROMPTS, n_samples_per_prompt=N_SAMPLES, sampling=GREEDY)
+        for batch in batches:  # A loads version 2's blob before the stream: both changes, not B's alone
+            assert batch.actor_policy_version == 2
+            for row in range(len(batch.reward)):
+                mask = batch.action_mask[row]
+                torch.testing.assert_close(batch.action_log_probs[row][mask], _forward_log_probs(model, batch, row),
+                                           atol=TOLERANCE, rtol=0)
+    finally:
+        for service in services:
+            await service.running.stop(1)
+            await service.close()
+        await scorer.stop(1)
+        await scorer_core.close()
+        await generator.stop(0)
+        await engine.close()
