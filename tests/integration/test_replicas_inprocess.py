@@ -1,7 +1,7 @@
 """Two experience replicas sharing one state store (issue 42), in process: one HF generator (tiny Llama, float32),
 a rule scorer, experience services A and B. A policy update that carries only some tensors, sent through a replica
-that had not loaded the live version yet, applies to the live version. LoRA runs (tokens on, the module's store): What a tenant
-does through one replica holds on the other: alice's adapter sent through A is what B's streams sample and
+that had not loaded the live version yet, applies to the live version. LoRA runs (tokens on, the module's store):
+what a tenant does through one replica holds on the other: alice's adapter sent through A is what B's streams sample and
 forward (B loads it from its blob), a new version sent through B is what A then uses, bob can neither update
 alice's adapter nor take her run id through either replica, and a run deleted through B and made again through A
 (another rank, other modules; or the same, at the same version number) is never served with the old adapter
