@@ -10,6 +10,8 @@ anywhere."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -38,34 +40,44 @@ from tests.integration.test_lora_runs import (
 ALICE, BOB, ADMIN = "alice-token-7b1e", "bob-token-0c52", "admin-token-44d9"  # noqa: S105 - test credentials
 
 
-@pytest.fixture(scope="module")
-async def replicas(tiny_model_path, tmp_path_factory):
-    """The addresses of experience replicas A and B (one generator, one scorer, one state store)."""
-    folder = tmp_path_factory.mktemp("tokens")
-    (folder / "call-tokens").write_text(f"{ALICE}\n{BOB}\n")
-    (folder / "admin-tokens").write_text(f"{ADMIN}\n")
-    engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
+@contextlib.asynccontextmanager
+async def _two_replicas(model_path: str, **experience) -> AsyncIterator[dict[str, str]]:
+    """One HF generator, a rule scorer and experience replicas A and B (``experience``: their common settings; the
+    state store the module's unless named); yields their addresses."""
+    engine = HFEngine.start(model_path, dtype="float32", max_model_len=256, max_batch_size=4)
     generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
     scorer_settings = ScorerSettings(port=0, sources=[
         {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}])
     scorer_core = build_scorer(scorer_settings)
     scorer = await start_scorer(scorer_settings, scorer_core)
     services = []
-    for _ in "AB":
-        service = await start_experience(ExperienceSettings(  # state_url, weights_dir: the module's (conftest)
-            port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
-            actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32", state_poll_interval_s=0.2,
-            auth_tokens_file=folder / "call-tokens", admin_tokens_file=folder / "admin-tokens"))
-        await service.wait_ready(60)
-        services.append(service)
-    yield {name: f"127.0.0.1:{s.running.port}" for name, s in zip("AB", services, strict=True)}
-    for service in services:
-        await service.running.stop(1)
-        await service.close()
-    await scorer.stop(1)
-    await scorer_core.close()
-    await generator.stop(0)
-    await engine.close()
+    try:
+        for _ in "AB":
+            service = await start_experience(ExperienceSettings(
+                port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
+                actor_model=model_path, reference_model=model_path, dtype="float32", **experience))
+            services.append(service)
+            await service.wait_ready(60)
+        yield {name: f"127.0.0.1:{s.running.port}" for name, s in zip("AB", services, strict=True)}
+    finally:
+        for service in services:
+            await service.running.stop(1)
+            await service.close()
+        await scorer.stop(1)
+        await scorer_core.close()
+        await generator.stop(0)
+        await engine.close()
+
+
+@pytest.fixture(scope="module")
+async def replicas(tiny_model_path, tmp_path_factory):
+    """The addresses of experience replicas A and B, bearer tokens on, on the module's state store."""
+    folder = tmp_path_factory.mktemp("tokens")
+    (folder / "call-tokens").write_text(f"{ALICE}\n{BOB}\n")
+    (folder / "admin-tokens").write_text(f"{ADMIN}\n")
+    async with _two_replicas(tiny_model_path, state_poll_interval_s=0.2, auth_tokens_file=folder / "call-tokens",
+                             admin_tokens_file=folder / "admin-tokens") as addresses:
+        yield addresses
 
 
 async def _call(address: str, token: str, method: str, *args, **kwargs):
@@ -137,24 +149,11 @@ async def test_a_partial_update_through_a_replica_that_lags_applies_to_the_live_
     # another through B, which had not loaded version 1 yet; version 2 is both changes, whoever streams it
     from transformers import AutoModelForCausalLM
 
-    from services.generator.hf_engine import HFEngine as Engine
     from tests.integration.test_policy_updates import _forward_log_probs
 
-    engine = Engine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
-    generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
-    scorer_settings = ScorerSettings(port=0, sources=[
-        {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}])
-    scorer_core = build_scorer(scorer_settings)
-    scorer = await start_scorer(scorer_settings, scorer_core)
     state = {"state_url": f"sqlite:///{tmp_path / 'state.db'}", "weights_dir": tmp_path / "weights"}
-    services = [await start_experience(ExperienceSettings(
-        port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
-        actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
-        state_poll_interval_s=600.0, **state)) for _ in "AB"]
-    try:
-        for service in services:
-            await service.wait_ready(60)
-        a, b = (f"127.0.0.1:{s.running.port}" for s in services)
+    async with _two_replicas(tiny_model_path, state_poll_interval_s=600.0, **state) as addresses:
+        a, b = addresses["A"], addresses["B"]
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
         noise = torch.Generator().manual_seed(5)
         changed = {}
@@ -173,11 +172,3 @@ async def test_a_partial_update_through_a_replica_that_lags_applies_to_the_live_
                 mask = batch.action_mask[row]
                 torch.testing.assert_close(batch.action_log_probs[row][mask], _forward_log_probs(model, batch, row),
                                            atol=TOLERANCE, rtol=0)
-    finally:
-        for service in services:
-            await service.running.stop(1)
-            await service.close()
-        await scorer.stop(1)
-        await scorer_core.close()
-        await generator.stop(0)
-        await engine.close()

@@ -428,19 +428,6 @@ async def test_a_remote_call_has_one_total_deadline_and_a_response_cap():
         await huge.close()
 
 
-def _processes_running(marker: str) -> list[int]:
-    """Host pids whose command line holds ``marker`` (a sandboxed `sleep <marker>`, seen from outside)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 async def test_cancelled_calls_leave_nothing_running_even_queued_under_load():
     # six calls on two slots, each exec'ing a sleep of its own; cancelled once two of them run (and four wait):
     # when the cancellations complete, no process of any run is left, and the slots are free again
@@ -451,14 +438,14 @@ async def test_cancelled_calls_leave_nothing_running_even_queued_under_load():
     calls = [asyncio.create_task(sandbox.run(f"import os\nos.execvp('sleep', ['sleep', {m!r}])",
                                              SandboxLimits(timeout_s=600.0))) for m in markers]
     async with asyncio.timeout(60):
-        while sum(bool(_processes_running(m)) for m in markers) < 2:  # the event: two runs' sleeps exist
+        while sum(bool(_host_processes_with(m)) for m in markers) < 2:  # the event: two runs' sleeps exist
             await asyncio.sleep(0.05)
     for call in calls:
         call.cancel()
     for call in calls:
         with pytest.raises(asyncio.CancelledError):
             await call
-    assert [m for m in markers if _processes_running(m)] == []  # killed and reaped before the cancel completed
+    assert [m for m in markers if _host_processes_with(m)] == []  # killed and reaped before the cancel completed
     result = await sandbox.run("print('free')", SandboxLimits(timeout_s=30.0))  # the slots were given back
     assert result.stdout.strip() == "free"
 
