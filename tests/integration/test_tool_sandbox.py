@@ -471,3 +471,38 @@ async def test_the_system_call_filter_refuses_the_keyring_and_kernel_interfaces(
     """)
     result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=30.0))
     assert result.stdout.split("\n")[:3] == ["[]", "forked", "threaded"], result
+
+
+def test_the_sandbox_containers_seccomp_profile_is_the_code_and_bwrap_builds_its_runs_under_it():
+    # deploy/seccomp/fastexp-sandbox.json (Compose's and Kubernetes' profile of the sandbox container) is what the
+    # code says, and bubblewrap builds its namespaces under that filter: a process that loads it (as the container
+    # runtime would) runs the sandbox's probe; inside, the runs' own filter still refuses the keyring
+    from services.scorer.sandbox.seccomp import container_profile
+
+    shipped = json.loads((Path(__file__).resolve().parents[2] / "deploy/seccomp/fastexp-sandbox.json").read_text())
+    assert shipped == container_profile()
+    program = textwrap.dedent(f"""
+        import asyncio, errno, json
+        import pyseccomp as seccomp
+        profile = json.loads({json.dumps(json.dumps(shipped))})
+        rules = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+        for group in profile["syscalls"]:
+            for name in group["names"]:
+                try:
+                    rules.add_rule(seccomp.ERRNO(group["errnoRet"]), name)
+                except (RuntimeError, ValueError, OSError):
+                    pass
+        rules.load()  # this process and its children: the container
+        from services.scorer.sandbox.base import SandboxLimits
+        from services.scorer.sandbox.bubblewrap import BubblewrapSandbox
+        async def main():
+            sandbox = BubblewrapSandbox()
+            await sandbox.check()
+            code = "import ctypes\\nlibc = ctypes.CDLL(None, use_errno=True)\\nprint(libc.syscall(250, 0, -3, 0), ctypes.get_errno())"
+            print((await sandbox.run(code, SandboxLimits(timeout_s=30.0))).stdout.strip())
+        asyncio.run(main())
+        print("ISOLATED")
+    """)
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.stdout.split() == ["-1", "1", "ISOLATED"], result.stdout + result.stderr

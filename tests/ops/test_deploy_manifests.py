@@ -104,7 +104,9 @@ def test_compose_runs_tool_code_in_a_sandbox_container_with_nothing_to_take():
     assert {name for name, service in config["services"].items() if "sandbox" in service.get("networks", {})} == {
         "sandbox", "scorer"}
     assert sandbox["read_only"] is True and sandbox["cap_drop"] == ["ALL"]
-    assert "seccomp=unconfined" in sandbox["security_opt"] and "no-new-privileges:true" in sandbox["security_opt"]
+    options = {o.replace(":", "=", 1) for o in sandbox["security_opt"]}  # docker-compose writes seccomp:<file>
+    assert "seccomp=./deploy/seccomp/fastexp-sandbox.json" in options  # a profile of its own, not unconfined
+    assert "no-new-privileges:true" in sandbox["security_opt"]
     assert sandbox["environment"]["FASTEXP_SANDBOX_SERVER_AUTH_TOKENS_FILE"] == "/run/secrets/sandbox-token"
     assert scorer["environment"]["FASTEXP_SCORER_SANDBOX__BACKEND"] == "remote"
     assert scorer["environment"]["FASTEXP_SCORER_SANDBOX__REMOTE_URL"] == "http://sandbox:8080"
@@ -231,7 +233,8 @@ def test_the_sandbox_pod_holds_nothing_and_reaches_nothing(overlay):
     spec = _deployments(overlay)["sandbox"]
     container = spec["containers"][0]
     assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsNonRoot"] is True
-    assert spec["securityContext"]["seccompProfile"] == {"type": "Unconfined"}  # bubblewrap's namespaces
+    assert spec["securityContext"]["seccompProfile"] == {  # the runs' deny list less what bubblewrap needs
+        "type": "Localhost", "localhostProfile": "fastexp/sandbox.json"}
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                             "capabilities": {"drop": ["ALL"]}}
     assert {v["name"] for v in spec["volumes"]} == {"token", "tmp"}

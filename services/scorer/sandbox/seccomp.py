@@ -40,6 +40,29 @@ NAMESPACE_FLAGS = {
 }
 
 
+#: What bubblewrap itself needs to build a run's namespaces and root: the one difference between the container's
+#: profile (:func:`container_profile`: the sandbox container's seccomp profile, under which bwrap starts) and the
+#: filter of every run (:func:`filter_program`).
+BWRAP_NEEDS = ("mount", "umount2", "pivot_root", "chroot", "unshare")
+#: The architectures the container profile names (the runtime picks the node's).
+PROFILE_ARCHITECTURES = ("SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32", "SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM")
+
+
+def container_profile() -> dict:
+    """The sandbox container's seccomp profile (Docker's and Kubernetes' JSON format, ``deploy/seccomp/
+    fastexp-sandbox.json``): the runs' deny list, less what bubblewrap needs to build their namespaces
+    (:data:`BWRAP_NEEDS`, and ``clone`` with namespace flags); every run then gets the whole filter inside."""
+    denied = [name for name in DENIED_SYSCALLS if name not in BWRAP_NEEDS]
+    return {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": list(PROFILE_ARCHITECTURES),
+        "syscalls": [
+            {"names": denied, "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM},
+            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
+        ],
+    }
+
+
 class SeccompUnavailable(RuntimeError):
     """The filter cannot be built here (libseccomp or its bindings are missing)."""
 
