@@ -4,6 +4,8 @@ codes of the run errors, and a run on the wire and back."""
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import pytest
 
@@ -282,3 +284,34 @@ def test_a_run_goes_to_the_wire_and_back_to_the_trainers_record():
     assert record.groups_in_flight is None and record.groups_queued is None
     base = run_from_pb(run_to_pb(RunStatus(Run("b", "anonymous", None, OPERATOR.defaults, 0.0), 0), 0))
     assert base.lora is None and base.owner == "anonymous"
+
+
+async def test_a_stream_cancelled_while_its_slot_is_taken_gives_the_slot_back(store, monkeypatch):
+    # the slot's transaction is held until the stream was cancelled; it commits, and the slot is given back
+    import asyncio
+    import threading
+
+    from services.experience.state import rows
+
+    started, release, real = threading.Event(), threading.Event(), rows.open_slot
+
+    def held_open_slot(*args, **kwargs):
+        started.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rows, "open_slot", held_open_slot)
+    registry = RunRegistry(OPERATOR, store, ReplicaIdentity.new("a", ttl_s=3600.0))  # its slots always count
+    await registry.heartbeat()
+    await registry.create("r", ALICE, None, RunLimits(max_streams=1))
+    entering = asyncio.ensure_future(_enter_stream(registry, "r", ALICE))
+    assert await asyncio.to_thread(started.wait, 10)  # the event: the slot is being taken
+    entering.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await entering
+    release.set()
+    monkeypatch.setattr(rows, "open_slot", real)
+    async with asyncio.timeout(10):  # given back once the transaction that took it committed
+        while (await registry.get("r", ALICE)).streams_open:
+            await asyncio.sleep(0.01)
+    await _enter_stream(registry, "r", ALICE)  # the run's one slot is free

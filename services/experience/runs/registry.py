@@ -279,18 +279,27 @@ class RunRegistry:
             yield None
             return
         check_user(run, caller)
-        slot = await self._write("opening a stream slot", functools.partial(
+        opening = asyncio.ensure_future(self._write("opening a stream slot", functools.partial(
             rows.open_slot, run_id=run_id, replica_id=self.replica.replica_id, now=self._clock(),
-            alive_after=self._alive_after()))
+            alive_after=self._alive_after())))
+        try:
+            slot = await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the stream was cancelled while its slot was being taken: give it back
+            opening.add_done_callback(lambda done: None if done.cancelled() or done.exception() else
+                                      asyncio.ensure_future(self._close_slot(run_id, done.result())))
+            raise
         try:
             yield run
         finally:
-            try:
-                await asyncio.shield(self._write("closing a stream slot",
-                                                 functools.partial(rows.close_slot, slot_id=slot)))
-            except Exception as error:  # noqa: BLE001 - the slot stops counting once this replica is gone
-                logger.warning("run %s: stream slot %s not given back (%s); it counts until this replica stops",
-                               run_id, slot, error)
+            await asyncio.shield(self._close_slot(run_id, slot))
+
+    async def _close_slot(self, run_id: str, slot: str) -> None:
+        """Give stream slot ``slot`` back; a failure is logged (it stops counting once this replica is gone)."""
+        try:
+            await self._write("closing a stream slot", functools.partial(rows.close_slot, slot_id=slot))
+        except Exception as error:  # noqa: BLE001 - see the docstring
+            logger.warning("run %s: stream slot %s not given back (%s); it counts until this replica stops",
+                           run_id, slot, error)
 
     async def authorize_update(self, run_id: str, caller: Caller) -> Run:
         """The run an UpdateWeights naming ``run_id`` acts on, when ``caller`` may update it (:func:`check_update`).
