@@ -100,7 +100,7 @@ class WeightSync:
             raise InvalidRequest("header.target", "this experience service runs no critic (set critic_model)")
         check_update(update.entries, module_spec(tensors))
         async with self._applying:
-            claim = await self.ledger.claim(target="critic")
+            claim = await self._claim(target="critic")
             version = None
             try:
                 await self._catch_up_critic(claim.live)  # the update applies to the live critic (as the policy's)
@@ -137,7 +137,7 @@ class WeightSync:
         check_adapter(name, config, tensors, modules, config.rank)  # every tensor there, finite
         clock = self.clocks.of(name)
         async with self._applying:
-            claim = await self.ledger.claim(run_id=name)
+            claim = await self._claim(run_id=name)
             live = None
             try:
                 # the ledger's version when it has one: a run of this name deleted and made again through another
@@ -162,6 +162,17 @@ class WeightSync:
         async with self._applying:
             await self._forwarder.remove_adapter(name)
             self.clocks.forget(name)
+
+    async def _claim(self, *, target: str | None = None, run_id: str | None = None) -> Claim:
+        """The ledger's claim of an update; an update cancelled while it is being claimed releases it once the
+        claim is made (else it would hold the model or run until the claim expires)."""
+        claiming = asyncio.ensure_future(self.ledger.claim(target=target, run_id=run_id))
+        try:
+            return await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            claiming.add_done_callback(lambda done: None if done.cancelled() or done.exception() else
+                                       asyncio.ensure_future(self.ledger.commit(done.result(), None)))
+            raise
 
     @staticmethod
     def _next_version(update: ReceivedUpdate, current: int) -> int:
@@ -190,7 +201,7 @@ class WeightSync:
                 raise FailedPrecondition(
                     f"header.target: LoRA runs {', '.join(runs)} sample adapters over the base model; updating it "
                     "would change their policies under them (delete them first)")
-            claim = await self.ledger.claim(target="policy")  # FailedPrecondition: LoRA runs on any replica
+            claim = await self._claim(target="policy")  # FailedPrecondition: LoRA runs on any replica
             version = None
             try:
                 # an update may carry only the tensors a step changed: it applies to the live version, which this
