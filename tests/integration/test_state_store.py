@@ -9,7 +9,6 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-import sqlalchemy as sa
 import torch
 
 from fastexp.errors import AlreadyExists, FailedPrecondition, NotReady, Overloaded, PermissionDenied
@@ -201,4 +200,3 @@ def test_a_store_url_of_another_kind_is_refused_naming_the_setting():
     for url in ("mysql://x/y", "sqlite://", "not a url"):
         with pytest.raises(StoreConfigError, match="^state_url: "):
             StateStore(url)
-    assert StateStore.__init__ is not None and sa is not None

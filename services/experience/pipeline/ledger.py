@@ -15,7 +15,7 @@ experience replica and kept across restarts, with each version's weights written
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -75,7 +75,7 @@ class LocalLedger:
 
     by_reference = False
 
-    def __init__(self, lora_runs=lambda: ()) -> None:
+    def __init__(self, lora_runs: Callable[[], Iterable[str]] = tuple) -> None:
         self._live: dict[tuple[str, str], Live] = {}
         self._claims: dict[tuple[str, str], str] = {}
         self._lora_runs = lora_runs
