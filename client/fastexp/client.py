@@ -26,15 +26,18 @@ Errors arrive as the domain error of the service's status code (:mod:`fastexp.st
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
+import stamina
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastexp.channels import client_channel, message_options
 from fastexp.critic import save_value_model
+from fastexp.errors import NotReady
 from fastexp.packing import unpack_experience
 from fastexp.request import (
     DEFAULT_SAMPLING,
@@ -45,6 +48,7 @@ from fastexp.request import (
     build_request,
     encode_image,
 )
+from fastexp.resume import DEFAULT_STREAM_RETRY, StreamProgress, StreamResumesExhausted, StreamRetry, resumable
 from fastexp.runs import Run, RunLimits, create_run_request, run_from_pb
 from fastexp.security import ClientTLS
 from fastexp.status import (
@@ -63,7 +67,8 @@ from fastexp.wire import experience_from_pb
 SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].full_name
 
 __all__ = [
-    "AgentOptions", "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "RequestOptions", "Run", "RunLimits", "Sampling", "build_request",
+    "AgentOptions", "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "RequestOptions", "Run", "RunLimits", "Sampling",
+    "StreamResumesExhausted", "StreamRetry", "build_request",
     "encode_image", "invalid_prompt_indices", "save_value_model", "undelivered_prompt_indices", "unpack_experience",
     "update_generator_weights", "weight_chunks",
 ]
@@ -79,9 +84,12 @@ class ExperienceClient:
         max_message_bytes: int = 256 * 1024 * 1024,
         tls: ClientTLS | None = None,
         token: str | None = None,
+        stream_retry: StreamRetry = DEFAULT_STREAM_RETRY,
     ):
         """``tls``: connect with TLS (``ClientTLS(ca_file, cert_file, key_file)``, mTLS with the last two);
-        ``token``: the bearer token the service's operator issued (an admin token for :meth:`update_weights`).
+        ``token``: the bearer token the service's operator issued (an admin token for :meth:`update_weights`);
+        ``timeout_s``: a stream's deadline, all its resumes included; ``stream_retry``: how often a broken stream
+        is resumed (:class:`fastexp.resume.StreamRetry`; ``StreamRetry(max_resumes=0)``: never).
 
         Raises:
             fastexp.security.SecurityConfigError: a TLS file is missing or empty.
@@ -89,8 +97,10 @@ class ExperienceClient:
         self._channel = client_channel(address, message_options(max_message_bytes), tls, token)
         self._stub = experience_pb2_grpc.ExperienceServiceStub(self._channel)
         self._timeout_s = timeout_s
-        #: ``fastexp-*`` trailing metadata of the last finished stream as ints, e.g. ``dropped-groups``,
-        #: ``generation-rounds`` (dynamic sampling drops after the last batch are only counted here).
+        self._stream_retry = stream_retry
+        #: ``fastexp-*`` trailing metadata of the last stream as ints, summed over its opens, e.g.
+        #: ``dropped-groups``, ``generation-rounds`` (dynamic sampling drops after the last batch are only counted
+        #: here), and ``resumes``: how often it was resumed.
         self.last_stream_stats: dict[str, int] = {}
         #: Multi-turn groups the last stream could not deliver (an episode failed in its environment): send again.
         self.last_failed_prompt_indices: list[int] = []
@@ -101,27 +111,63 @@ class ExperienceClient:
         """Stream Experiences for ``prompts`` with ``options``; keyword arguments are :func:`build_request`'s
         (per-prompt ``references``, ``labels``, ``images``, ``videos``, and any :class:`RequestOptions` field).
 
-        Each yielded Experience holds whole prompt groups; every prompt's group arrives exactly once. Stopping
-        the iteration (or ``close``) cancels the stream, which aborts the remaining generation. ``run_id=`` a run
-        of :meth:`create_run` streams within that run's limits; any other id names running statistics only (this
-        token's own).
+        Each yielded Experience holds whole prompt groups; every prompt's group arrives exactly once, also when
+        the stream breaks: the stream has a ``stream_id`` (``options.stream_id``, else a new one), and after
+        UNAVAILABLE (the replica serving it was killed or drained, the network cut) it is resumed through the same
+        address with what was already yielded, within the client's ``stream_retry`` budget
+        (:mod:`fastexp.resume`). Stopping the iteration (or ``close``) cancels the stream, which aborts the
+        remaining generation. ``run_id=`` a run of :meth:`create_run` streams within that run's limits; any other
+        id names running statistics only (this token's own).
 
         Raises:
-            grpc.RpcError: the call failed (INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, ...; with a created
+            fastexp.resume.StreamResumesExhausted: the stream broke more often than ``stream_retry`` allows (it
+                names the prompt groups not delivered; a NotReady, UNAVAILABLE).
+            grpc.RpcError: the call failed otherwise (INVALID_ARGUMENT, DEADLINE_EXCEEDED, ...; with a created
                 run's id: PERMISSION_DENIED when it is another token's, RESOURCE_EXHAUSTED naming max_streams).
         """
-        stream = self._stub.MakeExperiences(
-            build_request(prompts, options, **columns_and_overrides), timeout=self._timeout_s
-        )
+        request = build_request(prompts, options, **columns_and_overrides)
+        retry = self._stream_retry
+        if not request.stream_id and retry.max_resumes > 0:
+            request.stream_id = uuid.uuid4().hex
+        progress = StreamProgress(len(request.prompts))
+        deadline = time.monotonic() + self._timeout_s
         self.last_stream_stats, self.last_failed_prompt_indices = {}, []
         try:
+            for attempt in stamina.retry_context(
+                on=resumable, attempts=1 + retry.max_resumes, timeout=None, wait_initial=retry.wait_initial_s,
+                wait_max=retry.wait_max_s, wait_jitter=retry.wait_jitter_s,
+            ):
+                with attempt:
+                    yield from self._open_stream(request, progress, deadline)
+        except NotReady as error:
+            if progress.opens <= retry.max_resumes or not request.stream_id:
+                raise
+            raise StreamResumesExhausted(request.stream_id, retry.max_resumes, progress.undelivered(), error) from error
+
+    def _open_stream(self, request: experience_pb2.MakeExperiencesRequest, progress: StreamProgress,
+                     deadline: float) -> Iterator[Experience]:
+        """One open of a stream (the first, or a resume of what ``progress`` lacks); its counters are added to
+        :attr:`last_stream_stats` however it ends."""
+        if progress.opens:
+            request.resume.CopyFrom(progress.resume())
+        progress.opens += 1
+        stream = self._stub.MakeExperiences(request, timeout=max(0.0, deadline - time.monotonic()))
+        trailers = None
+        try:
             for message in stream:
-                yield experience_from_pb(message)
+                experience = experience_from_pb(message)
+                progress.received(experience)  # the trainer's from here: a resume leaves it out
+                yield experience
             trailers = stream.trailing_metadata()
-            self.last_stream_stats = stream_counters(trailers)
             self.last_failed_prompt_indices = indices_in(trailers, FAILED_KEY) or []
+        except grpc.RpcError as error:
+            trailers = error.trailing_metadata()
+            raise
         finally:
             stream.cancel()
+            for name, count in stream_counters(trailers).items():
+                self.last_stream_stats[name] = self.last_stream_stats.get(name, 0) + count
+            self.last_stream_stats["resumes"] = progress.opens - 1
 
     def update_weights(
         self,

@@ -126,6 +126,7 @@ class RequestOptions:
     rollout_is_threshold: float | None = None  # their truncation C >= 1 (None: the service's default, 2.0)
     agent: AgentOptions | None = None  # each sample one call of the operator's agent server (None: no agent)
     request_id: str = ""  # names the stream in the services' logs (else the x-request-id metadata, else new)
+    stream_id: str = ""  # the resumable stream's id (""; the client makes one: fastexp.resume)
 
     def __post_init__(self) -> None:
         hints = _hints()
@@ -285,7 +286,7 @@ def _prompt_input(prompt: PromptLike, reference, label, images, videos, video_sa
 def _message_fields(o: RequestOptions) -> dict[str, Any]:
     """``MakeExperiencesRequest`` fields (all but prompts) of ``o``."""
     return dict(
-        request_id=o.request_id, sampling=sampling_to_pb(o.sampling), n_samples_per_prompt=o.n_samples_per_prompt,
+        request_id=o.request_id, stream_id=o.stream_id, sampling=sampling_to_pb(o.sampling), n_samples_per_prompt=o.n_samples_per_prompt,
         micro_rollout_batch_size=o.micro_rollout_batch_size, advantage_estimator=o.advantage_estimator,
         kl=experience_pb2.KLSettings(
             kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, use_kl_loss=o.use_kl_loss, kl_target=o.kl_target,

@@ -58,6 +58,8 @@ RECEIVED_KINDS: dict[grpc.StatusCode, type[FastexpError]] = {
 
 #: Trailing metadata of a failed MakeExperiences stream: the prompt indices not delivered, comma-separated.
 UNDELIVERED_KEY = "fastexp-undelivered-prompt-indices"
+#: Trailing metadata of a stream a stopping replica handed over (UNAVAILABLE): "true"; resume it elsewhere at once.
+DRAINED_KEY = "fastexp-drained"
 #: Trailing metadata of an INVALID_ARGUMENT answer caused by prompts: every invalid prompt index, comma-separated.
 INVALID_PROMPTS_KEY = "fastexp-invalid-prompt-indices"
 #: Trailing metadata of a stream that completed without some multi-turn groups: their prompt indices.
@@ -93,6 +95,14 @@ def indices_in(metadata: Iterable[tuple[str, Any]] | None, key: str) -> list[int
         if name == key:
             text = value.decode() if isinstance(value, bytes) else value
             return [int(i) for i in text.split(",") if i]
+    return None
+
+
+def trailer_value(metadata: Iterable[tuple[str, Any]] | None, key: str) -> str | None:
+    """The text under ``key`` in trailing ``metadata``; None when absent."""
+    for name, value in metadata or ():
+        if name == key:
+            return value.decode() if isinstance(value, bytes) else value
     return None
 
 

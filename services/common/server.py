@@ -59,6 +59,9 @@ class RunningServer:
     port: int
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
+    #: told ``grace_s`` when the server stops, before in-flight calls are given that long (a service that hands
+    #: its long calls over before the grace ends: the experience service's streams)
+    on_stop: Callable[[float], None] | None = None
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING or NOT_SERVING for the overall server ("") and each service."""
@@ -72,6 +75,8 @@ class RunningServer:
         """NOT_SERVING (liveness too), then let in-flight calls finish for up to ``grace_s`` seconds."""
         await self.set_serving(False)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.on_stop is not None:
+            self.on_stop(grace_s)
         await self.server.stop(grace_s)
 
 

@@ -147,11 +147,28 @@ class PromptSpec:
 
 
 @dataclass(frozen=True)
+class StreamPoint:
+    """Where a resumable stream (``MakeExperiencesRequest.stream_id``) stands as this open starts.
+
+    ``stream_id`` scoped to ``principal`` (the calling token's) names its record in the state store;
+    ``start_version`` is v0 of its first open (``max_staleness`` counts from it); ``first_batch_index`` the
+    ``batch_index`` of this open's first batch. (Which groups the running statistics counted already is read with
+    each batch's statistics: :mod:`services.experience.pipeline.streams`.)"""
+
+    stream_id: str
+    principal: str
+    start_version: int
+    first_batch_index: int = 0
+
+
+@dataclass(frozen=True)
 class ExperienceRequest:
     """A validated request. ``prompts`` are the ones to sample; the pipeline indexes them 0..len(prompts)-1.
-    With ``prompt_overflow = skip`` some of the message's prompts are left out: ``prompt_indices`` then maps each
-    of ``prompts`` to its index in the message (empty: the identity) and ``skipped_prompt_indices`` lists the
-    others; ``truncated_prompt_indices`` are message indices of prompts cut to ``max_prompt_tokens``."""
+    Some of the message's prompts may be left out (``prompt_overflow = skip``, or groups a resumed stream's client
+    holds): ``prompt_indices`` then maps each of ``prompts`` to its index in the message (empty: the identity);
+    ``skipped_prompt_indices`` lists those to report dropped with the first batch; ``truncated_prompt_indices``
+    are message indices of prompts cut to ``max_prompt_tokens``. ``stream``: a resumable stream's point (None:
+    a stream without ``stream_id``)."""
 
     request_id: str
     prompts: tuple[PromptSpec, ...]
@@ -160,6 +177,7 @@ class ExperienceRequest:
     prompt_indices: tuple[int, ...] = ()
     skipped_prompt_indices: tuple[int, ...] = ()
     truncated_prompt_indices: tuple[int, ...] = ()
+    stream: StreamPoint | None = None
 
     def source_index(self, index: int) -> int:
         """The message's index of ``prompts[index]``."""

@@ -39,6 +39,7 @@ from services.experience.state.blobs import WeightsBlobs
 from services.experience.state.ledger import StoredLedger
 from services.experience.state.statistics import StoredStatistics
 from services.experience.state.store import StateStore
+from services.experience.state.streams import StoredStreams
 from services.experience.workers.adapters import AdapterForwards
 from services.experience.workers.critic import ValueModel
 from services.experience.workers.logprobs import LogProbModel
@@ -270,19 +271,22 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     fleet.weight_source = maker.sync_replica
     fleet.members.live_adapters = maker.clocks.settled_adapters  # a replica lacking one is sent it before it serves
     upstream.on_generator_info = _on_generator_reached(maker, policy)
+    streams = StoredStreams(runs.store, settings.stream_ttl_s)
     servicer = ExperienceServicer(
         maker, policy.tokenizer, settings.request_limits(), upstream.require_ready, runs,
         settings.weights_staging_dir, settings.max_concurrent_streams, vision=policy.vision,
         media_limits=settings.media_limits(), checkpoint_roots=tuple(settings.checkpoint_roots),
+        streams=streams, drain_margin_s=settings.drain_margin_s,
     )
     RUN_METRICS.add(servicer)
     running = await start_service(
         settings, SERVICE_NAME, lambda server: experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server)
     )
+    running.on_stop = servicer.drain  # SIGTERM: streams hand over before the grace period ends
     metrics.POLICY_VERSION.labels("experience").set_function(lambda: maker.policy.version)
     for queue in ("scored", "forwarded"):
         metrics.QUEUE_DEPTH.labels(queue).set_function(lambda queue=queue: maker.queue_depth(queue))
-    watchers = _watch(running, upstream, fleet, runs, maker, ledger, settings)
+    watchers = _watch(running, upstream, fleet, runs, maker, (ledger, streams), settings)
     logger.info(
         "experience service listening on %s:%d, NOT_SERVING until the generator (%s) and scorer (%s) answer",
         settings.host, running.port, generators, settings.scorer_address,
@@ -292,7 +296,8 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
 
 
 def _watch(running: RunningServer, upstream: UpstreamMonitor, fleet: GeneratorFleet, runs: RunRegistry,
-           maker: ExperienceMaker, ledger: StoredLedger, settings: ExperienceSettings) -> tuple[asyncio.Task, ...]:
+           maker: ExperienceMaker, state: tuple[StoredLedger, StoredStreams],
+           settings: ExperienceSettings) -> tuple[asyncio.Task, ...]:
     """The service's background tasks: the generator fleet, readiness (SERVING while the generator and scorer are
     reached and the state store answers), the store's heartbeat, and following the live versions."""
     gate = ServingGate(running, ("upstream", "state store"), initially=("state store",))  # migrated: it answered
@@ -300,20 +305,22 @@ def _watch(running: RunningServer, upstream: UpstreamMonitor, fleet: GeneratorFl
         asyncio.create_task(fleet.run(), name="generator-fleet"),
         asyncio.create_task(upstream.run(gate.setter("upstream")), name="upstream-monitor"),
         asyncio.create_task(runs.run_heartbeats(gate.setter("state store")), name="state-heartbeat"),
-        asyncio.create_task(_follow_ledger(maker, ledger, settings), name="state-follower"),
+        asyncio.create_task(_follow_ledger(maker, *state, settings), name="state-follower"),
     )
 
 
-async def _follow_ledger(maker: ExperienceMaker, ledger: StoredLedger, settings: ExperienceSettings) -> None:
+async def _follow_ledger(maker: ExperienceMaker, ledger: StoredLedger, streams: StoredStreams,
+                         settings: ExperienceSettings) -> None:
     """Every ``state_poll_interval_s``: load the live versions made through other replicas (the generator fleet
     follows the live policy version: ``WeightSync.on_policy_live``), and now and then collect the blobs no live
-    version names."""
+    version names and the stream records unused for ``stream_ttl_s``."""
     polls, collect_every = 0, max(1, int(60.0 / settings.state_poll_interval_s))
     while True:
         try:
             await maker.catch_up()
             if polls % collect_every == 0:
                 await ledger.collect(settings.weights_collect_grace_s)
+                await streams.collect()
         except Exception as error:  # noqa: BLE001 - the store or a blob is unavailable: streams report it
             logger.warning("following the live versions failed: %s", error)
         polls += 1

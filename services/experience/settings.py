@@ -157,6 +157,12 @@ class ExperienceSettings(GenerationLimits):
                                                              "any number of streams never needs more)")
     replica_ttl_s: float = Field(30.0, gt=0, description="an experience replica silent in the store this long (killed) "
                                                          "no longer holds its runs' stream slots")
+    stream_ttl_s: float = Field(86400.0, gt=0, description="a resumable stream's record (stream_id) is kept this long "
+                                                           "after its last open or batch; a resume after it starts afresh")
+    drain_margin_s: float = Field(
+        5.0, ge=0, description="SIGTERM: streams still open this long before grace_period_s ends are handed over "
+        "(UNAVAILABLE, trailer fastexp-drained) for their clients to resume on another replica",
+    )
     weights_staging_dir: str | None = Field(
         None, description="where streamed weight updates are staged on disk (None: the system temp folder)"
     )

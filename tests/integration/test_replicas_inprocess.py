@@ -36,14 +36,23 @@ from tests.integration.test_lora_runs import (
     peft_model,
     response_log_probs,
 )
+from tests.support.gates import Gate, gated
 
 ALICE, BOB, ADMIN = "alice-token-7b1e", "bob-token-0c52", "admin-token-44d9"  # noqa: S105 - test credentials
 
 
+class Replicas(dict):
+    """Replica name -> address; ``services``: the running experience services, A's first; ``scorer_gate``: the
+    gate in front of their scorer."""
+
+    services: list
+    scorer_gate: Gate
+
+
 @contextlib.asynccontextmanager
-async def _two_replicas(model_path: str, **experience) -> AsyncIterator[dict[str, str]]:
+async def _two_replicas(model_path: str, **experience) -> AsyncIterator[Replicas]:
     """One HF generator, a rule scorer and experience replicas A and B (``experience``: their common settings; the
-    state store the module's unless named); yields their addresses."""
+    state store the module's unless named); yields their addresses (and services)."""
     engine = HFEngine.start(model_path, dtype="float32", max_model_len=256, max_batch_size=4)
     generator = await start_generator(GeneratorSettings(port=0, max_model_len=256), engine)
     scorer_settings = ScorerSettings(port=0, sources=[
@@ -52,13 +61,16 @@ async def _two_replicas(model_path: str, **experience) -> AsyncIterator[dict[str
     scorer = await start_scorer(scorer_settings, scorer_core)
     services = []
     try:
-        for _ in "AB":
-            service = await start_experience(ExperienceSettings(
-                port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=f"127.0.0.1:{scorer.port}",
-                actor_model=model_path, reference_model=model_path, dtype="float32", **experience))
-            services.append(service)
-            await service.wait_ready(60)
-        yield {name: f"127.0.0.1:{s.running.port}" for name, s in zip("AB", services, strict=True)}
+        async with gated("scorer", f"127.0.0.1:{scorer.port}") as (scorer_address, gate):
+            for _ in "AB":
+                service = await start_experience(ExperienceSettings(
+                    port=0, generator_address=f"127.0.0.1:{generator.port}", scorer_address=scorer_address,
+                    actor_model=model_path, reference_model=model_path, dtype="float32", **experience))
+                services.append(service)
+                await service.wait_ready(60)
+            replicas = Replicas((name, f"127.0.0.1:{s.running.port}") for name, s in zip("AB", services, strict=True))
+            replicas.services, replicas.scorer_gate = services, gate
+            yield replicas
     finally:
         for service in services:
             await service.running.stop(1)

@@ -102,7 +102,7 @@ async def test_statistics_advance_atomically_from_two_replicas_and_are_scoped_an
     initial = RunState(RunningMoments(), KLController(0.1))
 
     def one_reward(value: float):
-        def step(state: RunState):
+        def step(state: RunState, _counted: frozenset[int]):
             return RunState(state.reward_moments.update(torch.tensor([value])), state.kl), None
         return step
 
@@ -113,7 +113,7 @@ async def test_statistics_advance_atomically_from_two_replicas_and_are_scoped_an
     assert stored.reward_count == 40 and stored.reward_mean == pytest.approx(19.5)
     # an id with no run is the caller's own: Bob's statistics of "x" are not Alice's
     await replicas[0].advance(StatisticsKey("x", ALICE.principal), initial, one_reward(1.0))
-    seen = await replicas[1].advance(StatisticsKey("x", BOB.principal), initial, lambda s: (s, s))
+    seen = await replicas[1].advance(StatisticsKey("x", BOB.principal), initial, lambda s, _counted: (s, s))
     assert seen.reward_moments.count == 0
     # DeleteRun removes the run's statistics with it: a new run of that id starts afresh
     await registry.delete("r", ALICE)

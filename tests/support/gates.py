@@ -25,8 +25,11 @@ class Gate:
         self._changed = asyncio.Condition()
         self.held = 0
         self.arrived = 0  # calls that reached the gate, open or not
+        self._let_through = 0  # calls a closed gate still passes
 
-    def close(self) -> None:
+    def close(self, after: int = 0) -> None:
+        """Close: the next ``after`` calls still pass, those after them wait."""
+        self._let_through = after
         self._open.clear()
 
     def open(self) -> None:
@@ -34,6 +37,10 @@ class Gate:
 
     async def passage(self) -> None:
         """Wait while the gate is closed (counted in ``held``)."""
+        if not self._open.is_set() and self._let_through > 0:
+            self._let_through -= 1
+            self.arrived += 1
+            return
         async with self._changed:
             self.arrived += 1
             self.held += 1

@@ -26,6 +26,7 @@ MAX_FUNCTION_LINES = 60  # docstrings aside
 
 CLI_PACKAGES = {"cli", "launcher", "demo"}
 CLIENT_DEPENDENCIES = {"grpc", "grpc_health", "google", "numpy", "torch", "fastexp", "safetensors",
+                       "stamina",  # resuming broken streams' backoff (fastexp/resume.py; pure Python, with tenacity)
                        "av",  # the optional `video` extra (fastexp/video.py imports it when a video file is given)
                        "trl", "peft"}  # the optional `trl` extra (fastexp/integrations/trl imports them when used)
 MATH_DEPENDENCIES = {"torch", "numpy"}

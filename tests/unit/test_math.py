@@ -233,7 +233,7 @@ async def test_memory_statistics_keep_latest_state_per_key_and_evict_lru():
     a, b, c = StatisticsKey("a"), StatisticsKey("b"), StatisticsKey("c")
 
     def put(state):
-        return lambda _old: (state, None)
+        return lambda _old, _counted: (state, None)
 
     await store.advance(a, initial, put(RunState(RunningMoments(3, 1.0, 2.0), KLController(0.2, 1.0))))
     await store.advance(b, initial, put(initial))

@@ -26,7 +26,7 @@ from fastexp.rl.processing import (
 )
 from fastexp.rl.rewards import compute_reward
 from fastexp.rl.rollout_correction import rollout_correction
-from fastexp.rl.running import RunningMoments, RunState
+from fastexp.rl.running import KLController, RunningMoments, RunState
 from fastexp.types import Experience, ForwardOutputs, Rollout
 
 
@@ -39,6 +39,7 @@ def estimate_experience(
     state: RunState,
     batch_index: int = 0,
     dropped_prompt_indices: tuple[int, ...] = (),
+    counted: torch.Tensor | None = None,
 ) -> tuple[Experience, RunState]:
     """Compute KL, per-token rewards, returns and advantages for whole prompt groups.
 
@@ -58,6 +59,10 @@ def estimate_experience(
     7. ``advantages, returns = estimator.advantages(r, values, gamma, lambd)``.
     8. ``advantages_norm`` (whitening over ``action_mask``), then ``advantage_clip``.
     9. The run's beta is updated from this batch's mean per-sequence KL (adaptive controller only).
+
+    ``counted`` (B,) bool: the rows whose rewards (stage 4) and KL (stage 9) advance the run's state; None: all.
+    A resumed stream regenerates groups whose lost copies the state already counted (fastexp's resumable
+    streams): those rows are shaped with the state as it stands and leave it unchanged.
     10. Rollout/trainer mismatch: truncated importance weights (``rollout_correction``) and the batch's mismatch
         metrics (:mod:`~fastexp.rl.rollout_correction`).
 
@@ -87,11 +92,11 @@ def estimate_experience(
     kl = None  # no reference: the request has no KL anywhere (the service's ``ExperienceConfig.needs_reference``)
     if forward.base_action_log_probs is not None:
         kl = compute_approx_kl(forward.action_log_probs, forward.base_action_log_probs, mask, config.kl.kl_estimator)
-    shaped = _shape_rewards(reward.float(), rollout.response_length, episodes, count, config, state)
+    counted = torch.ones(batch, dtype=torch.bool) if counted is None else counted
+    shaped = _shape_rewards(reward.float(), rollout.response_length, episodes, count, config, state, counted)
     kl_coef = state.kl.value
     in_reward = 0.0 if config.kl.use_kl_loss or kl is None else kl_coef
-    kl_terms = kl if kl is not None else torch.zeros(mask.shape, dtype=torch.float32)
-    per_token_rewards = compute_reward(shaped.reward, in_reward, kl_terms, mask)
+    per_token_rewards = compute_reward(shaped.reward, in_reward, torch.zeros(mask.shape) if kl is None else kl, mask)
     advantages, returns = config.estimator.advantages(
         TokenInputs(per_token_rewards, mask, forward.values, n, config.gamma, config.lambd)
     )
@@ -99,8 +104,7 @@ def estimate_experience(
         advantages = whiten(advantages, mask)
     advantages, advantage_clip_frac = clip_with_fraction(advantages, config.advantage.advantage_clip, mask)
 
-    kl_state = state.kl if kl is None else state.kl.update(sequence_mean_kl(kl, mask), batch)
-    next_state = RunState(reward_moments=shaped.moments, kl=kl_state)
+    next_state = RunState(reward_moments=shaped.moments, kl=_next_kl(state, kl, mask, counted))
     mismatch = rollout_correction(forward.action_log_probs, rollout.rollout_log_probs, mask, config.rollout_correction)
     rows = {name: getattr(rollout, name) for name in _FROM_ROLLOUT}
     experience = Experience(
@@ -127,6 +131,15 @@ def estimate_experience(
     return experience, next_state
 
 
+def _next_kl(state: RunState, kl: torch.Tensor | None, mask: torch.Tensor, counted: torch.Tensor) -> KLController:
+    """Stage 9: beta after the batch, from the mean per-sequence KL of its ``counted`` rows (unchanged without a
+    reference or without counted rows)."""
+    rows = int(counted.sum())
+    if kl is None or not rows:
+        return state.kl
+    return state.kl.update(sequence_mean_kl(kl[counted], mask[counted]), rows)
+
+
 #: Experience fields copied from the Rollout as they are.
 _FROM_ROLLOUT = (
     "sequences", "attention_mask", "action_mask", "response_length", "total_length", "prompt_index", "sample_index",
@@ -148,23 +161,24 @@ class _ShapedRewards(NamedTuple):
 
 def _shape_rewards(
     reward: torch.Tensor, response_length: torch.Tensor, episodes: torch.Tensor, count: int, config: EstimateConfig,
-    state: RunState,
+    state: RunState, counted: torch.Tensor,
 ) -> _ShapedRewards:
     """Stages 2-5 of :func:`estimate_experience` over the ``count`` episodes of (B,) rows (``episodes``: each
-    row's episode); the shaped reward comes back per row."""
+    row's episode; ``counted``: the rows whose rewards advance the moments); the shaped reward comes back per row."""
     first = torch.ones_like(episodes, dtype=torch.bool)
     first[1:] = episodes[1:] != episodes[:-1]
     shaped = _shape_episode_rewards(
         reward[first], torch.zeros(count, dtype=response_length.dtype).index_add_(0, episodes, response_length),
-        config, state,
+        config, state, counted[first],
     )
     return shaped._replace(reward=shaped.reward[episodes])
 
 
 def _shape_episode_rewards(
-    reward: torch.Tensor, response_length: torch.Tensor, config: EstimateConfig, state: RunState
+    reward: torch.Tensor, response_length: torch.Tensor, config: EstimateConfig, state: RunState,
+    counted: torch.Tensor,
 ) -> _ShapedRewards:
-    """Stages 2-5 over (E,) episode rewards, E = G * n."""
+    """Stages 2-5 over (E,) episode rewards, E = G * n (``counted`` (E,): those that advance the moments)."""
     options, batch, n = config.reward, reward.shape[0], config.n_samples_per_prompt
     if options.overlong_buffer_len > 0:
         reward = reward + overlong_penalty(
@@ -174,7 +188,7 @@ def _shape_episode_rewards(
     reward = config.estimator.shape_rewards(reward.view(batch // n, n)).reshape(batch)
     moments, norm_mean, norm_std = state.reward_moments, 0.0, 1.0
     if options.reward_running_norm:
-        moments = moments.update(reward)
+        moments = moments.update(reward[counted])
         reward, norm_mean, norm_std = running_normalize(reward, moments, options.reward_running_norm_minus_mean)
     reward, clip_frac = clip_with_fraction(reward, options.reward_clip)
     return _ShapedRewards(reward, moments, norm_mean, norm_std, clip_frac)

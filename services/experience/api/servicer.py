@@ -7,18 +7,19 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from fastexp.status import FAILED_KEY, INVALID_PROMPTS_KEY, RUN_ID_KEY, UNDELIVERED_KEY
+from fastexp.status import DRAINED_KEY, FAILED_KEY, INVALID_PROMPTS_KEY, RUN_ID_KEY, UNDELIVERED_KEY
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from fastexp.wire import experience_to_pb
 from services.common import metrics
 from services.common.deadlines import Deadline
-from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
+from services.common.errors import FailedPrecondition, InvalidRequest, NotReady, Overloaded
 from services.common.identity import Caller, current_caller
 from services.common.logs import bind_request_id, current_request_id
 from services.common.lora import AdapterConfig
@@ -30,21 +31,80 @@ from services.common.weights_wire import staged_update
 from services.experience.api.prompts import InvalidPrompts
 from services.experience.api.request import decode_request
 from services.experience.api.runs import RunMethods, check_lora_stream
+from services.experience.api.streams import check_stream_fields, request_fingerprint, resumed_request
+from services.experience.config import ExperienceRequest, StreamPoint
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.pipeline.events import StreamStats
 from services.experience.pipeline.maker import ExperienceMaker
 from services.experience.pipeline.statistics import StatisticsKey
+from services.experience.pipeline.streams import MemoryStreams, StreamKey, StreamRecords
 from services.experience.runs.limits import adapter_config
 from services.experience.runs.registry import Run, RunRegistry
 from services.experience.workers.vision import VisionProcessor
 
+logger = logging.getLogger(__name__)
 
-def statistics_key(run_id: str, run: Run | None, caller: Caller) -> StatisticsKey | None:
+
+def statistics_key(run_id: str, run: Run | None, caller: Caller, stream_id: str = "") -> StatisticsKey | None:
     """Whose running statistics a stream advances: a created run's own; for a ``run_id`` no run was created for,
-    that id scoped to ``caller`` (another token's streams of the id never touch them); None without ``run_id``."""
+    that id scoped to ``caller`` (another token's streams of the id never touch them); without ``run_id``, a
+    resumable stream's own (kept across its opens, scoped to ``caller``), else None (the stream's, in memory)."""
     if not run_id:
-        return None
+        return StatisticsKey(StreamKey(caller.principal, stream_id).statistics_id, caller.principal) if stream_id else None
     return StatisticsKey(run_id) if run is not None else StatisticsKey(run_id, caller.principal)
+
+
+async def _until_drained(experiences: AsyncIterator[Any], drained: asyncio.Event) -> AsyncIterator[Any]:
+    """``experiences`` until ``drained`` is set: then the step in progress is cancelled (the pipeline closes its
+    generations) and NotReady says to resume elsewhere."""
+    drain = asyncio.ensure_future(drained.wait())
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(experiences))
+            await asyncio.wait({step, drain}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+                raise NotReady("MakeExperiences: this experience replica is stopping (drained): resume the stream "
+                               "(stream_id) on another replica")
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        drain.cancel()
+
+
+def _count(experience: Any, run: Run | None, resumed: bool) -> None:
+    """A delivered batch in the run's and the resumes' metrics."""
+    tokens = int(experience.response_length.sum())
+    if run is not None:
+        metrics.RUN_SAMPLES.labels(run.run_id).inc(len(experience.reward))
+        metrics.RUN_TOKENS.labels(run.run_id).inc(tokens)
+    if resumed:
+        metrics.RESUMED_TOKENS.inc(tokens)
+
+
+def _trailers(decoded: ExperienceRequest, stats: StreamStats, drained: bool) -> tuple[tuple[str, str], ...]:
+    """A stream's trailing metadata: its counters, the groups it failed or did not deliver, whether it drained."""
+    trailers = [
+        ("fastexp-dropped-groups", str(stats.dropped_groups)),
+        ("fastexp-generation-rounds", str(stats.generation_rounds)),
+        ("fastexp-resampled-groups", str(stats.resampled_groups)),
+        ("fastexp-rerouted-groups", str(stats.rerouted_groups)),
+        ("fastexp-failed-groups", str(len(stats.failed_groups))),
+        ("fastexp-truncated-prompts", str(len(decoded.truncated_prompt_indices))),
+        ("fastexp-skipped-prompts", str(len(decoded.skipped_prompt_indices))),
+    ]
+    if stats.failed_groups:
+        trailers.append((FAILED_KEY, ",".join(map(str, sorted(stats.failed_groups)))))
+    if stats.undelivered_prompt_indices is not None:
+        trailers.append((UNDELIVERED_KEY, ",".join(map(str, stats.undelivered_prompt_indices))))
+    if drained:
+        trailers.append((DRAINED_KEY, "true"))
+    return tuple(trailers)
 
 
 class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServicer):
@@ -67,8 +127,13 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         vision: VisionProcessor | None = None,
         media_limits: MediaLimits | None = None,
         checkpoint_roots: tuple[Path, ...] = (),
+        streams: StreamRecords | None = None,
+        drain_margin_s: float = 5.0,
     ) -> None:
         self._maker = maker
+        self._stream_records = streams if streams is not None else MemoryStreams()
+        self._drained = asyncio.Event()  # set when this replica stops: open streams end for their clients to resume
+        self._drain_margin_s = drain_margin_s
         self._runs = runs
         self._update_bounds = UpdateBounds(lambda target: self._maker.update_spec(target), checkpoint_roots)
         self._vision = vision
@@ -102,10 +167,35 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
     async def _stream(
         self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext, run: Run | None
     ) -> AsyncIterator[experience_pb2.ExperienceBatch]:
-        """One admitted stream: decode (within ``run``'s limits), run the pipeline, encode each batch; trailers
-        however it ends."""
+        """One admitted stream: decode (within ``run``'s limits), open its record (a resumable stream), run the
+        pipeline, encode each batch until this replica drains; trailers however it ends."""
         self._maker.require_models_loaded("MakeExperiences")
+        check_stream_fields(request)
         await self._maker.catch_up()  # the live versions made through other replicas (NotReady: the store)
+        decoded = await self._decode(request, context, run)
+        if request.stream_id:  # the stream's record: v0, what was counted; a resume leaves out what the client holds
+            decoded = await self._open_stream(request, decoded)
+        bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
+        deadline = Deadline.from_remaining(context.time_remaining())
+        stats = StreamStats()
+        drained = False
+        try:
+            key = statistics_key(request.run_id, run, current_caller(), request.stream_id)
+            experiences = self._maker.make_experiences(decoded, deadline, stats, key)
+            async with contextlib.aclosing(_until_drained(experiences, self._drained)) as batches:
+                async for experience in batches:
+                    _count(experience, run, resumed=request.HasField("resume"))
+                    yield experience_to_pb(experience)
+        except NotReady:
+            drained = self._drained.is_set()
+            metrics.STREAMS_DRAINED.inc(drained)
+            raise
+        finally:
+            context.set_trailing_metadata(_trailers(decoded, stats, drained))
+
+    async def _decode(self, request: experience_pb2.MakeExperiencesRequest, context: grpc.aio.ServicerContext,
+                      run: Run | None) -> ExperienceRequest:
+        """The validated request, within ``run``'s limits and with its share weight, window and adapter."""
         limits = self._limits if run is None else dataclasses.replace(
             self._limits, max_tokens_per_request=run.limits.max_tokens_per_request)
         info = self._generator_info()  # NotReady (UNAVAILABLE) naming what the service waits for
@@ -130,33 +220,32 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
                 decoded.config, share_weight=float(run.limits.weight), max_groups_ahead=run.limits.max_groups_ahead,
                 adapter=None if run.lora is None else run.run_id))
             check_lora_stream(decoded.config, run, self._maker.adapter_version(run.run_id))
-        bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
-        deadline = Deadline.from_remaining(context.time_remaining())
-        stats = StreamStats()
-        try:
-            key = statistics_key(request.run_id, run, current_caller())
-            async with contextlib.aclosing(self._maker.make_experiences(decoded, deadline, stats, key)) as experiences:
-                async for experience in experiences:
-                    if run is not None:
-                        metrics.RUN_SAMPLES.labels(run.run_id).inc(len(experience.reward))
-                        metrics.RUN_TOKENS.labels(run.run_id).inc(int(experience.response_length.sum()))
-                    yield experience_to_pb(experience)
-        finally:
-            trailers = [
-                ("fastexp-dropped-groups", str(stats.dropped_groups)),
-                ("fastexp-generation-rounds", str(stats.generation_rounds)),
-                ("fastexp-resampled-groups", str(stats.resampled_groups)),
-                ("fastexp-rerouted-groups", str(stats.rerouted_groups)),
-                ("fastexp-failed-groups", str(len(stats.failed_groups))),
-                ("fastexp-truncated-prompts", str(len(decoded.truncated_prompt_indices))),
-                ("fastexp-skipped-prompts", str(len(decoded.skipped_prompt_indices))),
-            ]
-            if stats.failed_groups:
-                trailers.append((FAILED_KEY, ",".join(map(str, sorted(stats.failed_groups)))))
-            if stats.undelivered_prompt_indices is not None:
-                undelivered = ",".join(map(str, stats.undelivered_prompt_indices))
-                trailers.append((UNDELIVERED_KEY, undelivered))
-            context.set_trailing_metadata(tuple(trailers))
+        return decoded
+
+    async def _open_stream(self, request: experience_pb2.MakeExperiencesRequest,
+                           decoded: ExperienceRequest) -> ExperienceRequest:
+        """Open (or resume) the stream's record in the store; a resume's request without the groups it holds."""
+        principal = current_caller().principal
+        version = self._maker.clocks.of(decoded.config.adapter).version
+        record = await self._stream_records.open(StreamKey(principal, request.stream_id), request_fingerprint(request),
+                                                 version, request.resume.delivered_prompt_indices)
+        point = StreamPoint(request.stream_id, principal, record.start_version, request.resume.next_batch_index)
+        if not request.HasField("resume"):
+            return dataclasses.replace(decoded, stream=point)
+        resumed = resumed_request(decoded, request.resume, point)
+        metrics.STREAMS_RESUMED.inc()
+        metrics.GROUPS_REGENERATED.inc(len(resumed.prompts))
+        logger.info("%s: stream %s resumed (open %d): %d groups held, %d to generate", decoded.request_id,
+                    request.stream_id, record.opens, len(decoded.prompts) - len(resumed.prompts), len(resumed.prompts))
+        return resumed
+
+    def drain(self, grace_s: float) -> None:
+        """This replica stops (SIGTERM): open streams run on for ``grace_s`` less the drain margin, then end with
+        UNAVAILABLE (``fastexp-drained``) for their clients to resume elsewhere; new streams are refused by the
+        server meanwhile."""
+        after = max(0.0, grace_s - self._drain_margin_s)
+        logger.info("draining: %d open streams get %.1f s to finish, then are handed over", self._streams, after)
+        asyncio.get_running_loop().call_later(after, self._drained.set)
 
     async def UpdateWeights(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext

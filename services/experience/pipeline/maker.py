@@ -63,6 +63,7 @@ from services.experience.pipeline.forwarder import EarlyForwards, Forwarder, For
 from services.experience.pipeline.ledger import VersionLedger
 from services.experience.pipeline.producer import Producer, ProducerRun
 from services.experience.pipeline.rollouts import RolloutParts
+from services.experience.pipeline.streams import counted_groups
 from services.experience.pipeline.versions import PolicyClocks, VersionClock
 from services.experience.pipeline.weight_sync import WeightSync
 
@@ -174,11 +175,10 @@ class ExperienceMaker:
         await self._generator.unload_adapter(name)
 
     async def offload_models(self) -> tuple[int, tuple[str, ...]]:
-        """Move the models to host memory (:meth:`services.experience.pipeline.forwarder.Forwarder.offload`)."""
+        """Move the models to host memory (:meth:`Forwarder.offload`); :meth:`reload_models` moves them back."""
         return await self._forwarder.offload()
 
-    async def reload_models(self) -> tuple[int, tuple[str, ...]]:
-        """Move offloaded models back (:meth:`services.experience.pipeline.forwarder.Forwarder.reload`)."""
+    async def reload_models(self) -> tuple[int, tuple[str, ...]]:  # noqa: D102 - see offload_models
         return await self._forwarder.reload()
 
     def require_models_loaded(self, what: str) -> None:
@@ -253,7 +253,7 @@ class _Consumer:
         self._config: ExperienceConfig = request.config
         self.inbox = Inbox()
         self._handled: set[int] = set()  # prompt indices delivered to the trainer or reported dropped
-        self._batch_index = 0
+        self._batch_index = 0 if request.stream is None else request.stream.first_batch_index
         self._resampled_reported = 0
         self._local_state = run_statistics.initial_state(self._config)
         # prompt_overflow SKIP: reported like dynamic-sampling drops, with the first batch
@@ -356,10 +356,12 @@ class _Consumer:
         with metrics.stage_timer("advantages"):
             batch = self._stages.forwarder.assemble(groups, self._request)
 
-            def step(state: RunState) -> tuple[RunState, Experience]:
+            counted = counted_groups(self._request, batch.rollout.prompt_index)
+
+            def step(state: RunState, already: frozenset[int] = frozenset()) -> tuple[RunState, Experience]:
                 experience, state = estimate_experience(
                     batch.rollout, batch.rewards, batch.reward_metrics, batch.forward, config, state,
-                    self._batch_index, dropped,
+                    self._batch_index, dropped, None if counted is None else counted.mask(already),
                 )
                 return state, experience
 
@@ -367,7 +369,7 @@ class _Consumer:
                 self._local_state, experience = step(self._local_state)
             else:
                 initial = run_statistics.initial_state(config)
-                experience = await self._stages.runs.advance(self._statistics, initial, step)
+                experience = await self._stages.runs.advance(self._statistics, initial, step, counted)
         metrics.observe_distributions(experience)
         self._handled.update(dropped)
         experience = experience._replace(
@@ -383,7 +385,7 @@ class _Consumer:
         """``part`` with prompt indices into the request's message (they differ once SKIP left prompts out), and
         the skipped prompts with the first batch's drops."""
         request = self._request
-        if not request.skipped_prompt_indices:
+        if not request.prompt_indices:
             return part
         skipped, self._skipped_unreported = self._skipped_unreported, ()
         return part._replace(

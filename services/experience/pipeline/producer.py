@@ -102,7 +102,9 @@ class Producer:
         share = ShareLeases(self._share, config.run_id or request.request_id, config.share_weight,
                             config.n_samples_per_prompt)
         policy = self._clocks.of(config.adapter)
-        run = ProducerRun(request, deadline, policy.version, Window(window), share, policy)
+        # a resumed stream counts staleness from its first open's version
+        start_version = policy.version if request.stream is None else request.stream.start_version
+        run = ProducerRun(request, deadline, start_version, Window(window), share, policy)
         run.tasks = [
             asyncio.create_task(self._produce(run), name=request.request_id),
             asyncio.create_task(self._resample(run), name=f"{request.request_id}-resample"),
@@ -130,11 +132,12 @@ class Producer:
     async def _produce_admitted(self, run: ProducerRun) -> None:
         """Off-policy admission: batch b's prompts start generating once the policy reaches v0 + b - s, so at
         most s + 1 batches run ahead of the trainer."""
-        config = run.request.config
+        config, stream = run.request.config, run.request.stream
+        first = 0 if stream is None else stream.first_batch_index  # a resumed stream's batches go on from there
         try:
             async with asyncio.TaskGroup() as rounds:
                 for batch, indices in enumerate(admission.admitted_batches(len(run.request.prompts),
-                                                                           config.groups_per_batch)):
+                                                                           config.groups_per_batch), start=first):
                     version = admission.admission_version(run.start_version, batch, config.max_staleness or 0)
                     await run.policy.wait_for_version(version, run.deadline)
                     await run.events.put(RoundStarted())

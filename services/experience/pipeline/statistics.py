@@ -22,8 +22,11 @@ from cachetools import LRUCache
 
 from fastexp.rl.running import KLController, RunningMoments, RunState, carried_over
 from services.experience.config import ExperienceConfig
+from services.experience.pipeline.streams import GroupsCounted, MemoryStreams
 
 T = TypeVar("T")
+#: A batch's statistics step: (the key's state, the groups its stream already counted) -> (new state, result).
+Step = Callable[[RunState, frozenset[int]], tuple[RunState, T]]
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,12 @@ def initial_state(config: ExperienceConfig) -> RunState:
 class RunStatistics(Protocol):
     """Where the pipeline keeps runs' statistics (module docs)."""
 
-    async def advance(self, key: StatisticsKey, initial: RunState, step: Callable[[RunState], tuple[RunState, T]]) -> T:
-        """Read ``key``'s state (``initial`` when none is stored: a first batch), run ``step`` on it (the batch's
-        estimate: returns the new state and its result), store the new state, return the result. Atomic per key.
+    async def advance(self, key: StatisticsKey, initial: RunState, step: Step[T],
+                      counted: GroupsCounted | None = None) -> T:
+        """Read ``key``'s state (``initial`` when none is stored: a first batch), run ``step`` on it and the groups
+        ``counted``'s stream already counted (none without ``counted``; the batch's estimate: returns the new
+        state and its result), store the new state and add ``counted``'s groups to its stream's record, return
+        the result; all of it one step, atomic per key and stream (:mod:`~services.experience.pipeline.streams`).
 
         Raises:
             NotReady: the store is unavailable (nothing was stored; the batch is not delivered).
@@ -58,23 +64,30 @@ class MemoryStatistics:
     """:class:`RunStatistics` in this process's memory: the latest state of at most ``max_runs`` keys (least
     recently used evicted). Not thread-safe: the event loop alone calls it.
 
+    ``streams``: where resumable streams' counted groups are recorded (None: not recorded).
+
     Raises:
         ValueError: ``max_runs < 1``.
     """
 
-    def __init__(self, max_runs: int = 1024) -> None:
+    def __init__(self, max_runs: int = 1024, streams: MemoryStreams | None = None) -> None:
         if max_runs < 1:
             raise ValueError(f"max_runs must be >= 1, got {max_runs}")
         self._states: LRUCache[StatisticsKey, RunState] = LRUCache(maxsize=max_runs)
+        self._streams = streams
 
     def get(self, key: StatisticsKey, initial: RunState) -> RunState:
         """``key``'s state, or ``initial`` for a key not seen yet (or evicted)."""
         state = self._states.get(key)  # a hit counts as a use
         return initial if state is None else carried_over(state, initial)
 
-    async def advance(self, key: StatisticsKey, initial: RunState, step: Callable[[RunState], tuple[RunState, T]]) -> T:
-        state, result = step(self.get(key, initial))  # no await between the read and the write
+    async def advance(self, key: StatisticsKey, initial: RunState, step: Step[T],
+                      counted: GroupsCounted | None = None) -> T:
+        already = frozenset() if counted is None or self._streams is None else self._streams.counted(counted.stream)
+        state, result = step(self.get(key, initial), already)  # no await between the read and the write
         self._states[key] = state
+        if counted is not None and self._streams is not None:
+            self._streams.count(counted)
         return result
 
     def __len__(self) -> int:

@@ -82,3 +82,19 @@ stream_slots = Table(
     Column("opened_at_unix_s", Float, nullable=False),
     Index("ix_stream_slots_run", "run_id"),
 )
+
+#: One row per resumable MakeExperiences stream (``stream_id``, scoped to the token that opened it): its request's
+#: fingerprint, v0 of its first open, how often it was opened, and the prompt groups (the message's indices) whose
+#: rewards and KL the running statistics counted. Rows unused for ``stream_ttl_s`` are removed, with the statistics
+#: of a stream that had no run (``scoped_statistics`` row ``stream/<stream_id>``).
+streams = Table(
+    "streams", metadata,
+    Column("principal", String(80), primary_key=True),
+    Column("stream_id", String(128), primary_key=True),
+    Column("fingerprint", String(80), nullable=False),
+    Column("start_version", Integer, nullable=False),
+    Column("opens", Integer, nullable=False),
+    Column("counted", Text, nullable=False),  # JSON list of prompt indices, sorted
+    Column("used_at_unix_s", Float, nullable=False),
+    Index("ix_streams_used", "used_at_unix_s"),
+)

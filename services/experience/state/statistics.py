@@ -11,7 +11,7 @@ from typing import Protocol, TypeVar
 from sqlalchemy.engine import Connection
 
 from fastexp.rl.running import KLController, RunningMoments, RunState, carried_over
-from services.experience.state import rows
+from services.experience.state import rows, stream_rows
 from services.experience.state.store import StateStore
 
 T = TypeVar("T")
@@ -22,6 +22,16 @@ class Key(Protocol):
 
     run_id: str
     principal: str | None
+
+
+class GroupsCounted(Protocol):
+    """A resumable stream's groups a batch counted (``services.experience.pipeline.streams.GroupsCounted``)."""
+
+    @property
+    def stream(self) -> stream_rows.Key: ...
+
+    @property
+    def prompt_indices(self) -> tuple[int, ...]: ...
 
 
 def to_state(statistics: rows.Statistics, initial: RunState) -> RunState:
@@ -42,21 +52,28 @@ def to_row(state: RunState) -> rows.Statistics:
 
 class StoredStatistics:
     """Runs' statistics in ``store``: each batch's step reads and writes its key's row in one transaction, the row
-    locked meanwhile (two replicas' streams of one run take turns); at most ``keep`` caller-scoped keys are kept
-    (the least recently written go first)."""
+    locked meanwhile (two replicas' streams of one run take turns), with the groups it counted for a resumable
+    stream's record; at most ``keep`` caller-scoped keys are kept (the least recently written go first)."""
 
     def __init__(self, store: StateStore, keep: int = 1024, clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._keep = keep
         self._clock = clock
 
-    async def advance(self, key: Key, initial: RunState, step: Callable[[RunState], tuple[RunState, T]]) -> T:
-        return await self._store.transact("running statistics", functools.partial(self._advance, key, initial, step))
+    async def advance(self, key: Key, initial: RunState, step: Callable[[RunState, frozenset[int]], tuple[RunState, T]],
+                      counted: GroupsCounted | None = None) -> T:
+        return await self._store.transact("running statistics",
+                                          functools.partial(self._advance, key, initial, step, counted))
 
-    def _advance(self, key: Key, initial: RunState, step: Callable[[RunState], tuple[RunState, T]],
-                 connection: Connection) -> T:
+    def _advance(self, key: Key, initial: RunState, step: Callable[[RunState, frozenset[int]], tuple[RunState, T]],
+                 counted: GroupsCounted | None, connection: Connection) -> T:
         stored = rows.select_statistics(connection, run_id=key.run_id, principal=key.principal, lock=True)
-        state, result = step(to_state(stored, initial))
-        rows.write_statistics(connection, to_row(state), self._clock(), run_id=key.run_id, principal=key.principal,
+        # what the stream counted, read under its row's lock: an open that broke may have committed a batch since
+        already = frozenset() if counted is None else stream_rows.counted(connection, counted.stream)
+        state, result = step(to_state(stored, initial), already)
+        now = self._clock()
+        rows.write_statistics(connection, to_row(state), now, run_id=key.run_id, principal=key.principal,
                               keep=self._keep)
+        if counted is not None:  # with the statistics or not at all: a group is counted once
+            stream_rows.count_groups(connection, counted.stream, counted.prompt_indices, now)
         return result
