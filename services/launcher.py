@@ -300,8 +300,9 @@ class LocalCluster:
             env.setdefault(key, value)
         state = {} if self.state_dir is None or kind != "experience" else {
             "state_url": f"sqlite:///{self.state_dir / 'state.db'}", "weights_dir": str(self.state_dir / "weights")}
-        for key, value in {**state, **self.overrides.get(kind, {}), **self.overrides.get(name, {}),
-                           **extra.get(kind, {})}.items():
+        # the overrides last: a test may route the experience services through proxies (scorer_address, ...)
+        for key, value in {**state, **extra.get(kind, {}), **self.overrides.get(kind, {}),
+                           **self.overrides.get(name, {})}.items():
             env[f"FASTEXP_{kind.upper()}_{key.upper()}"] = str(value)
         command = [self.python, "-m", "services.cli", "serve", kind,
                    "--host", self.host, "--port", str(self.ports[name])]

@@ -23,6 +23,8 @@ _EXPORTS = {
     "sleep_generator": "fastexp.client",
     "wake_up_generator": "fastexp.client",
     "RequestOptions": "fastexp.request",
+    "StreamRetry": "fastexp.resume",
+    "StreamResumesExhausted": "fastexp.resume",
     "AgentOptions": "fastexp.request",
     "Sampling": "fastexp.request",
     "DEFAULT_SAMPLING": "fastexp.request",

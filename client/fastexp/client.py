@@ -25,6 +25,7 @@ Errors arrive as the domain error of the service's status code (:mod:`fastexp.st
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -134,7 +135,7 @@ class ExperienceClient:
         self.last_stream_stats, self.last_failed_prompt_indices = {}, []
         try:
             for attempt in stamina.retry_context(
-                on=resumable, attempts=1 + retry.max_resumes, timeout=None, wait_initial=retry.wait_initial_s,
+                on=functools.partial(resumable, request.stream_id), attempts=1 + retry.max_resumes, timeout=None, wait_initial=retry.wait_initial_s,
                 wait_max=retry.wait_max_s, wait_jitter=retry.wait_jitter_s,
             ):
                 with attempt:

@@ -11,6 +11,7 @@ trainer's iterator yields every prompt group exactly once. :class:`StreamRetry` 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,6 +20,8 @@ from fastexp.errors import NotReady
 from fastexp.status import DRAINED_KEY, trailer_value
 from fastexp.types import Experience
 from fastexp.v1 import experience_pb2
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,12 +88,13 @@ class StreamProgress:
         return [i for i in range(self.num_prompts) if i not in self.delivered and i not in self.dropped]
 
 
-def resumable(error: BaseException) -> bool | float:
-    """stamina's backoff hook: resume after UNAVAILABLE (or a peer's cancellation, also NotReady); at once (0 s)
-    when the replica said it drained; anything else ends the stream."""
-    if not isinstance(error, NotReady) or isinstance(error, StreamResumesExhausted):
+def resumable(stream_id: str, error: BaseException) -> bool | float:
+    """stamina's backoff hook for stream ``stream_id``: resume after UNAVAILABLE (or a peer's cancellation, also
+    NotReady), logged as a warning with its cause; at once (0 s) when the replica said it drained; anything else
+    ends the stream."""
+    if not isinstance(error, NotReady) or isinstance(error, StreamResumesExhausted) or not stream_id:
         return False
-    if isinstance(error, grpc.RpcError) and trailer_value(error.trailing_metadata(), DRAINED_KEY) == "true":
-        return 0.0
-    return True
+    drained = isinstance(error, grpc.RpcError) and trailer_value(error.trailing_metadata(), DRAINED_KEY) == "true"
+    logger.warning("stream %s broke (%s); resuming it%s", stream_id, error, " at once (drained)" if drained else "")
+    return 0.0 if drained else True
 

@@ -140,6 +140,24 @@ def test_compose_gives_the_experience_service_a_shared_state_store_and_weights_v
     assert {"experience-state", "experience-weights"} <= set(config["volumes"])
 
 
+def test_compose_lets_a_stopping_experience_replica_hand_its_streams_over():
+    # docker-compose config writes stop_grace_period in seconds or as "1m15s"; the drain must end before the kill
+    experience = _compose()["services"]["experience"]
+    environment = experience["environment"]
+    grace, margin = float(environment["FASTEXP_EXPERIENCE_GRACE_PERIOD_S"]), float(environment["FASTEXP_EXPERIENCE_DRAIN_MARGIN_S"])
+    stop = experience["stop_grace_period"]
+    stop_s = float(stop) if isinstance(stop, int | float) or str(stop).isdigit() else _seconds(str(stop))
+    assert 0 < margin < grace < stop_s
+
+
+def _seconds(duration: str) -> float:
+    """``1m15s``, ``75s``, ``1m`` as seconds."""
+    import re
+
+    parts = dict((unit, float(value)) for value, unit in re.findall(r"([\d.]+)(h|m|s)", duration))
+    return parts.get("h", 0) * 3600 + parts.get("m", 0) * 60 + parts.get("s", 0)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kustomize_overlays_build_and_validate_against_the_kubernetes_schema(overlay):
     documents = _kustomize(overlay)
@@ -182,6 +200,8 @@ def test_deployments_probe_grpc_health_and_drain_before_they_are_killed(overlay)
                 named = command[command.index("--service") + 1] if "--service" in command else ""
                 assert named == health_service, (service, probe)
         assert spec["terminationGracePeriodSeconds"] > settings[service]["grace_period_s"] + 5  # preStop + drain
+        if service == "experience":  # streams still open drain_margin_s before the grace ends are handed over
+            assert 0 < settings[service]["drain_margin_s"] < settings[service]["grace_period_s"]
         assert document["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
         assert spec["securityContext"]["runAsNonRoot"] is True
 

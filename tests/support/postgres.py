@@ -72,6 +72,12 @@ class PostgresServer:
         """Stop the server (``fast``: open connections are ended; ``immediate``: as if killed)."""
         self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "120", "stop")
 
+    def running(self) -> bool:
+        """Whether the server runs (``pg_ctl status``)."""
+        result = subprocess.run([str(self._bin / "pg_ctl"), "-D", str(self.data), "status"], user=self._user,
+                                capture_output=True, text=True, timeout=60, cwd=self.root)
+        return result.returncode == 0
+
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://fastexp@127.0.0.1:{self.port}/{database}"
 

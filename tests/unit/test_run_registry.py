@@ -245,6 +245,20 @@ async def test_a_killed_replicas_stream_slots_stop_counting_after_its_ttl(store)
     assert (await b.get("r", ALICE)).streams_open == 0
 
 
+async def test_a_resumed_stream_takes_over_the_slot_its_killed_replica_held(store):
+    a = RunRegistry(OPERATOR, store, ReplicaIdentity.new("a", ttl_s=30.0))
+    b = RunRegistry(OPERATOR, store, ReplicaIdentity.new("b", ttl_s=30.0))
+    await a.heartbeat()
+    await b.heartbeat()
+    await a.create("r", ALICE, None, RunLimits(max_streams=1))
+    slot = a.streaming("r", ALICE, stream_id="s-1")
+    await slot.__aenter__()  # replica a is "killed" holding stream s-1's slot
+    with pytest.raises(Overloaded):
+        await _enter_stream(b, "r", ALICE)  # another stream: the run is at max_streams
+    async with b.streaming("r", ALICE, stream_id="s-1"):  # s-1 resumed on b, at once: a's slot is its own
+        assert (await b.get("r", ALICE)).streams_open == 1
+
+
 # --- the status table ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("error", "code"), [

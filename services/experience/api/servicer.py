@@ -158,7 +158,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         # run_id no run was created for names running statistics only, the caller's own
         self._streams += 1  # counted before the first await: streams arriving together cannot all pass the check
         try:
-            async with self._runs.streaming(request.run_id, current_caller()) as run:
+            async with self._runs.streaming(request.run_id, current_caller(), request.stream_id) as run:
                 async for batch in self._stream(request, context, run):
                     yield batch
         finally:

@@ -121,9 +121,11 @@ def count_streams(connection: Connection, alive_after: float) -> dict[str, int]:
     return {run_id: count for run_id, count in connection.execute(query)}
 
 
-def open_slot(connection: Connection, run_id: str, replica_id: str, now: float, alive_after: float) -> str:
+def open_slot(connection: Connection, run_id: str, replica_id: str, now: float, alive_after: float,
+              stream_key: str | None = None) -> str:
     """Take one of the run's stream slots (the run's row locked: two replicas cannot both take the last one);
-    returns the slot's id.
+    returns the slot's id. A resumable stream's open (``stream_key``) first gives back the slots of its earlier
+    opens (a killed replica's would count until ``replica_ttl_s``, refusing the resume at ``max_streams``).
 
     Raises:
         NotFound: the run was deleted meanwhile. Overloaded: naming ``max_streams``.
@@ -131,13 +133,15 @@ def open_slot(connection: Connection, run_id: str, replica_id: str, now: float, 
     run = select_run(connection, run_id, now, lock=True)
     if run is None:
         raise NotFound(f"run_id: no run {run_id!r} here (never created, or deleted)")
+    if stream_key is not None:
+        connection.execute(stream_slots.delete().where(stream_slots.c.stream_key == stream_key))
     open_now = count_streams(connection, alive_after).get(run_id, 0)
     if open_now >= run.limits[0]:
         raise Overloaded(f"max_streams: run {run_id!r} has {open_now} MakeExperiences streams open, its "
                          "max_streams; retry when one ends")
     slot_id = uuid.uuid4().hex
     connection.execute(stream_slots.insert().values(slot_id=slot_id, run_id=run_id, replica_id=replica_id,
-                                                    opened_at_unix_s=now))
+                                                    opened_at_unix_s=now, stream_key=stream_key))
     return slot_id
 
 

@@ -80,6 +80,8 @@ stream_slots = Table(
     Column("run_id", String(256), nullable=False),
     Column("replica_id", String(64), nullable=False),
     Column("opened_at_unix_s", Float, nullable=False),
+    Column("stream_key", String(256), nullable=True),  # a resumable stream's "<principal>/<stream_id>" (a resume
+    # takes over the slot its broken open left, wherever that open ran)
     Index("ix_stream_slots_run", "run_id"),
 )
 

@@ -1,4 +1,4 @@
-"""Resumable streams' records.
+"""Resumable streams' records, and the stream each run's slot belongs to.
 
 Revision ID: 0002
 Revises: 0001
@@ -26,8 +26,10 @@ def upgrade() -> None:
         sa.Column("used_at_unix_s", sa.Float, nullable=False),
     )
     op.create_index("ix_streams_used", "streams", ["used_at_unix_s"])
+    op.add_column("stream_slots", sa.Column("stream_key", sa.String(256), nullable=True))
 
 
 def downgrade() -> None:
+    op.drop_column("stream_slots", "stream_key")
     op.drop_index("ix_streams_used", table_name="streams")
     op.drop_table("streams")
