@@ -26,6 +26,7 @@ from benchmarks import (
     judge,
     packing,
     pipeline,
+    resume,
     runs,
     state,
     stream_overhead,
@@ -62,6 +63,9 @@ TARGETS = {
     "state_store_vs_update_s_postgresql": "informative (store calls and the version's blob / the update)",
     "catch_up_vs_update_s_sqlite": "informative (a second replica loading the version / the update)",
     "catch_up_vs_update_s_postgresql": "informative (a second replica loading the version / the update)",
+    "resume_next_row_excess_s": "<= 5 (SIGKILL to the next row, less one group's own time)",
+    "resume_regenerated_vs_undelivered": "<= 1 (only what was not delivered is generated again)",
+    "resume_total_vs_uninterrupted_s": "informative (a stream that lost its replica / one that did not)",
 }
 SMALL_WORKLOAD = pipeline.Workload(
     num_prompts=4, n_samples_per_prompt=2, max_new_tokens=16, max_num_seqs=4, kv_cache_memory_bytes=256 * 1024**2,
@@ -76,6 +80,8 @@ SMALL_RUNS_WORKLOAD = runs.RunsWorkload(num_prompts=2, throughput_prompts=2, n_s
                                        backend="hf")
 SMALL_STATE_WORKLOAD = state.StateWorkload(num_prompts=2, n_samples_per_prompt=2, max_new_tokens=4,
                                            micro_rollout_batch_size=2, backend="hf")
+SMALL_RESUME_WORKLOAD = resume.ResumeWorkload(num_prompts=6, n_samples_per_prompt=2, max_new_tokens=4,
+                                             kill_after_batches=1, backend="hf")
 SMALL_JUDGE_WORKLOAD = judge.JudgeWorkload(
     num_prompts=2, n_samples_per_prompt=2, judge_max_new_tokens=2, policy_max_new_tokens=2, refill_rounds=2
 )
@@ -104,6 +110,7 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
         results.update(judge.run(model, SMALL_JUDGE_WORKLOAD if small else judge.JudgeWorkload()))
         results.update(runs.run(model, SMALL_RUNS_WORKLOAD if small else runs.RunsWorkload(), out / "logs"))
         results.update(state.run(model, SMALL_STATE_WORKLOAD if small else state.StateWorkload(), out / "logs"))
+        results.update(resume.run(model, SMALL_RESUME_WORKLOAD if small else resume.ResumeWorkload(), out / "logs"))
         if not small:  # two trainers and the services: minutes even at tiny sizes (tests/integration/test_trl.py
             # covers the integration itself)
             results.update(trl_step.run(model, trl_step.TrlStepWorkload(), out / "logs"))

@@ -80,8 +80,19 @@ class TcpProxy:
         return self._loop.run(cut())
 
     def close(self) -> None:
-        self.cut()
-        self._server.close()
+        """Stop accepting, cut every connection and end their tasks, then stop the loop."""
+
+        async def close() -> None:
+            self._server.close()
+            for pair in list(self._pairs):
+                for end in pair:
+                    end.transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self._loop.run(close())
         self._loop.close()
 
 

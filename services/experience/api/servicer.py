@@ -58,23 +58,26 @@ async def _until_drained(experiences: AsyncIterator[Any], drained: asyncio.Event
     """``experiences`` until ``drained`` is set: then the step in progress is cancelled (the pipeline closes its
     generations) and NotReady says to resume elsewhere."""
     drain = asyncio.ensure_future(drained.wait())
+    step: asyncio.Future | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(experiences))
             await asyncio.wait({step, drain}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
-                with contextlib.suppress(BaseException):
-                    await step
                 raise NotReady("MakeExperiences: this experience replica is stopping (drained): resume the stream "
                                "(stream_id) on another replica")
             try:
                 item = step.result()
             except StopAsyncIteration:
                 return
+            step = None
             yield item
     finally:
         drain.cancel()
+        if step is not None and not step.done():  # drained, or the call cancelled: the pipeline's step ends first
+            step.cancel()
+            with contextlib.suppress(BaseException):
+                await step
 
 
 def _count(experience: Any, run: Run | None, resumed: bool) -> None:
@@ -181,8 +184,8 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         drained = False
         try:
             key = statistics_key(request.run_id, run, current_caller(), request.stream_id)
-            experiences = self._maker.make_experiences(decoded, deadline, stats, key)
-            async with contextlib.aclosing(_until_drained(experiences, self._drained)) as batches:
+            async with (contextlib.aclosing(self._maker.make_experiences(decoded, deadline, stats, key)) as experiences,
+                        contextlib.aclosing(_until_drained(experiences, self._drained)) as batches):
                 async for experience in batches:
                     _count(experience, run, resumed=request.HasField("resume"))
                     yield experience_to_pb(experience)
