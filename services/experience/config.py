@@ -75,9 +75,6 @@ class ExperienceConfig:
     episodes: EpisodeOptions | None = None  # multi-turn episodes in an environment (None: single-turn)
     agent: AgentOptions | None = None  # agent episodes through the gateway (exclusive with episodes)
     rollout_correction: RolloutCorrectionOptions | None = None  # truncated IS weights (None: off)
-    share_weight: float = 1.0  # the run's weight in the generator's fair share (its RunLimits.weight)
-    max_groups_ahead: int | None = None  # the run's backpressure window (None: the service's max_groups_ahead)
-    adapter: str | None = None  # a LoRA run's adapter (its run id): sampled and forwarded with it (None: the base)
 
     @property
     def needs_reference(self) -> bool:
@@ -147,6 +144,18 @@ class PromptSpec:
 
 
 @dataclass(frozen=True)
+class RunBinding:
+    """The created run a stream belongs to, as its record (the run registry) says when the stream opens: its
+    ``run_id``, ``weight`` in the generator's fair share, backpressure window (``max_groups_ahead`` groups), and
+    ``adapter`` (a LoRA run's, named by its run id; None: the base policy)."""
+
+    run_id: str
+    weight: float = 1.0
+    max_groups_ahead: int | None = None
+    adapter: str | None = None
+
+
+@dataclass(frozen=True)
 class StreamPoint:
     """Where a resumable stream (``MakeExperiencesRequest.stream_id``) stands as this open starts.
 
@@ -168,7 +177,8 @@ class ExperienceRequest:
     holds): ``prompt_indices`` then maps each of ``prompts`` to its index in the message (empty: the identity);
     ``skipped_prompt_indices`` lists those to report dropped with the first batch; ``truncated_prompt_indices``
     are message indices of prompts cut to ``max_prompt_tokens``. ``stream``: a resumable stream's point (None:
-    a stream without ``stream_id``)."""
+    a stream without ``stream_id``); ``run``: the created run it streams (None: none; the request's ``config``
+    holds what the request asked, never the run's fields)."""
 
     request_id: str
     prompts: tuple[PromptSpec, ...]
@@ -178,6 +188,12 @@ class ExperienceRequest:
     skipped_prompt_indices: tuple[int, ...] = ()
     truncated_prompt_indices: tuple[int, ...] = ()
     stream: StreamPoint | None = None
+    run: RunBinding | None = None
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter its samples and forwards use (its run's; None: the base policy)."""
+        return None if self.run is None else self.run.adapter
 
     def source_index(self, index: int) -> int:
         """The message's index of ``prompts[index]``."""

@@ -32,7 +32,7 @@ from services.experience.api.prompts import InvalidPrompts
 from services.experience.api.request import decode_request
 from services.experience.api.runs import RunMethods, check_lora_stream
 from services.experience.api.streams import check_stream_fields, request_fingerprint, resumed_request
-from services.experience.config import ExperienceRequest, StreamPoint
+from services.experience.config import ExperienceRequest, RunBinding, StreamPoint
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.pipeline.events import StreamStats
 from services.experience.pipeline.maker import ExperienceMaker
@@ -218,10 +218,10 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
             self._maker.check_agent(decoded.config.agent.name)  # INVALID_ARGUMENT: not one of the operator's
         if not request.request_id and current_request_id():  # the trainer's x-request-id names the stream
             decoded = dataclasses.replace(decoded, request_id=current_request_id())
-        if run is not None:  # its weight in the generator's fair share, its backpressure window, its adapter
-            decoded = dataclasses.replace(decoded, config=dataclasses.replace(
-                decoded.config, share_weight=float(run.limits.weight), max_groups_ahead=run.limits.max_groups_ahead,
-                adapter=None if run.lora is None else run.run_id))
+        if run is not None:  # the run's record: its weight in the generator's fair share, its window, its adapter
+            decoded = dataclasses.replace(decoded, run=RunBinding(
+                run.run_id, float(run.limits.weight), run.limits.max_groups_ahead,
+                None if run.lora is None else run.run_id))
             check_lora_stream(decoded.config, run, self._maker.adapter_version(run.run_id))
         return decoded
 
@@ -229,7 +229,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
                            decoded: ExperienceRequest) -> ExperienceRequest:
         """Open (or resume) the stream's record in the store; a resume's request without the groups it holds."""
         principal = current_caller().principal
-        version = self._maker.clocks.of(decoded.config.adapter).version
+        version = self._maker.clocks.of(decoded.adapter).version
         record = await self._stream_records.open(StreamKey(principal, request.stream_id), request_fingerprint(request),
                                                  version, request.resume.delivered_prompt_indices)
         point = StreamPoint(request.stream_id, principal, record.start_version, request.resume.next_batch_index)

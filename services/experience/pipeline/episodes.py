@@ -215,7 +215,7 @@ class EpisodeRunner:
             n_samples_per_prompt=1,
             # the episode's earlier turns are in one replica's prefix cache: its turns go back there (fleet routing)
             affinity_key=f"{request.request_id}/{prompt_index}/{sample_index}",
-            adapter=request.config.adapter,
+            adapter=request.adapter,
         )
         async with contextlib.aclosing(self._generator.generate(turn, deadline)) as records:
             async for record in records:

@@ -150,7 +150,7 @@ class Forwarder:
         async with self._lock:
             self._offloader.require_loaded("MakeExperiences")
             threads = self._threads() if self._threads is not None else None
-            adapter = request.config.adapter
+            adapter = request.adapter
             actor_version = self.actor_version if adapter is None else self.adapter_versions()[adapter]
             done = {} if early is None else early.usable(self._weights_epoch)
             forwards = await asyncio.to_thread(self._forward_groups, groups, request, threads, done)
@@ -256,14 +256,14 @@ class Forwarder:
         rollout = build_rollout(
             [completions[i] for i in order], request.prompts, self._pad_token_id, self._models.actor.vision_tokens
         )
-        forward = self._run_models(rollout, request.config)
+        forward = self._run_models(rollout, request.config, request.adapter)
         inverse = torch.empty(len(order), dtype=torch.int64)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         forward = ForwardOutputs(*(None if t is None else t[inverse] for t in forward))
         widths = [max(1, len(c.output_token_ids)) for c in completions]
         return split_forward(forward, [1] * len(completions), widths)
 
-    def _run_models(self, rollout: Rollout, config: ExperienceConfig) -> ForwardOutputs:
+    def _run_models(self, rollout: Rollout, config: ExperienceConfig, adapter: str | None) -> ForwardOutputs:
         """Actor, reference (and critic) passes over the rollout's rows (runs in a worker thread); the actor's
         is skipped with ``skip_actor_forward``, the reference's when the request needs no reference."""
         models = self._models
@@ -273,13 +273,13 @@ class Forwarder:
         actor, entropy = rollout.rollout_log_probs, None  # skip_actor_forward: the generator's own log-probs
         # a LoRA run's policy is the actor's module with its adapter on, and its reference that module's base
         # (every adapter off: the module's state between passes)
-        reference_model = models.reference if config.adapter is None else models.actor
+        reference_model = models.reference if adapter is None else models.actor
         reference = None
-        if config.adapter is not None and not config.skip_actor_forward:
+        if adapter is not None and not config.skip_actor_forward:
             assert models.adapters is not None, "LoRA runs are refused where no adapters are served"
             with metrics.stage_timer("actor"):
                 actor, entropy, reference = models.adapters.log_probs(
-                    config.adapter, parts, config.return_action_entropy, with_reference=config.needs_reference)
+                    adapter, parts, config.return_action_entropy, with_reference=config.needs_reference)
         elif not config.skip_actor_forward:
             with metrics.stage_timer("actor"):
                 actor, entropy = models.actor.action_log_probs(parts, with_entropy=config.return_action_entropy)

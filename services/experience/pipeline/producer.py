@@ -97,11 +97,12 @@ class Producer:
         """Start producing ``request``'s groups (window: ``max_groups_ahead``, at least a batch's groups; none
         with ``normalization_scope = rollout``, which needs the whole request before its first batch)."""
         config = request.config
-        ahead = config.max_groups_ahead if config.max_groups_ahead is not None else self._max_groups_ahead
+        bound = request.run  # a created run's window and share weight, as its record says
+        ahead = bound.max_groups_ahead if bound is not None and bound.max_groups_ahead is not None else self._max_groups_ahead
         window = None if config.rollout_scope else max(ahead, config.groups_per_batch)
-        share = ShareLeases(self._share, config.run_id or request.request_id, config.share_weight,
+        share = ShareLeases(self._share, config.run_id or request.request_id, 1.0 if bound is None else bound.weight,
                             config.n_samples_per_prompt)
-        policy = self._clocks.of(config.adapter)
+        policy = self._clocks.of(request.adapter)
         # a resumed stream counts staleness from its first open's version
         start_version = policy.version if request.stream is None else request.stream.start_version
         run = ProducerRun(request, deadline, start_version, Window(window), share, policy)

@@ -147,7 +147,7 @@ class SingleTurnRollout(Rollout):
             sampling=request.sampling,
             n_samples_per_prompt=n,
             media=tuple(request.prompts[i].media for i in self._indices),
-            adapter=request.config.adapter,
+            adapter=request.adapter,
         )
         pending: dict[int, list[CompletionRecord]] = {}
         started = time.perf_counter()
