@@ -36,7 +36,7 @@ import stamina
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fastexp.channels import client_channel, message_options
+from fastexp.channels import client_channel, keepalive_options, message_options
 from fastexp.critic import save_value_model
 from fastexp.errors import NotReady
 from fastexp.packing import unpack_experience
@@ -86,16 +86,20 @@ class ExperienceClient:
         tls: ClientTLS | None = None,
         token: str | None = None,
         stream_retry: StreamRetry = DEFAULT_STREAM_RETRY,
+        keepalive_s: float = 30.0,
     ):
         """``tls``: connect with TLS (``ClientTLS(ca_file, cert_file, key_file)``, mTLS with the last two);
         ``token``: the bearer token the service's operator issued (an admin token for :meth:`update_weights`);
         ``timeout_s``: a stream's deadline, all its resumes included; ``stream_retry``: how often a broken stream
-        is resumed (:class:`fastexp.resume.StreamRetry`; ``StreamRetry(max_resumes=0)``: never).
+        is resumed (:class:`fastexp.resume.StreamRetry`; ``StreamRetry(max_resumes=0)``: never); ``keepalive_s``:
+        the channel's keepalive ping interval (a replica that vanished without closing the connection fails the
+        stream within ~1.5 intervals, and it is resumed: :func:`fastexp.channels.keepalive_options`).
 
         Raises:
             fastexp.security.SecurityConfigError: a TLS file is missing or empty.
         """
-        self._channel = client_channel(address, message_options(max_message_bytes), tls, token)
+        self._channel = client_channel(address, [*message_options(max_message_bytes), *keepalive_options(keepalive_s)],
+                                       tls, token)
         self._stub = experience_pb2_grpc.ExperienceServiceStub(self._channel)
         self._timeout_s = timeout_s
         self._stream_retry = stream_retry

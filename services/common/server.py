@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from fastexp.channels import message_options
+from fastexp.channels import SERVER_KEEPALIVE_OPTIONS, message_options
 from services.common.observing import ObservingInterceptor
 from services.common.security import AuthInterceptor, ServerTLS, check_exposure
 from services.common.status import ErrorMappingInterceptor
@@ -106,7 +106,8 @@ async def create_server(
         services.common.security.SecurityConfigError: a TLS file is missing or empty.
     """
     interceptors = [ObservingInterceptor(), *([auth] if auth else []), ErrorMappingInterceptor()]
-    server = grpc.aio.server(interceptors=interceptors, options=message_options(max_message_bytes))
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[*message_options(max_message_bytes), *SERVER_KEEPALIVE_OPTIONS])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ from services.common import metrics
 from services.experience.state.schema import scoped_statistics, streams
 from tests.integration.test_lora_runs import one_thread  # noqa: F401 - the module's autouse fixture: one torch thread
 from tests.integration.test_replicas_inprocess import _two_replicas
+from tests.support.proxies import TcpProxy
 
 PROMPTS = [f"What is {i} + {i}?" for i in range(6)]
 N = 2
@@ -140,6 +142,38 @@ async def test_the_client_resumes_a_drained_stream_on_another_replica_by_itself(
 
 def _drained() -> float:
     return metrics.STREAMS_DRAINED._value.get()
+
+
+async def test_a_replica_that_vanished_silently_is_detected_and_the_stream_resumed(tiny_model_path, tmp_path):
+    # a silent partition: the proxy keeps the trainer's connection open but drops its bytes both ways (no reset,
+    # no FIN); the client's keepalive (1.5 s here) finds the connection dead and resumes through the proxy, whose
+    # new connection reaches the same replica: every group once, long before the stream's deadline (120 s)
+    state = {"state_url": f"sqlite:///{tmp_path / 'state.db'}", "weights_dir": tmp_path / "weights"}
+    async with _two_replicas(tiny_model_path, max_groups_ahead=1, **state) as replicas:
+        loop, gate = asyncio.get_running_loop(), replicas.scorer_gate
+        proxy = TcpProxy([replicas["A"], replicas["B"]])
+        gate.close(after=1)
+
+        async def partition() -> None:
+            await gate.wait_held(1)  # A is in the middle of its next group
+            assert proxy.black_hole() == 1
+            gate.open()
+
+        def stream() -> tuple[list, dict, float]:
+            with ExperienceClient(proxy.address, timeout_s=120, keepalive_s=1.5) as client:
+                batches, started = [], time.monotonic()
+                for batch in client.make_experiences(PROMPTS, OPTIONS):
+                    batches.append(batch)
+                    if len(batches) == 1:
+                        asyncio.run_coroutine_threadsafe(partition(), loop).result(60)
+                return batches, client.last_stream_stats, time.monotonic() - started
+
+        try:
+            batches, stats, seconds = await asyncio.to_thread(stream)
+        finally:
+            proxy.close()
+    assert sorted(int(i) for b in batches for i in b.prompt_index) == sorted(list(range(len(PROMPTS))) * N)
+    assert stats["resumes"] == 1 and seconds < 60
 
 
 async def _until(condition, timeout_s: float = 60.0) -> None:

@@ -3,7 +3,8 @@ on an event loop of its own thread.
 
 - :class:`TcpProxy`: one loopback address in front of several backends, as a Kubernetes Service is: each new
   connection goes to the first backend that accepts it; :meth:`TcpProxy.cut` aborts every open connection (a
-  network cut: both ends see their connection reset), new ones are accepted as before.
+  network cut: both ends see their connection reset), :meth:`TcpProxy.black_hole` keeps them open but drops every
+  byte from then on (a silent partition: neither end is told); new connections are accepted as before.
 - :class:`GateThread`: a gated gRPC proxy (:func:`tests.support.gates.gated`) of a generator or scorer, its gate
   driven from the test's thread.
 """
@@ -44,6 +45,7 @@ class TcpProxy:
         self._backends = list(backends)
         self._loop = LoopThread()
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._holes: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()  # pairs whose bytes are dropped
         self.routed: list[str] = []  # the backend of each connection, in order
         self._server = self._loop.run(asyncio.start_server(self._accept, "127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
@@ -59,13 +61,23 @@ class TcpProxy:
             pair = (writer, upstream_writer)
             self._pairs.add(pair)
             try:
-                await asyncio.gather(_pipe(reader, upstream_writer), _pipe(upstream_reader, writer))
+                dropped = lambda pair=pair: pair in self._holes  # noqa: E731
+                await asyncio.gather(_pipe(reader, upstream_writer, dropped), _pipe(upstream_reader, writer, dropped))
             finally:
                 self._pairs.discard(pair)
                 for end in pair:
                     end.close()
             return
         writer.transport.abort()  # no backend accepts: refused, as a Service without endpoints
+
+    def black_hole(self) -> int:
+        """Drop every byte of the open connections from now on, closing nothing; returns how many there are."""
+
+        async def hole() -> int:
+            self._holes.update(self._pairs)
+            return len(self._pairs)
+
+        return self._loop.run(hole())
 
     def cut(self) -> int:
         """Abort every open connection (both ends get a reset); returns how many were cut."""
@@ -96,11 +108,12 @@ class TcpProxy:
         self._loop.close()
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dropped: Callable[[], bool]) -> None:
     with contextlib.suppress(ConnectionError, OSError):
         while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
+            if not dropped():
+                writer.write(data)
+                await writer.drain()
     with contextlib.suppress(ConnectionError, OSError, RuntimeError):
         writer.write_eof()
 
