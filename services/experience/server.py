@@ -193,8 +193,9 @@ def _agent_runner(
         return None
     scheme = "https" if settings.tls_cert_file else "http"
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    base_url = settings.gateway_base_url or f"{scheme}://{host}:{gateway.port}/v1"  # this replica's own
     return AgentRunner({n: AgentServer(a.url, a.timeout_s) for n, a in settings.agents.items()}, sessions,
-                       f"{scheme}://{host}:{gateway.port}/v1", _gateway_model_name(settings, policy), policy.tokenizer)
+                       base_url, _gateway_model_name(settings, policy), policy.tokenizer)
 
 
 def _gateway_model_name(settings: ExperienceSettings, policy: _Policy) -> str:

@@ -182,6 +182,12 @@ class ExperienceSettings(GenerationLimits):
     gateway_model_name: str | None = Field(
         None, description="the model name the gateway serves outside sessions (None: the actor folder's name)"
     )
+    gateway_base_url: str | None = Field(
+        None, pattern=r"^https?://[^/\s]+(/\S*)?$", description="the gateway's URL as agent servers reach THIS "
+        "replica (`http(s)://<address>:<gateway_port>/v1`, e.g. the pod's IP); None: `<host>` (127.0.0.1 for a "
+        "service bound to all interfaces). An episode's session lives in the replica that opened it: with several "
+        "replicas, each advertises its own address, never a Service in front of them",
+    )
     gateway_call_timeout_s: float = Field(300.0, gt=0, description="deadline of one gateway call's generation")
     gateway_max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="largest gateway request body; "
                                         "bigger ones are 413, unread (after the key is checked)")
