@@ -41,10 +41,17 @@ def keepalive_options(interval_s: float) -> list[tuple[str, int]]:
     ]
 
 
-#: What every fastexp server accepts of its clients' keepalive pings (:func:`keepalive_options`): one a second at
-#: most while calls are open (gRPC's default, one per 5 minutes without data, would answer GOAWAY "too_many_pings").
+#: Every fastexp server's keepalive: it accepts its clients' pings (:func:`keepalive_options`) one a second at most
+#: while calls are open (gRPC's default, one per 5 minutes without data, would answer GOAWAY "too_many_pings"), and
+#: pings its clients every 30 s itself, dropping a connection whose ping is unanswered for 10 s: the calls of a
+#: client that vanished (a trainer whose network was cut: it resumed its stream elsewhere) end within ~40 s, their
+#: generation stopped and their run slots given back, instead of running on to their deadline.
 SERVER_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 

@@ -38,7 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fastexp.channels import client_channel, keepalive_options, message_options
 from fastexp.critic import save_value_model
-from fastexp.errors import NotReady
+from fastexp.errors import NotReady, Overloaded
 from fastexp.packing import unpack_experience
 from fastexp.request import (
     DEFAULT_SAMPLING,
@@ -49,12 +49,20 @@ from fastexp.request import (
     build_request,
     encode_image,
 )
-from fastexp.resume import DEFAULT_STREAM_RETRY, StreamProgress, StreamResumesExhausted, StreamRetry, resumable
+from fastexp.resume import (
+    DEFAULT_STREAM_RETRY,
+    StreamProgress,
+    StreamResumesExhausted,
+    StreamRetry,
+    breaks_stream,
+    resumable,
+)
 from fastexp.runs import Run, RunLimits, create_run_request, run_from_pb
 from fastexp.security import ClientTLS
 from fastexp.status import (
     FAILED_KEY,
     INVALID_PROMPTS_KEY,
+    PER_REQUEST_COUNTERS,
     RUN_ID_KEY,
     UNDELIVERED_KEY,
     indices_in,
@@ -139,13 +147,13 @@ class ExperienceClient:
         self.last_stream_stats, self.last_failed_prompt_indices = {}, []
         try:
             for attempt in stamina.retry_context(
-                on=functools.partial(resumable, request.stream_id), attempts=1 + retry.max_resumes, timeout=None, wait_initial=retry.wait_initial_s,
+                on=functools.partial(resumable, request.stream_id, progress), attempts=1 + retry.max_resumes, timeout=None, wait_initial=retry.wait_initial_s,
                 wait_max=retry.wait_max_s, wait_jitter=retry.wait_jitter_s,
             ):
                 with attempt:
                     yield from self._open_stream(request, progress, deadline)
-        except NotReady as error:
-            if progress.opens <= retry.max_resumes or not request.stream_id:
+        except (NotReady, Overloaded) as error:
+            if progress.opens <= retry.max_resumes or not request.stream_id or not breaks_stream(progress, error):
                 raise
             raise StreamResumesExhausted(request.stream_id, retry.max_resumes, progress.undelivered(), error) from error
 
@@ -170,8 +178,9 @@ class ExperienceClient:
             raise
         finally:
             stream.cancel()
-            for name, count in stream_counters(trailers).items():
-                self.last_stream_stats[name] = self.last_stream_stats.get(name, 0) + count
+            for name, count in stream_counters(trailers).items():  # each open's own, but for the request's
+                summed = self.last_stream_stats.get(name, 0) + count
+                self.last_stream_stats[name] = count if name in PER_REQUEST_COUNTERS else summed
             self.last_stream_stats["resumes"] = progress.opens - 1
 
     def update_weights(

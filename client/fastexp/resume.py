@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from fastexp.errors import NotReady
+from fastexp.errors import NotReady, Overloaded
 from fastexp.status import DRAINED_KEY, trailer_value
 from fastexp.types import Experience
 from fastexp.v1 import experience_pb2
@@ -88,11 +88,20 @@ class StreamProgress:
         return [i for i in range(self.num_prompts) if i not in self.delivered and i not in self.dropped]
 
 
-def resumable(stream_id: str, error: BaseException) -> bool | float:
+def breaks_stream(progress: StreamProgress, error: BaseException) -> bool:
+    """Whether ``error`` (ending an open of the stream ``progress`` follows) is one a resume may get past (see
+    :func:`resumable`)."""
+    if isinstance(error, StreamResumesExhausted):
+        return False
+    return isinstance(error, NotReady) or (isinstance(error, Overloaded) and progress.opens > 1)
+
+
+def resumable(stream_id: str, progress: StreamProgress, error: BaseException) -> bool | float:
     """stamina's backoff hook for stream ``stream_id``: resume after UNAVAILABLE (or a peer's cancellation, also
-    NotReady), logged as a warning with its cause; at once (0 s) when the replica said it drained; anything else
-    ends the stream."""
-    if not isinstance(error, NotReady) or isinstance(error, StreamResumesExhausted) or not stream_id:
+    NotReady), logged as a warning with its cause; at once (0 s) when the replica said it drained; after
+    RESOURCE_EXHAUSTED only when a resume got it (the replicas left after a drain may be full for a moment; a
+    first open's is the request's own answer); anything else ends the stream."""
+    if not stream_id or not breaks_stream(progress, error):
         return False
     drained = isinstance(error, grpc.RpcError) and trailer_value(error.trailing_metadata(), DRAINED_KEY) == "true"
     logger.warning("stream %s broke (%s); resuming it%s", stream_id, error, " at once (drained)" if drained else "")

@@ -98,6 +98,10 @@ def indices_in(metadata: Iterable[tuple[str, Any]] | None, key: str) -> list[int
     return None
 
 
+#: Stream counters about the request itself, the same in every open of a resumed stream (not summed over opens).
+PER_REQUEST_COUNTERS = frozenset({"truncated-prompts"})
+
+
 def trailer_value(metadata: Iterable[tuple[str, Any]] | None, key: str) -> str | None:
     """The text under ``key`` in trailing ``metadata``; None when absent."""
     for name, value in metadata or ():

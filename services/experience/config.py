@@ -161,13 +161,15 @@ class StreamPoint:
 
     ``stream_id`` scoped to ``principal`` (the calling token's) names its record in the state store;
     ``start_version`` is v0 of its first open (``max_staleness`` counts from it); ``first_batch_index`` the
-    ``batch_index`` of this open's first batch. (Which groups the running statistics counted already is read with
+    ``batch_index`` of this open's first batch; ``open_number`` which open this is (1, 2, ...: a later open of the
+    stream supersedes it). (Which groups the running statistics counted already is read with
     each batch's statistics: :mod:`services.experience.pipeline.streams`.)"""
 
     stream_id: str
     principal: str
     start_version: int
     first_batch_index: int = 0
+    open_number: int = 1
 
 
 @dataclass(frozen=True)

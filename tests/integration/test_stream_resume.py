@@ -63,7 +63,7 @@ def _stored(state, stream_id: str) -> tuple[set[int], int]:
     with engine.connect() as connection:
         counted = connection.execute(sa.select(streams.c.counted).where(streams.c.stream_id == stream_id)).scalar_one()
         count = connection.execute(sa.select(scoped_statistics.c.reward_count).where(
-            scoped_statistics.c.run_id == f"stream/{stream_id}")).scalar_one()
+            scoped_statistics.c.principal == "stream:anonymous", scoped_statistics.c.run_id == stream_id)).scalar_one()
     engine.dispose()
     return set(json.loads(counted)), count
 

@@ -10,6 +10,7 @@ from fastexp.v1 import experience_pb2, generation_pb2
 from services.common.errors import InvalidRequest
 from services.common.sampling import RequestLimits
 from services.experience.api.request import decode_request
+from services.experience.pipeline.streams import MemoryStreams
 
 LIMITS = RequestLimits(max_prompts_per_request=8, max_samples_per_prompt=16, max_new_tokens_limit=512,
                        default_max_new_tokens=32)
@@ -201,7 +202,8 @@ async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(toke
     store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
     store.migrate()
     runs = RunRegistry(OperatorLimits(), store)
-    servicer = ExperienceServicer(maker, tokenizer, LIMITS, lambda: info, runs, max_concurrent_streams=2)
+    servicer = ExperienceServicer(maker, tokenizer, LIMITS, lambda: info, runs, max_concurrent_streams=2,
+                                  streams=MemoryStreams())
     held = [asyncio.create_task(anext(servicer.MakeExperiences(_request(), _Context()), None)) for _ in range(2)]
     async with asyncio.timeout(30):  # both streams are being served (decoding runs in a thread: no fixed sleep)
         while servicer._streams < 2:

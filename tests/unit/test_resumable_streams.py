@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from fastexp.errors import InvalidRequest, NotReady
+from fastexp.errors import FailedPrecondition, InvalidRequest, NotReady
 from fastexp.request import RequestOptions, build_request
 from fastexp.resume import StreamProgress, StreamResumesExhausted, StreamRetry, resumable
 from fastexp.rl.advantages import get_estimator
@@ -62,6 +62,9 @@ def test_the_fingerprint_is_the_request_without_its_id_and_resume():
     (lambda m: setattr(m, "stream_id", "x" * 129), "stream_id"),
     (lambda m: m.resume.dropped_prompt_indices.append(5), "resume.dropped_prompt_indices"),
     (lambda m: (m.ClearField("stream_id"), m.resume.SetInParent()), "resume"),
+    (lambda m: m.resume.delivered_prompt_indices.extend([0, 0]), "resume.delivered_prompt_indices"),
+    (lambda m: m.resume.delivered_prompt_indices.extend(range(6)), "resume"),
+    (lambda m: setattr(m.resume, "next_batch_index", 6), "resume.next_batch_index"),
 ])
 def test_stream_fields_are_named_when_wrong(change, field):
     message = _message()
@@ -88,14 +91,21 @@ def test_rows_of_groups_counted_before_leave_the_moments_and_beta_unchanged():
 
 async def test_memory_records_refuse_another_request_and_remember_what_was_counted():
     streams, key = MemoryStreams(), StreamKey("anonymous", "s-1")
-    first = await streams.open(key, "sha256:a", start_version=3, delivered=())
+    first = await streams.open(key, "sha256:a", start_version=3, delivered=(), resume=False)
     assert (first.start_version, first.opens) == (3, 1)
     streams.count(GroupsCounted(key, (0, 0, 2, 2)))
-    again = await streams.open(key, "sha256:a", start_version=9, delivered=[1])
+    again = await streams.open(key, "sha256:a", start_version=9, delivered=[1], resume=True)
     assert (again.start_version, again.opens, again.counted) == (3, 2, frozenset({0, 1, 2}))
-    with pytest.raises(InvalidRequest, match="stream_id"):
-        await streams.open(key, "sha256:b", start_version=9, delivered=())
-    other_token = await streams.open(StreamKey("sha256:bob", "s-1"), "sha256:b", start_version=9, delivered=())
+    with pytest.raises(InvalidRequest, match="stream_id"):  # another request under the id
+        await streams.open(key, "sha256:b", start_version=9, delivered=(), resume=True)
+    with pytest.raises(InvalidRequest, match="exists"):  # a first open of an id in use
+        await streams.open(key, "sha256:a", start_version=9, delivered=(), resume=False)
+    # the first open, superseded by the second, ends at its next batch's statistics
+    with pytest.raises(FailedPrecondition, match="resumed"):
+        streams.counted(key, open_number=1)
+    assert streams.counted(key, open_number=2) == frozenset({0, 1, 2})
+    other_token = await streams.open(StreamKey("sha256:bob", "s-1"), "sha256:b", start_version=9, delivered=(),
+                                     resume=False)
     assert other_token.opens == 1  # another token's stream of the same id is another stream
 
 
@@ -110,9 +120,16 @@ def test_the_client_resumes_with_what_it_holds_and_only_after_unavailable():
     unavailable = received_error(grpc.StatusCode.UNAVAILABLE, "replica gone")
     drained = received_error(grpc.StatusCode.UNAVAILABLE, "stopping", ((DRAINED_KEY, "true"),))
     invalid = received_error(grpc.StatusCode.INVALID_ARGUMENT, "stream_id: another request")
-    assert resumable("s-1", unavailable) is True and resumable("s-1", drained) == 0.0
-    assert resumable("s-1", invalid) is False and resumable("", unavailable) is False
+    assert resumable("s-1", progress, unavailable) is True and resumable("s-1", progress, drained) == 0.0
+    assert resumable("s-1", progress, invalid) is False and resumable("", progress, unavailable) is False
     exhausted = StreamResumesExhausted("s-1", 8, [1, 3], unavailable)
-    assert isinstance(exhausted, NotReady) and "[1, 3]" in str(exhausted) and resumable("s-1", exhausted) is False
+    assert isinstance(exhausted, NotReady) and "[1, 3]" in str(exhausted)
+    assert resumable("s-1", progress, exhausted) is False
+    # RESOURCE_EXHAUSTED: a first open's answer stands; a resume's (the replicas left are full) is retried
+    full = received_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_concurrent_streams: 64 streams")
+    progress.opens = 1
+    assert resumable("s-1", progress, full) is False
+    progress.opens = 2
+    assert resumable("s-1", progress, full) is True
     with pytest.raises(ValueError, match="max_resumes"):
         StreamRetry(max_resumes=-1)

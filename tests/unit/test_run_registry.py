@@ -255,7 +255,10 @@ async def test_a_resumed_stream_takes_over_the_slot_its_killed_replica_held(stor
     await slot.__aenter__()  # replica a is "killed" holding stream s-1's slot
     with pytest.raises(Overloaded):
         await _enter_stream(b, "r", ALICE)  # another stream: the run is at max_streams
-    async with b.streaming("r", ALICE, stream_id="s-1"):  # s-1 resumed on b, at once: a's slot is its own
+    with pytest.raises(Overloaded):  # s-1 opened again without resume takes nothing over: refused too
+        async with b.streaming("r", ALICE, stream_id="s-1"):
+            pass
+    async with b.streaming("r", ALICE, stream_id="s-1", resume=True):  # s-1 resumed on b: a's slot is its own
         assert (await b.get("r", ALICE)).streams_open == 1
 
 

@@ -37,7 +37,7 @@ from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.pipeline.events import StreamStats
 from services.experience.pipeline.maker import ExperienceMaker
 from services.experience.pipeline.statistics import StatisticsKey
-from services.experience.pipeline.streams import MemoryStreams, StreamKey, StreamRecords
+from services.experience.pipeline.streams import StreamKey, StreamRecords
 from services.experience.runs.limits import adapter_config
 from services.experience.runs.registry import Run, RunRegistry
 from services.experience.workers.vision import VisionProcessor
@@ -50,7 +50,7 @@ def statistics_key(run_id: str, run: Run | None, caller: Caller, stream_id: str 
     that id scoped to ``caller`` (another token's streams of the id never touch them); without ``run_id``, a
     resumable stream's own (kept across its opens, scoped to ``caller``), else None (the stream's, in memory)."""
     if not run_id:
-        return StatisticsKey(StreamKey(caller.principal, stream_id).statistics_id, caller.principal) if stream_id else None
+        return StatisticsKey(stream_id, StreamKey(caller.principal, stream_id).statistics_scope) if stream_id else None
     return StatisticsKey(run_id) if run is not None else StatisticsKey(run_id, caller.principal)
 
 
@@ -76,8 +76,14 @@ async def _until_drained(experiences: AsyncIterator[Any], drained: asyncio.Event
         drain.cancel()
         if step is not None and not step.done():  # drained, or the call cancelled: the pipeline's step ends first
             step.cancel()
-            with contextlib.suppress(BaseException):
-                await step
+            cancelled = False
+            while not step.done():  # (its generator is closed next: it must not be running then)
+                try:
+                    await asyncio.wait({step})
+                except asyncio.CancelledError:  # cancelled again meanwhile: still wait, then say so
+                    cancelled = True
+            if cancelled:
+                raise asyncio.CancelledError
 
 
 def _count(experience: Any, run: Run | None, resumed: bool) -> None:
@@ -130,11 +136,12 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         vision: VisionProcessor | None = None,
         media_limits: MediaLimits | None = None,
         checkpoint_roots: tuple[Path, ...] = (),
-        streams: StreamRecords | None = None,
+        *,
+        streams: StreamRecords,
         drain_margin_s: float = 5.0,
     ) -> None:
         self._maker = maker
-        self._stream_records = streams if streams is not None else MemoryStreams()
+        self._stream_records = streams
         self._drained = asyncio.Event()  # set when this replica stops: open streams end for their clients to resume
         self._drain_margin_s = drain_margin_s
         self._runs = runs
@@ -161,7 +168,9 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         # run_id no run was created for names running statistics only, the caller's own
         self._streams += 1  # counted before the first await: streams arriving together cannot all pass the check
         try:
-            async with self._runs.streaming(request.run_id, current_caller(), request.stream_id) as run:
+            check_stream_fields(request)  # before its slot: a resume takes over its earlier opens' slots
+            async with self._runs.streaming(request.run_id, current_caller(), request.stream_id,
+                                            resume=request.HasField("resume")) as run:
                 async for batch in self._stream(request, context, run):
                     yield batch
         finally:
@@ -173,7 +182,6 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         """One admitted stream: decode (within ``run``'s limits), open its record (a resumable stream), run the
         pipeline, encode each batch until this replica drains; trailers however it ends."""
         self._maker.require_models_loaded("MakeExperiences")
-        check_stream_fields(request)
         await self._maker.catch_up()  # the live versions made through other replicas (NotReady: the store)
         decoded = await self._decode(request, context, run)
         if request.stream_id:  # the stream's record: v0, what was counted; a resume leaves out what the client holds
@@ -231,8 +239,10 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         principal = current_caller().principal
         version = self._maker.clocks.of(decoded.adapter).version
         record = await self._stream_records.open(StreamKey(principal, request.stream_id), request_fingerprint(request),
-                                                 version, request.resume.delivered_prompt_indices)
-        point = StreamPoint(request.stream_id, principal, record.start_version, request.resume.next_batch_index)
+                                                 version, request.resume.delivered_prompt_indices,
+                                                 resume=request.HasField("resume"))
+        point = StreamPoint(request.stream_id, principal, record.start_version, request.resume.next_batch_index,
+                            record.opens)
         if not request.HasField("resume"):
             return dataclasses.replace(decoded, stream=point)
         resumed = resumed_request(decoded, request.resume, point)

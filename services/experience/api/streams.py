@@ -22,10 +22,20 @@ def check_stream_fields(message: experience_pb2.MakeExperiencesRequest) -> None:
         return
     if not message.stream_id:
         raise InvalidRequest("resume", "only a stream with a stream_id can be resumed")
+    resume, prompts = message.resume, len(message.prompts)
+    held = len(resume.delivered_prompt_indices) + len(resume.dropped_prompt_indices)
+    if held > prompts:  # checked first: the lists are read only when no longer than the prompts
+        raise InvalidRequest("resume", f"holds {held} prompt groups of a request of {prompts} prompts")
     for field in ("delivered_prompt_indices", "dropped_prompt_indices"):
-        bad = [i for i in getattr(message.resume, field) if i >= len(message.prompts)]
+        indices = getattr(resume, field)
+        bad = [i for i in indices if i >= prompts]
         if bad:
-            raise InvalidRequest(f"resume.{field}", f"{bad[:8]} are not indices of the {len(message.prompts)} prompts")
+            raise InvalidRequest(f"resume.{field}", f"{bad[:8]} are not indices of the {prompts} prompts")
+        if len(set(indices)) != len(indices):
+            raise InvalidRequest(f"resume.{field}", "an index appears twice")
+    if resume.next_batch_index > prompts:
+        raise InvalidRequest("resume.next_batch_index", f"must be at most the {prompts} prompts (one group a batch "
+                             f"at least), got {resume.next_batch_index}")
 
 
 def request_fingerprint(message: experience_pb2.MakeExperiencesRequest) -> str:

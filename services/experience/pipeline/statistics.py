@@ -83,7 +83,8 @@ class MemoryStatistics:
 
     async def advance(self, key: StatisticsKey, initial: RunState, step: Step[T],
                       counted: GroupsCounted | None = None) -> T:
-        already = frozenset() if counted is None or self._streams is None else self._streams.counted(counted.stream)
+        already = (frozenset() if counted is None or self._streams is None
+                   else self._streams.counted(counted.stream, counted.open_number))
         state, result = step(self.get(key, initial), already)  # no await between the read and the write
         self._states[key] = state
         if counted is not None and self._streams is not None:

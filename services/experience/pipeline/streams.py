@@ -22,8 +22,11 @@ from typing import Protocol
 import torch
 from cachetools import TTLCache
 
-from services.common.errors import InvalidRequest
+from services.common.errors import FailedPrecondition, InvalidRequest
 from services.experience.config import ExperienceRequest
+
+#: The statistics of a stream with no run are scoped to ``stream:<principal>`` (:attr:`StreamKey.statistics_scope`).
+STREAM_SCOPE_PREFIX = "stream:"
 
 
 @dataclass(frozen=True)
@@ -34,9 +37,11 @@ class StreamKey:
     stream_id: str
 
     @property
-    def statistics_id(self) -> str:
-        """The ``run_id`` of the statistics of a stream with no run (never a run's: run ids have no ``/``)."""
-        return f"stream/{self.stream_id}"
+    def statistics_scope(self) -> str:
+        """The scope (a principal's place) of the statistics of a stream with no run, kept under its
+        ``stream_id``: ``stream:<principal>``, which no token's principal is (``anonymous``, ``sha256:...``), so
+        they never meet a ``run_id``'s statistics, and are kept as long as the stream's record."""
+        return f"{STREAM_SCOPE_PREFIX}{self.principal}"
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class GroupsCounted:
 
     stream: StreamKey
     prompt_index: tuple[int, ...]
+    open_number: int = 1  # which open of the stream counts (a superseded one is refused: it ends)
 
     @property
     def prompt_indices(self) -> tuple[int, ...]:
@@ -73,13 +79,15 @@ class GroupsCounted:
 class StreamRecords(Protocol):
     """Where resumable streams' records live (module docs)."""
 
-    async def open(self, key: StreamKey, fingerprint: str, start_version: int,
-                   delivered: Iterable[int]) -> StreamRecord:
-        """Open ``key``'s stream: create its record (v0 = ``start_version``) or, on a resume, count one more open
-        and add ``delivered`` (groups the client holds were counted) to what the statistics counted.
+    async def open(self, key: StreamKey, fingerprint: str, start_version: int, delivered: Iterable[int],
+                   resume: bool) -> StreamRecord:
+        """Open ``key``'s stream: create its record (v0 = ``start_version``) or, on a ``resume``, count one more
+        open (the record's ``opens`` is this open's number) and add ``delivered`` (groups the client holds were
+        counted) to what the statistics counted.
 
         Raises:
-            InvalidRequest: ``stream_id`` names another request of this principal (``fingerprint`` differs).
+            InvalidRequest: ``stream_id`` names another request of this principal (``fingerprint`` differs), or
+                a stream already while this is a first open (no ``resume``).
             NotReady: the store is unavailable.
         """
         ...
@@ -107,9 +115,12 @@ class MemoryStreams:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._entries: TTLCache[StreamKey, _Entry] = TTLCache(maxsize=max_streams, ttl=ttl_s, timer=clock)
 
-    async def open(self, key: StreamKey, fingerprint: str, start_version: int,
-                   delivered: Iterable[int]) -> StreamRecord:
+    async def open(self, key: StreamKey, fingerprint: str, start_version: int, delivered: Iterable[int],
+                   resume: bool) -> StreamRecord:
         entry = self._entries.get(key)
+        if entry is not None and not resume:
+            raise InvalidRequest("stream_id", f"stream {key.stream_id!r} exists: resume it (with resume) or open a "
+                                 "new stream with a new stream_id")
         if entry is None:
             entry = _Entry(fingerprint, StreamRecord(start_version, 0))
         check_fingerprint(entry.fingerprint, fingerprint, key.stream_id)
@@ -118,10 +129,20 @@ class MemoryStreams:
         self._entries[key] = entry  # (re)starts its time to live
         return replace(entry.record, counted=frozenset(entry.counted))
 
-    def counted(self, key: StreamKey) -> frozenset[int]:
-        """The groups ``key``'s statistics counted (none for an unknown or expired stream)."""
+    def counted(self, key: StreamKey, open_number: int) -> frozenset[int]:
+        """The groups ``key``'s statistics counted (none for an unknown or expired stream), for its open
+        ``open_number``.
+
+        Raises:
+            FailedPrecondition: ``stream_id``: the stream was opened again since: this open ends.
+        """
         entry = self._entries.get(key)
-        return frozenset() if entry is None else frozenset(entry.counted)
+        if entry is None:
+            return frozenset()
+        if entry.record.opens > open_number:
+            raise FailedPrecondition(f"stream_id: stream {key.stream_id!r} was resumed (open {entry.record.opens}); "
+                                     f"this open ({open_number}) ends")
+        return frozenset(entry.counted)
 
     def count(self, counted: GroupsCounted) -> None:
         """Record a batch's counted groups (:class:`~services.experience.pipeline.statistics.MemoryStatistics`
@@ -138,4 +159,4 @@ def counted_groups(request: ExperienceRequest, prompt_index: Sequence[int]) -> G
     if stream is None:
         return None
     return GroupsCounted(StreamKey(stream.principal, stream.stream_id),
-                         tuple(request.source_index(int(i)) for i in prompt_index))
+                         tuple(request.source_index(int(i)) for i in prompt_index), stream.open_number)

@@ -265,9 +265,10 @@ class RunRegistry:
         return await self._write("DeleteRun", delete)
 
     @contextlib.asynccontextmanager
-    async def streaming(self, run_id: str, caller: Caller, stream_id: str = "") -> AsyncIterator[Run | None]:
-        """Hold one of the run's stream slots (in the store: counted on every replica; a resumable stream's
-        ``stream_id`` takes over the slot of its broken earlier open) for the ``async with``
+    async def streaming(self, run_id: str, caller: Caller, stream_id: str = "",
+                        resume: bool = False) -> AsyncIterator[Run | None]:
+        """Hold one of the run's stream slots (in the store: counted on every replica; a resumable stream's slot
+        names its ``stream_id``, and its ``resume`` takes over the slots of its earlier opens) for the ``async with``
         block, given back however it ends (a killed replica's slots stop counting after ``ttl_s``). Yields the
         run, or None when ``run_id`` names no run (empty, or an id for running statistics only, scoped to the
         caller): nothing is checked or counted then.
@@ -282,7 +283,8 @@ class RunRegistry:
         check_user(run, caller)
         opening = asyncio.ensure_future(self._write("opening a stream slot", functools.partial(
             rows.open_slot, run_id=run_id, replica_id=self.replica.replica_id, now=self._clock(),
-            alive_after=self._alive_after(), stream_key=f"{caller.principal}/{stream_id}" if stream_id else None)))
+            alive_after=self._alive_after(), stream_key=f"{caller.principal}/{stream_id}" if stream_id else None,
+            take_over=resume)))
         try:
             slot = await asyncio.shield(opening)
         except asyncio.CancelledError:  # the stream was cancelled while its slot was being taken: give it back

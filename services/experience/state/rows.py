@@ -122,10 +122,11 @@ def count_streams(connection: Connection, alive_after: float) -> dict[str, int]:
 
 
 def open_slot(connection: Connection, run_id: str, replica_id: str, now: float, alive_after: float,
-              stream_key: str | None = None) -> str:
+              stream_key: str | None = None, take_over: bool = False) -> str:
     """Take one of the run's stream slots (the run's row locked: two replicas cannot both take the last one);
-    returns the slot's id. A resumable stream's open (``stream_key``) first gives back the slots of its earlier
-    opens (a killed replica's would count until ``replica_ttl_s``, refusing the resume at ``max_streams``).
+    returns the slot's id. A resumable stream's slot records its ``stream_key``; its resume (``take_over``) first
+    takes back the slots of its earlier opens (a killed replica's would count until ``replica_ttl_s``, refusing the
+    resume at ``max_streams``; an earlier open still running ends at its next batch: it was superseded).
 
     Raises:
         NotFound: the run was deleted meanwhile. Overloaded: naming ``max_streams``.
@@ -133,7 +134,7 @@ def open_slot(connection: Connection, run_id: str, replica_id: str, now: float, 
     run = select_run(connection, run_id, now, lock=True)
     if run is None:
         raise NotFound(f"run_id: no run {run_id!r} here (never created, or deleted)")
-    if stream_key is not None:
+    if stream_key is not None and take_over:
         connection.execute(stream_slots.delete().where(stream_slots.c.stream_key == stream_key))
     open_now = count_streams(connection, alive_after).get(run_id, 0)
     if open_now >= run.limits[0]:
@@ -273,19 +274,23 @@ def select_statistics(connection: Connection, *, run_id: str, principal: str | N
 
 def write_statistics(connection: Connection, statistics: Statistics, now: float, *, run_id: str,
                      principal: str | None, keep: int) -> None:
-    """Store ``statistics`` as the latest of the run (``principal`` None) or of the caller-scoped id; scoped rows
-    beyond the ``keep`` most recently written are removed (least recently written first)."""
+    """Store ``statistics`` as the latest of the run (``principal`` None) or of the caller-scoped id; when a new
+    caller-scoped id is written, such rows beyond the ``keep`` most recently written are removed (least recently
+    written first; a stream's own, scope ``stream:<principal>``, go with the stream's record instead)."""
     values = {"reward_count": statistics.reward_count, "reward_mean": statistics.reward_mean,
               "reward_m2": statistics.reward_m2, "kl_coef": statistics.kl_coef}
     if principal is None:
         connection.execute(runs.update().where(runs.c.run_id == run_id).values(**values, revision=runs.c.revision + 1))
         return
     where = (scoped_statistics.c.principal == principal, scoped_statistics.c.run_id == run_id)
-    if not connection.execute(scoped_statistics.update().where(*where).values(**values, updated_at_unix_s=now)).rowcount:
-        connection.execute(scoped_statistics.insert().values(principal=principal, run_id=run_id,
-                                                             updated_at_unix_s=now, **values))
-    count = connection.execute(sa.select(sa.func.count()).select_from(scoped_statistics)).scalar_one()
+    if connection.execute(scoped_statistics.update().where(*where).values(**values, updated_at_unix_s=now)).rowcount:
+        return
+    connection.execute(scoped_statistics.insert().values(principal=principal, run_id=run_id, updated_at_unix_s=now,
+                                                         **values))
+    # a new key: the oldest of the callers' ids beyond ``keep`` go (streams' own go with their records instead)
+    callers = ~scoped_statistics.c.principal.startswith("stream:")
+    count = connection.execute(sa.select(sa.func.count()).select_from(scoped_statistics).where(callers)).scalar_one()
     if count > keep:
-        oldest = (sa.select(scoped_statistics.c.updated_at_unix_s).order_by(scoped_statistics.c.updated_at_unix_s)
-                  .offset(count - keep - 1).limit(1)).scalar_subquery()
-        connection.execute(scoped_statistics.delete().where(scoped_statistics.c.updated_at_unix_s <= oldest))
+        oldest = (sa.select(scoped_statistics.c.updated_at_unix_s).where(callers)
+                  .order_by(scoped_statistics.c.updated_at_unix_s).offset(count - keep - 1).limit(1)).scalar_subquery()
+        connection.execute(scoped_statistics.delete().where(callers, scoped_statistics.c.updated_at_unix_s <= oldest))

@@ -88,7 +88,7 @@ stream_slots = Table(
 #: One row per resumable MakeExperiences stream (``stream_id``, scoped to the token that opened it): its request's
 #: fingerprint, v0 of its first open, how often it was opened, and the prompt groups (the message's indices) whose
 #: rewards and KL the running statistics counted. Rows unused for ``stream_ttl_s`` are removed, with the statistics
-#: of a stream that had no run (``scoped_statistics`` row ``stream/<stream_id>``).
+#: of a stream that had no run (``scoped_statistics`` row of principal ``stream:<principal>``, run_id its id).
 streams = Table(
     "streams", metadata,
     Column("principal", String(80), primary_key=True),

@@ -33,6 +33,9 @@ class GroupsCounted(Protocol):
     @property
     def prompt_indices(self) -> tuple[int, ...]: ...
 
+    @property
+    def open_number(self) -> int: ...
+
 
 def to_state(statistics: rows.Statistics, initial: RunState) -> RunState:
     """The :class:`RunState` a stored row holds, carried over onto the request's ``initial`` (its KL target and
@@ -69,7 +72,8 @@ class StoredStatistics:
                  counted: GroupsCounted | None, connection: Connection) -> T:
         stored = rows.select_statistics(connection, run_id=key.run_id, principal=key.principal, lock=True)
         # what the stream counted, read under its row's lock: an open that broke may have committed a batch since
-        already = frozenset() if counted is None else stream_rows.counted(connection, counted.stream)
+        already = frozenset() if counted is None else stream_rows.counted(connection, counted.stream,
+                                                                           counted.open_number)
         state, result = step(to_state(stored, initial), already)
         now = self._clock()
         rows.write_statistics(connection, to_row(state), now, run_id=key.run_id, principal=key.principal,

@@ -13,8 +13,12 @@ from typing import Protocol
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from fastexp.errors import InvalidRequest
+from fastexp.errors import FailedPrecondition, InvalidRequest
 from services.experience.state.schema import scoped_statistics, streams
+
+#: Where the statistics of a stream with no run are kept: principal ``stream:<principal>``, run_id its stream_id
+#: (``services.experience.pipeline.streams.StreamKey.statistics_scope``); they go with the stream's record.
+STREAM_SCOPE_PREFIX = "stream:"
 
 
 class Key(Protocol):
@@ -38,14 +42,19 @@ def _where(key: Key) -> tuple[sa.ColumnElement[bool], ...]:
 
 
 def open_stream(connection: Connection, key: Key, fingerprint: str, start_version: int, delivered: Iterable[int],
-                now: float) -> StreamRow:
-    """Create ``key``'s row (v0 ``start_version``, one open), or on a resume add an open and ``delivered`` to its
-    counted groups (locked meanwhile: opens of one stream take turns).
+                now: float, resume: bool) -> StreamRow:
+    """Create ``key``'s row (v0 ``start_version``, one open), or on a ``resume`` add an open and ``delivered`` to
+    its counted groups (locked meanwhile: opens of one stream take turns). A resume of a stream with no row (it
+    expired) starts a new one, counting ``delivered``.
 
     Raises:
-        InvalidRequest: ``stream_id``: the row's request fingerprint is another.
+        InvalidRequest: ``stream_id``: the row's request fingerprint is another, or a first open (no ``resume``)
+            of an id that names a stream already.
     """
     row = connection.execute(sa.select(streams).where(*_where(key)).with_for_update()).first()
+    if row is not None and not resume:
+        raise InvalidRequest("stream_id", f"stream {key.stream_id!r} exists: resume it (with resume) or open a new "
+                             "stream with a new stream_id")
     if row is None:
         counted = frozenset(delivered)
         connection.execute(streams.insert().values(
@@ -61,10 +70,25 @@ def open_stream(connection: Connection, key: Key, fingerprint: str, start_versio
     return StreamRow(row.start_version, row.opens + 1, counted)
 
 
-def counted(connection: Connection, key: Key) -> frozenset[int]:
-    """``key``'s counted groups, its row locked until the transaction ends (none when the row is gone)."""
-    row = connection.execute(sa.select(streams.c.counted).where(*_where(key)).with_for_update()).first()
-    return frozenset() if row is None else frozenset(json.loads(row.counted))
+def counted(connection: Connection, key: Key, open_number: int) -> frozenset[int]:
+    """``key``'s counted groups, its row locked until the transaction ends (none when the row is gone), for its
+    open ``open_number`` (1, 2, ...).
+
+    Raises:
+        FailedPrecondition: ``stream_id``: the stream was opened again since (a resume elsewhere): this open ends.
+    """
+    row = connection.execute(sa.select(streams.c.counted, streams.c.opens).where(*_where(key)).with_for_update()).first()
+    if row is None:
+        return frozenset()
+    if row.opens > open_number:
+        raise superseded(key.stream_id, open_number, row.opens)
+    return frozenset(json.loads(row.counted))
+
+
+def superseded(stream_id: str, open_number: int, opens: int) -> FailedPrecondition:
+    """The error of an open whose stream was opened again (its client resumed it elsewhere)."""
+    return FailedPrecondition(f"stream_id: stream {stream_id!r} was resumed (open {opens}); this open ({open_number}) "
+                              "ends")
 
 
 def count_groups(connection: Connection, key: Key, prompt_indices: Iterable[int], now: float) -> None:
@@ -83,7 +107,7 @@ def collect_streams(connection: Connection, unused_since: float) -> int:
     old = connection.execute(sa.select(streams.c.principal, streams.c.stream_id)
                              .where(streams.c.used_at_unix_s < unused_since)).all()
     for principal, stream_id in old:
-        connection.execute(scoped_statistics.delete().where(scoped_statistics.c.principal == principal,
-                                                            scoped_statistics.c.run_id == f"stream/{stream_id}"))
+        connection.execute(scoped_statistics.delete().where(
+            scoped_statistics.c.principal == f"{STREAM_SCOPE_PREFIX}{principal}", scoped_statistics.c.run_id == stream_id))
     connection.execute(streams.delete().where(streams.c.used_at_unix_s < unused_since))
     return len(old)

@@ -19,11 +19,11 @@ class StoredStreams:
         self._ttl_s = ttl_s
         self._clock = clock
 
-    async def open(self, key: stream_rows.Key, fingerprint: str, start_version: int,
-                   delivered: Iterable[int]) -> stream_rows.StreamRow:
+    async def open(self, key: stream_rows.Key, fingerprint: str, start_version: int, delivered: Iterable[int],
+                   resume: bool) -> stream_rows.StreamRow:
         return await self._store.transact("MakeExperiences stream", functools.partial(
             stream_rows.open_stream, key=key, fingerprint=fingerprint, start_version=start_version,
-            delivered=tuple(delivered), now=self._clock()))
+            delivered=tuple(delivered), now=self._clock(), resume=resume))
 
     async def collect(self) -> int:
         """Remove records (and stream-scoped statistics) unused for ``ttl_s``; returns how many went."""
