@@ -86,6 +86,43 @@ async def test_a_stream_broken_on_one_replica_is_resumed_on_another_with_each_gr
     assert reward_count == len(PROMPTS) * N  # each group's rewards once, the lost copies' included, never twice
 
 
+async def test_a_resume_supersedes_the_open_still_running_elsewhere(replicas, state):
+    # a network cut the serving replica has not noticed: its open holds a group at the scorer while the client
+    # resumes through B; once the scorer answers, A's open finds itself superseded at its next batch and ends
+    # (FAILED_PRECONDITION naming stream_id), and B's counts each group once
+    gate = replicas.scorer_gate
+    request = build_request(PROMPTS, OPTIONS)
+    request.stream_id = "resume-test-superseded"
+    gate.close(after=1)
+    with grpc.insecure_channel(replicas["A"]) as channel:
+        call = experience_pb2_grpc.ExperienceServiceStub(channel).MakeExperiences(request, timeout=120)
+        first = experience_from_pb(await asyncio.to_thread(next, call))
+        await gate.wait_held(1)  # A's open is in the middle of its next group
+        resume = experience_pb2.MakeExperiencesRequest()
+        resume.CopyFrom(request)
+        resume.resume.CopyFrom(experience_pb2.StreamResume(
+            delivered_prompt_indices=[int(first.prompt_index[0])], next_batch_index=1))
+        resumed = asyncio.create_task(asyncio.to_thread(_open, replicas["B"], resume))
+        await _until(lambda: _opens(state, "resume-test-superseded") == 2)  # B's open is the stream's now
+        gate.open()
+        with pytest.raises(grpc.RpcError) as raised:
+            await asyncio.to_thread(list, call)
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert raised.value.details().startswith("stream_id:"), raised.value.details()
+        rest = await resumed
+    delivered = sorted(int(i) for batch in [first, *rest] for i in batch.prompt_index)
+    assert delivered == sorted(list(range(len(PROMPTS))) * N)
+    assert _stored(state, "resume-test-superseded")[1] == len(PROMPTS) * N
+
+
+def _opens(state, stream_id: str) -> int:
+    engine = sa.create_engine(state["state_url"])
+    with engine.connect() as connection:
+        opens = connection.execute(sa.select(streams.c.opens).where(streams.c.stream_id == stream_id)).scalar()
+    engine.dispose()
+    return opens or 0
+
+
 async def test_stream_fields_are_checked_before_any_work(replicas):
     request = build_request(PROMPTS, OPTIONS)
     request.stream_id = "resume-test-2"
