@@ -133,15 +133,17 @@ class CoreSplit:
         return {}
 
 
-def _child_setup(cores: set[int] | None) -> None:
-    """In a service's process before it runs: die with the launching process (Linux ``PR_SET_PDEATHSIG``: a
-    launcher killed outright must not leave engines running), and keep to ``cores`` when given."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
+def child_prefix(cores: set[int] | None) -> list[str]:
+    """What a service's command runs under, exec'ed before it (util-linux, where the host has it): die with the
+    launching process (``setpriv --pdeathsig``: a launcher killed outright must not leave engines running), and
+    keep to ``cores`` when given (``taskset``). No Python runs between fork and exec (a ``preexec_fn`` in a
+    launcher with threads, as the tests' proxies and gRPC's, can crash the child before it execs)."""
+    prefix = []
+    if sys.platform.startswith("linux") and shutil.which("setpriv"):
+        prefix += ["setpriv", "--pdeathsig", "TERM", "--"]
+    if cores is not None and shutil.which("taskset"):
+        prefix += ["taskset", "-c", ",".join(map(str, sorted(cores)))]
+    return prefix
 
 
 def default_core_split() -> CoreSplit | None:
@@ -316,9 +318,11 @@ class LocalCluster:
         if kind == "generator" and self.core_split is not None and self.core_split.pin_generators:
             pinned = set(self.core_split.generator_cores(replica, self.generator_replicas))
         self.processes[name] = subprocess.Popen(
-            command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-            start_new_session=True, preexec_fn=lambda: _child_setup(pinned),
+            [*child_prefix(pinned), *command], env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+            start_new_session=True,
         )
+        if pinned is not None and not shutil.which("taskset"):  # at once, before the engine starts its threads
+            os.sched_setaffinity(self.processes[name].pid, pinned)
         logger.info("started %s on %s (pid %d)", name, self.address(name), self.processes[name].pid)
 
     def stop(self, grace_s: float = 15.0) -> None:

@@ -1,5 +1,5 @@
 """The launcher's services die with it: a launcher (a test run, the demo, ``fastexp up``) killed outright must not
-leave engines running (``PR_SET_PDEATHSIG`` in each service's process)."""
+leave engines running (``PR_SET_PDEATHSIG`` in each service's process, set by ``setpriv`` before it execs)."""
 
 from __future__ import annotations
 
