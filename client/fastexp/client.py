@@ -167,6 +167,8 @@ class ExperienceClient:
         stream = self._stub.MakeExperiences(request, timeout=max(0.0, deadline - time.monotonic()))
         trailers = None
         try:
+            if request.stream_id:  # the service's headers come as soon as it took the stream up
+                progress.open_answered(stream.initial_metadata())
             for message in stream:
                 experience = experience_from_pb(message)
                 progress.received(experience)  # the trainer's from here: a resume leaves it out
@@ -175,6 +177,7 @@ class ExperienceClient:
             self.last_failed_prompt_indices = indices_in(trailers, FAILED_KEY) or []
         except grpc.RpcError as error:
             trailers = error.trailing_metadata()
+            progress.open_answered(error.initial_metadata())
             raise
         finally:
             stream.cancel()

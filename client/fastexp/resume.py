@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from fastexp.errors import NotReady, Overloaded
-from fastexp.status import DRAINED_KEY, trailer_value
+from fastexp.status import DRAINED_KEY, STREAM_OPEN_KEY, UNDELIVERED_KEY, RemoteError, trailer_value
 from fastexp.types import Experience
 from fastexp.v1 import experience_pb2
 
@@ -49,13 +49,20 @@ class StreamRetry:
 DEFAULT_STREAM_RETRY = StreamRetry()
 
 
-class StreamResumesExhausted(NotReady):
-    """A stream broke more often than :class:`StreamRetry` allows. ``undelivered`` lists the prompt indices whose
-    groups never reached the trainer (neither delivered nor reported dropped); ``cause`` is the last error."""
+class StreamResumesExhausted(RemoteError, NotReady):
+    """A stream broke more often than :class:`StreamRetry` allows: UNAVAILABLE, a ``grpc.RpcError`` and a
+    NotReady like the errors it follows. ``undelivered`` lists the prompt indices whose groups never reached the
+    trainer (neither delivered nor reported dropped; also in its trailing metadata, so
+    :func:`fastexp.client.undelivered_prompt_indices` reads it); ``cause`` is the last error."""
 
     def __init__(self, stream_id: str, resumes: int, undelivered: list[int], cause: BaseException) -> None:
-        super().__init__(f"stream {stream_id!r} broke {resumes + 1} times (the retry budget allows {resumes} resumes); "
-                         f"prompt groups not delivered: {undelivered}; last error: {cause}")
+        message = (f"stream {stream_id!r} broke {resumes + 1} times (the retry budget allows {resumes} resumes); "
+                   f"undelivered prompt indices: {','.join(map(str, undelivered)) or 'none'}; last error: "
+                   f"{cause.details() if isinstance(cause, grpc.RpcError) else cause}")
+        kept = cause.trailing_metadata() if isinstance(cause, grpc.RpcError) else None
+        trailers = (*((k, v) for k, v in kept or () if k != UNDELIVERED_KEY),
+                    (UNDELIVERED_KEY, ",".join(map(str, undelivered))))
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message, trailers)
         self.stream_id = stream_id
         self.undelivered = undelivered
         self.cause = cause
@@ -71,9 +78,16 @@ class StreamProgress:
     dropped: set[int] = field(default_factory=set)
     batches: int = 0
     opens: int = 0
+    acknowledged: bool = False  # an open was taken up by the service (its record opened): breaks are resumed
+
+    def open_answered(self, initial_metadata: object) -> None:
+        """Note an open's initial metadata: the service acknowledges a stream it took up (``fastexp-stream-open``)."""
+        if trailer_value(initial_metadata, STREAM_OPEN_KEY) is not None:  # type: ignore[arg-type]
+            self.acknowledged = True
 
     def received(self, experience: Experience) -> None:
         """Record a batch (its groups are the trainer's from now on)."""
+        self.acknowledged = True
         self.delivered.update(int(i) for i in experience.prompt_index)
         self.dropped.update(int(i) for i in experience.dropped_prompt_indices)
         self.batches += 1
@@ -91,8 +105,8 @@ class StreamProgress:
 def breaks_stream(progress: StreamProgress, error: BaseException) -> bool:
     """Whether ``error`` (ending an open of the stream ``progress`` follows) is one a resume may get past (see
     :func:`resumable`)."""
-    if isinstance(error, StreamResumesExhausted):
-        return False
+    if isinstance(error, StreamResumesExhausted) or not progress.acknowledged:  # a first open refused outright
+        return False  # is the request's answer (the service not ready, full): as without resuming
     return isinstance(error, NotReady) or (isinstance(error, Overloaded) and progress.opens > 1)
 
 

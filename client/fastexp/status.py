@@ -58,6 +58,9 @@ RECEIVED_KINDS: dict[grpc.StatusCode, type[FastexpError]] = {
 
 #: Trailing metadata of a failed MakeExperiences stream: the prompt indices not delivered, comma-separated.
 UNDELIVERED_KEY = "fastexp-undelivered-prompt-indices"
+#: Initial metadata of a resumable stream's open the service took up (its record opened): the open's number (1, 2,
+#: ...). The client resumes a stream only once an open was taken up: a first open refused outright is an answer.
+STREAM_OPEN_KEY = "fastexp-stream-open"
 #: Trailing metadata of a stream a stopping replica handed over (UNAVAILABLE): "true"; resume it elsewhere at once.
 DRAINED_KEY = "fastexp-drained"
 #: Trailing metadata of an INVALID_ARGUMENT answer caused by prompts: every invalid prompt index, comma-separated.

@@ -1,13 +1,14 @@
-"""Faults with real processes on loopback: the generator is SIGKILLed mid-stream. The stream ends
-with UNAVAILABLE listing the prompt indices not delivered; after a restart, a retry of exactly those delivers
-them, and nothing already streamed is repeated."""
+"""Faults with real processes on loopback: the generator is SIGKILLed mid-stream. For a trainer that turned
+resuming off (``StreamRetry(max_resumes=0)``; the chaos suite covers resumed streams), the stream ends with
+UNAVAILABLE listing the prompt indices not delivered; after a restart, a retry of exactly those delivers them, and
+nothing already streamed is repeated."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from fastexp import ExperienceClient, Sampling, undelivered_prompt_indices
+from fastexp import ExperienceClient, Sampling, StreamRetry, undelivered_prompt_indices
 from services.launcher import LocalCluster
 
 pytestmark = [pytest.mark.smollm2]
@@ -26,7 +27,8 @@ def test_generator_killed_mid_stream_lists_undelivered_prompts_and_a_retry_compl
     with LocalCluster(overrides=overrides, log_dir=tmp_path / "logs") as cluster:
         delivered: list[int] = []
         delivered_at_kill = None
-        with ExperienceClient(cluster.address("experience"), timeout_s=600) as client:
+        with ExperienceClient(cluster.address("experience"), timeout_s=600,
+                              stream_retry=StreamRetry(max_resumes=0)) as client:
             with pytest.raises(grpc.RpcError) as raised:
                 for experience in client.make_experiences(PROMPTS, **options):
                     delivered.extend(experience.prompt_index)

@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 
+from fastexp.client import undelivered_prompt_indices
 from fastexp.errors import FailedPrecondition, InvalidRequest, NotReady
 from fastexp.request import RequestOptions, build_request
 from fastexp.resume import StreamProgress, StreamResumesExhausted, StreamRetry, resumable
@@ -111,19 +112,24 @@ async def test_memory_records_refuse_another_request_and_remember_what_was_count
 
 def test_the_client_resumes_with_what_it_holds_and_only_after_unavailable():
     progress = StreamProgress(num_prompts=4)
+    unavailable = received_error(grpc.StatusCode.UNAVAILABLE, "replica gone")
+    assert resumable("s-1", progress, unavailable) is False  # a first open refused outright: not taken up
+    progress.open_answered((("fastexp-stream-open", "1"),))
+    assert progress.acknowledged
     batch = type("Batch", (), {"prompt_index": (2, 2), "dropped_prompt_indices": (0,)})()
     progress.received(batch)
     resume = progress.resume()
     assert (list(resume.delivered_prompt_indices), list(resume.dropped_prompt_indices), resume.next_batch_index) == (
         [2], [0], 1)
     assert progress.undelivered() == [1, 3]
-    unavailable = received_error(grpc.StatusCode.UNAVAILABLE, "replica gone")
     drained = received_error(grpc.StatusCode.UNAVAILABLE, "stopping", ((DRAINED_KEY, "true"),))
     invalid = received_error(grpc.StatusCode.INVALID_ARGUMENT, "stream_id: another request")
     assert resumable("s-1", progress, unavailable) is True and resumable("s-1", progress, drained) == 0.0
     assert resumable("s-1", progress, invalid) is False and resumable("", progress, unavailable) is False
     exhausted = StreamResumesExhausted("s-1", 8, [1, 3], unavailable)
-    assert isinstance(exhausted, NotReady) and "[1, 3]" in str(exhausted)
+    assert isinstance(exhausted, NotReady) and isinstance(exhausted, grpc.RpcError)
+    assert exhausted.code() == grpc.StatusCode.UNAVAILABLE and "replica gone" in exhausted.details()
+    assert undelivered_prompt_indices(exhausted) == [1, 3] and exhausted.undelivered == [1, 3]
     assert resumable("s-1", progress, exhausted) is False
     # RESOURCE_EXHAUSTED: a first open's answer stands; a resume's (the replicas left are full) is retried
     full = received_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_concurrent_streams: 64 streams")

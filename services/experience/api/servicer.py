@@ -14,7 +14,14 @@ from typing import Any
 
 import grpc
 
-from fastexp.status import DRAINED_KEY, FAILED_KEY, INVALID_PROMPTS_KEY, RUN_ID_KEY, UNDELIVERED_KEY
+from fastexp.status import (
+    DRAINED_KEY,
+    FAILED_KEY,
+    INVALID_PROMPTS_KEY,
+    RUN_ID_KEY,
+    STREAM_OPEN_KEY,
+    UNDELIVERED_KEY,
+)
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
 from fastexp.wire import experience_to_pb
 from services.common import metrics
@@ -186,6 +193,9 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         decoded = await self._decode(request, context, run)
         if request.stream_id:  # the stream's record: v0, what was counted; a resume leaves out what the client holds
             decoded = await self._open_stream(request, decoded)
+            assert decoded.stream is not None
+            # taken up: from here the client resumes a break (a refusal before is the request's answer)
+            await context.send_initial_metadata(((STREAM_OPEN_KEY, str(decoded.stream.open_number)),))
         bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
         deadline = Deadline.from_remaining(context.time_remaining())
         stats = StreamStats()
