@@ -26,6 +26,7 @@ from benchmarks import (
     judge,
     packing,
     pipeline,
+    replicas,
     resume,
     runs,
     state,
@@ -66,6 +67,9 @@ TARGETS = {
     "resume_next_row_excess_s": "<= 5 (SIGKILL to the next row, less one group's own time)",
     "resume_regenerated_vs_undelivered": "<= 1 (only what was not delivered is generated again)",
     "resume_total_vs_uninterrupted_s": "informative (a stream that lost its replica / one that did not)",
+    "replicas_two_vs_one_rows_per_s": "informative (2 cores: the engine and one replica fill them; see README)",
+    "replica_rss_gib": "informative (resident memory of each experience replica added)",
+    "replica_store_calls_per_stream": "informative (state-store calls one stream costs a replica)",
 }
 SMALL_WORKLOAD = pipeline.Workload(
     num_prompts=4, n_samples_per_prompt=2, max_new_tokens=16, max_num_seqs=4, kv_cache_memory_bytes=256 * 1024**2,
@@ -82,6 +86,8 @@ SMALL_STATE_WORKLOAD = state.StateWorkload(num_prompts=2, n_samples_per_prompt=2
                                            micro_rollout_batch_size=2, backend="hf")
 SMALL_RESUME_WORKLOAD = resume.ResumeWorkload(num_prompts=6, n_samples_per_prompt=2, max_new_tokens=4,
                                              kill_after_batches=1, backend="hf")
+SMALL_REPLICAS_WORKLOAD = replicas.ReplicasWorkload(num_prompts=2, n_samples_per_prompt=2, prompt_words=20,
+                                                   max_new_tokens=4, backend="hf")
 SMALL_JUDGE_WORKLOAD = judge.JudgeWorkload(
     num_prompts=2, n_samples_per_prompt=2, judge_max_new_tokens=2, policy_max_new_tokens=2, refill_rounds=2
 )
@@ -111,6 +117,8 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
         results.update(runs.run(model, SMALL_RUNS_WORKLOAD if small else runs.RunsWorkload(), out / "logs"))
         results.update(state.run(model, SMALL_STATE_WORKLOAD if small else state.StateWorkload(), out / "logs"))
         results.update(resume.run(model, SMALL_RESUME_WORKLOAD if small else resume.ResumeWorkload(), out / "logs"))
+        workload = SMALL_REPLICAS_WORKLOAD if small else replicas.ReplicasWorkload()
+        results.update(replicas.run(model, workload, out / "logs"))
         if not small:  # two trainers and the services: minutes even at tiny sizes (tests/integration/test_trl.py
             # covers the integration itself)
             results.update(trl_step.run(model, trl_step.TrlStepWorkload(), out / "logs"))

@@ -19,7 +19,8 @@ FIGURES = {
     "judge_batched_vs_per_response", "runs_concurrent_vs_sequential_tokens_per_s", "runs_adapter_vs_full_update_s",
     "runs_adapter_qv_vs_full_update_s", "state_store_vs_stream_s_sqlite", "state_store_vs_stream_s_postgresql",
     "state_store_vs_update_s_sqlite", "state_store_vs_update_s_postgresql", "catch_up_vs_update_s_sqlite",
-    "catch_up_vs_update_s_postgresql", "resume_total_vs_uninterrupted_s",
+    "catch_up_vs_update_s_postgresql", "resume_total_vs_uninterrupted_s", "replicas_two_vs_one_rows_per_s",
+    "replica_rss_gib", "replica_store_calls_per_stream",
 }
 
 

@@ -2,7 +2,8 @@
 a temporary folder, on a free loopback port, stopped and started again by the tests that need an outage.
 
 PostgreSQL refuses to run as root: as root the cluster's folder belongs to the ``postgres`` user and the binaries
-run as it. ``pg_ctl -w`` returns once the server accepts connections (an event, not a sleep).
+run as it, through ``runuser`` (exec'ed: the test process, with its gRPC and proxy threads, only forks and execs;
+``subprocess``'s own ``user=`` changes ids in the forked child, which crashed there now and then). ``pg_ctl -w`` returns once the server accepts connections (an event, not a sleep).
 """
 
 from __future__ import annotations
@@ -55,8 +56,12 @@ class PostgresServer:
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
         self._run("initdb", "-D", str(self.data), "-U", "fastexp", "--auth=trust", "-E", "UTF8", "--no-sync")
 
+    def _as_owner(self, *command: str) -> list[str]:
+        """``command`` run as the cluster's owner (``runuser`` as root)."""
+        return ["runuser", "-u", self._user, "--", *command] if self._user is not None else list(command)
+
     def _run(self, tool: str, *args: str) -> None:
-        result = subprocess.run([str(self._bin / tool), *args], user=self._user, capture_output=True, text=True,
+        result = subprocess.run(self._as_owner(str(self._bin / tool), *args), capture_output=True, text=True,
                                 timeout=120, cwd=self.root)
         if result.returncode != 0:
             raise RuntimeError(f"{tool} failed ({result.returncode}): {result.stderr or result.stdout}")
@@ -74,7 +79,7 @@ class PostgresServer:
 
     def running(self) -> bool:
         """Whether the server runs (``pg_ctl status``)."""
-        result = subprocess.run([str(self._bin / "pg_ctl"), "-D", str(self.data), "status"], user=self._user,
+        result = subprocess.run(self._as_owner(str(self._bin / "pg_ctl"), "-D", str(self.data), "status"),
                                 capture_output=True, text=True, timeout=60, cwd=self.root)
         return result.returncode == 0
 
