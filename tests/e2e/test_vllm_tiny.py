@@ -64,7 +64,7 @@ def test_dynamic_sampling_refills_through_the_services_and_reports_drops(cluster
         assert batches == []
         assert client.last_stream_stats == {"dropped-groups": 4, "generation-rounds": 2, "resampled-groups": 0,
                                             "rerouted-groups": 0, "failed-groups": 0, "truncated-prompts": 0,
-                                            "skipped-prompts": 0}
+                                            "skipped-prompts": 0, "resumes": 0}
 
 
 def test_cancelled_stream_aborts_generation_and_leaves_the_services_healthy(cluster):
