@@ -3,7 +3,8 @@ a temporary folder, on a free loopback port, stopped and started again by the te
 
 PostgreSQL refuses to run as root: as root the cluster's folder belongs to the ``postgres`` user and the binaries
 run as it, through ``runuser`` (exec'ed: the test process, with its gRPC and proxy threads, only forks and execs;
-``subprocess``'s own ``user=`` changes ids in the forked child, which crashed there now and then). ``pg_ctl -w`` returns once the server accepts connections (an event, not a sleep).
+``subprocess``'s own ``user=`` changes ids in the forked child, which crashed there now and then). ``pg_ctl -w``
+returns once the server accepts connections (an event, not a sleep).
 """
 
 from __future__ import annotations
