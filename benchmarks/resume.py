@@ -47,6 +47,7 @@ class ResumeWorkload:
 def run(model: str, workload: ResumeWorkload, log_dir: Path) -> dict:
     """Measure on ``model`` (a local folder); returns the figures, their inputs and the workload."""
     from tests.support.proxies import TcpProxy
+    from tests.support.resumes import groups_regenerated, serving_replica
 
     options = RequestOptions(
         n_samples_per_prompt=workload.n_samples_per_prompt, advantage_estimator="rloo", reward_running_norm=True,
@@ -69,11 +70,11 @@ def run(model: str, workload: ResumeWorkload, log_dir: Path) -> dict:
                 client.wait_until_ready(900)
                 list(client.make_experiences(prompts[:1], options))  # warm-up
                 whole = _stream(client, prompts, options)
-                broken = _stream(client, prompts, options, kill=lambda: cluster.kill(_serving(cluster, proxy)),
+                broken = _stream(client, prompts, options, kill=lambda: cluster.kill(serving_replica(cluster, proxy, REPLICAS)),
                                  kill_after=workload.kill_after_batches)
         finally:
             proxy.close()
-        regenerated = _regenerated(cluster)
+        regenerated = groups_regenerated(cluster, REPLICAS)
     undelivered = workload.num_prompts - workload.kill_after_batches
     inputs = {"uninterrupted": whole, "killed": broken, "groups_regenerated": regenerated,
               "groups_undelivered_at_kill": undelivered}
@@ -103,18 +104,3 @@ def _stream(client: ExperienceClient, prompts: list, options: RequestOptions, ki
     timings = {"wall_s": time.perf_counter() - started, "first_row_s": first_row, "batches": batches,
                "resumes": client.last_stream_stats.get("resumes", 0)}
     return timings | ({"kill_to_next_row_s": next_row} if kill is not None else {})
-
-
-def _serving(cluster: LocalCluster, proxy) -> str:
-    """The replica the proxy sent the stream's connection to."""
-    return next(name for name in REPLICAS if cluster.address(name) == proxy.routed[-1])
-
-
-def _regenerated(cluster: LocalCluster) -> int:
-    """Groups the resumed opens generated (each resume logs "<held> held, <n> to generate")."""
-    total = 0
-    for name in REPLICAS:
-        for line in cluster.log_path(name).read_text(errors="replace").splitlines():
-            if " resumed (open " in line:
-                total += int(line.rsplit(" held, ", 1)[1].split(" to generate")[0])
-    return total

@@ -101,3 +101,15 @@ def tiny_vlm_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.support.vlm import build_tiny_qwen2_vl
 
     return str(build_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl")))
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A real PostgreSQL server of the module's own (:class:`tests.support.postgres.PostgresServer`), started;
+    removed after the module."""
+    from tests.support.postgres import PostgresServer
+
+    server = PostgresServer()
+    server.start()
+    yield server
+    server.remove()

@@ -28,9 +28,9 @@ import torch
 from fastexp import ExperienceClient, Sampling
 from fastexp.resume import StreamRetry
 from services.launcher import LocalCluster
-from tests.e2e.test_experience_replicas import _wait_for
-from tests.support.postgres import PostgresServer
+from tests.e2e.test_experience_replicas import _assert_rows_are, _wait_for
 from tests.support.proxies import GateThread, TcpProxy
+from tests.support.resumes import groups_regenerated, serving_replica
 
 pytestmark = [pytest.mark.smollm2]
 
@@ -38,14 +38,6 @@ PROMPTS = [f"Count from {i}: {i}, {i + 1}," for i in range(6)]
 N = 2
 EXPERIENCE = ("experience", "experience-1")
 RETRY = StreamRetry(max_resumes=8, wait_initial_s=0.2, wait_max_s=2.0, wait_jitter_s=0.1)
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.remove()
 
 
 @pytest.fixture(scope="module")
@@ -104,26 +96,11 @@ def _sigterm(cluster: LocalCluster, name: str) -> None:
     _wait_for(lambda: _log_count(cluster, name, "draining:") > before, f"{name} drains")
 
 
-def _serving(cluster: LocalCluster, proxy: TcpProxy) -> str:
-    """The experience replica the proxy sent the last connection to."""
-    return next(name for name in EXPERIENCE if cluster.address(name) == proxy.routed[-1])
-
-
-def _regenerated(cluster: LocalCluster) -> float:
-    """``fastexp_groups_regenerated`` summed over the experience replicas' logs (each resume logs its count)."""
-    total = 0
-    for name in EXPERIENCE:
-        for line in cluster.log_path(name).read_text(errors="replace").splitlines():
-            if " resumed (open " in line:
-                total += int(line.rsplit(" held, ", 1)[1].split(" to generate")[0])
-    return total
-
-
 def _faulted_stream(stage, faults: list[Callable[[str], None]], record) -> list:
     """Stream PROMPTS; before batch k (k = 1, 2, ...) runs ``faults[k-1]`` on the serving replica while the scorer
     holds its next group; returns the batches and reports the fault-to-next-row times."""
     cluster, gate, proxy = stage
-    regenerated_before = _regenerated(cluster)
+    regenerated_before = groups_regenerated(cluster, EXPERIENCE)
     gate.close_after(1)
     batches, recovery = [], []
     with ExperienceClient(proxy.address, timeout_s=300, stream_retry=RETRY) as client:
@@ -137,7 +114,7 @@ def _faulted_stream(stage, faults: list[Callable[[str], None]], record) -> list:
             batches.append(batch)
             if len(batches) <= len(faults):
                 gate.wait_held(1)  # the serving replica is in the middle of its next group
-                faults[len(batches) - 1](_serving(cluster, proxy))
+                faults[len(batches) - 1](serving_replica(cluster, proxy, EXPERIENCE))
                 faulted_at = time.monotonic()
                 gate.open()  # (what a killed replica left held passes too)
                 if len(batches) < len(faults):
@@ -145,9 +122,9 @@ def _faulted_stream(stage, faults: list[Callable[[str], None]], record) -> list:
         stats = client.last_stream_stats
     assert stats["resumes"] >= len(faults)
     record("seconds_from_fault_to_next_row", [round(s, 2) for s in recovery])
-    record("groups_regenerated", _regenerated(cluster) - regenerated_before)
+    record("groups_regenerated", groups_regenerated(cluster, EXPERIENCE) - regenerated_before)
     logging.getLogger(__name__).warning("faults %d: next row after %s s, %d groups generated again", len(faults),
-                                        [round(s, 2) for s in recovery], _regenerated(cluster) - regenerated_before)
+                                        [round(s, 2) for s in recovery], groups_regenerated(cluster, EXPERIENCE) - regenerated_before)
     return batches
 
 
@@ -156,16 +133,7 @@ def _assert_exactly_once(batches, base) -> None:
     prompt_index = sorted(int(i) for b in batches for i in b.prompt_index)
     assert prompt_index == sorted(list(range(len(PROMPTS))) * N)
     assert [b.batch_index for b in batches] == list(range(len(batches)))
-    for b in batches:
-        assert set(b.policy_version) == {0} and b.actor_policy_version == 0
-        for row in range(len(b.policy_version)):
-            mask = b.action_mask[row]
-            width = mask.shape[0]
-            with torch.inference_mode():
-                logits = base(input_ids=b.sequences[row: row + 1],
-                              attention_mask=b.attention_mask[row: row + 1]).logits[0, -width - 1: -1]
-            expected = torch.log_softmax(logits, -1).gather(-1, b.sequences[row, -width:, None])[:, 0][mask]
-            torch.testing.assert_close(b.action_log_probs[row][mask], expected, atol=2e-3, rtol=0)
+    _assert_rows_are(base, batches, 0)
 
 
 @pytest.fixture(scope="module")

@@ -27,21 +27,12 @@ import torch
 from fastexp import ExperienceClient, Sampling
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.launcher import LocalCluster, health_status
-from tests.support.postgres import PostgresServer
 
 pytestmark = [pytest.mark.smollm2]
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789", "admin": "admin-token-0123456789"}
 PROMPTS = [f"Count from {i}: {i}, {i + 1}," for i in range(4)]
 N = 2
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.remove()
 
 
 @pytest.fixture(scope="module")

@@ -23,19 +23,10 @@ from services.experience.state.ledger import StoredLedger
 from services.experience.state.schema import metadata
 from services.experience.state.statistics import StoredStatistics
 from services.experience.state.store import StateStore
-from tests.support.postgres import PostgresServer
 
 ALICE = caller_of(b"alice-token", admin=False)
 BOB = caller_of(b"bob-token", admin=False)
 OPERATOR = OperatorLimits(max_runs=8, max_lora_rank=16)
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[PostgresServer]:
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.remove()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
