@@ -192,10 +192,9 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         await self._maker.catch_up()  # the live versions made through other replicas (NotReady: the store)
         decoded = await self._decode(request, context, run)
         if request.stream_id:  # the stream's record: v0, what was counted; a resume leaves out what the client holds
-            decoded = await self._open_stream(request, decoded)
-            assert decoded.stream is not None
+            decoded, open_number = await self._open_stream(request, decoded)
             # taken up: from here the client resumes a break (a refusal before is the request's answer)
-            await context.send_initial_metadata(((STREAM_OPEN_KEY, str(decoded.stream.open_number)),))
+            await context.send_initial_metadata(((STREAM_OPEN_KEY, str(open_number)),))
         bind_request_id(decoded.request_id)  # its logs here, and its calls to the generator and scorer
         deadline = Deadline.from_remaining(context.time_remaining())
         stats = StreamStats()
@@ -244,8 +243,9 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         return decoded
 
     async def _open_stream(self, request: experience_pb2.MakeExperiencesRequest,
-                           decoded: ExperienceRequest) -> ExperienceRequest:
-        """Open (or resume) the stream's record in the store; a resume's request without the groups it holds."""
+                           decoded: ExperienceRequest) -> tuple[ExperienceRequest, int]:
+        """Open (or resume) the stream's record in the store; returns the request (a resume's without the groups
+        it holds) and this open's number (1, 2, ...)."""
         principal = current_caller().principal
         version = self._maker.clocks.of(decoded.adapter).version
         record = await self._stream_records.open(StreamKey(principal, request.stream_id), request_fingerprint(request),
@@ -254,13 +254,13 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         point = StreamPoint(request.stream_id, principal, record.start_version, request.resume.next_batch_index,
                             record.opens)
         if not request.HasField("resume"):
-            return dataclasses.replace(decoded, stream=point)
+            return dataclasses.replace(decoded, stream=point), record.opens
         resumed = resumed_request(decoded, request.resume, point)
         metrics.STREAMS_RESUMED.inc()
         metrics.GROUPS_REGENERATED.inc(len(resumed.prompts))
         logger.info("%s: stream %s resumed (open %d): %d groups held, %d to generate", decoded.request_id,
                     request.stream_id, record.opens, len(decoded.prompts) - len(resumed.prompts), len(resumed.prompts))
-        return resumed
+        return resumed, record.opens
 
     def drain(self, grace_s: float) -> None:
         """This replica stops (SIGTERM): open streams run on for ``grace_s`` less the drain margin, then end with
