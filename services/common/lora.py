@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import InvalidRequest
-from services.common.weight_checks import TensorSpec
+from services.common.weights.records import TensorSpec
 
 PEFT_PREFIX = "base_model.model."
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,255}")

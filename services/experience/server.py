@@ -20,6 +20,7 @@ from services.common.errors import NotReady
 from services.common.models import resolve_model
 from services.common.security import read_tokens
 from services.common.server import RunningServer, ServingGate, run_service, start_service
+from services.common.weights import WeightsBlobs
 from services.experience.api.servicer import ExperienceServicer
 from services.experience.fleet.clients import EnvironmentClient, GeneratorClient, ScorerClient
 from services.experience.fleet.generator_fleet import GeneratorFleet
@@ -35,7 +36,6 @@ from services.experience.pipeline.maker import ExperienceMaker
 from services.experience.runs.metrics import RUN_METRICS
 from services.experience.runs.registry import ReplicaIdentity, RunRegistry
 from services.experience.settings import ExperienceSettings
-from services.experience.state.blobs import WeightsBlobs
 from services.experience.state.ledger import StoredLedger
 from services.experience.state.statistics import StoredStatistics
 from services.experience.state.store import StateStore

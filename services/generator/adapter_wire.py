@@ -1,6 +1,6 @@
 """``LoadAdapter`` streams on the generator: their receiver, which assembles the tensors in memory (an adapter is
 MBs: no staging on disk) and checks them as they arrive (the sender's side:
-:func:`services.common.weights_wire.adapter_chunks`).
+:func:`services.common.weights.wire.adapter_chunks`).
 
 The receiver checks the header's name and config first, each tensor's name, dtype and shape on its first chunk
 (before its bytes are held), and each tensor's CRC-32 once its last byte arrived; the engine then checks the whole

@@ -15,7 +15,7 @@ def model_linear_modules(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """The model's ``nn.Linear`` layers as peft names them: module name → ``(out_features, in_features)``,
     embeddings, the output head and vision towers left out (call before any adapter is injected)."""
     from services.common.lora import linear_modules
-    from services.common.weight_checks import TensorSpec
+    from services.common.weights import TensorSpec
 
     spec = {f"{name}.weight": TensorSpec((m.out_features, m.in_features), "")
             for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -20,9 +20,8 @@ from services.common.lora import check_name
 from services.common.media import MediaLimits, check_pixel_budget, decode_media
 from services.common.media_wire import media_from_pb
 from services.common.sampling import validate_batch
-from services.common.weight_checks import check_complete, check_update
-from services.common.weights import UpdateBounds, model_spec
-from services.common.weights_wire import staged_update
+from services.common.weights import UpdateBounds, check_complete, check_update, model_spec
+from services.common.weights.wire import staged_update
 from services.generator.adapter_wire import receive_adapter
 from services.generator.engine import GenerationEngine
 from services.generator.settings import GeneratorSettings

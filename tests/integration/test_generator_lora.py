@@ -225,7 +225,7 @@ async def grpc_greedy(stub, reference, adapter: str):
 async def test_load_adapter_streams_chunks_and_generate_takes_its_name(stub, reference):
     from fastexp.tensor_codec import to_numpy
     from fastexp.v1 import generation_pb2
-    from services.common.weights_wire import adapter_chunks
+    from services.common.weights.wire import adapter_chunks
 
     tensors = make_adapter(reference, seed=12)
     answer = await stub.LoadAdapter(adapter_chunks("wired", CONFIG, tensors, version=3, chunk_bytes=4096))
@@ -244,7 +244,7 @@ async def test_load_adapter_streams_chunks_and_generate_takes_its_name(stub, ref
 async def test_a_corrupted_or_misshapen_stream_is_refused_naming_the_tensor(stub, reference):
     import grpc
 
-    from services.common.weights_wire import adapter_chunks
+    from services.common.weights.wire import adapter_chunks
 
     await stub.LoadAdapter(adapter_chunks("guarded", CONFIG, make_adapter(reference, seed=13)))
     messages = list(adapter_chunks("guarded", CONFIG, make_adapter(reference, seed=14), chunk_bytes=4096))
@@ -269,7 +269,7 @@ async def test_unload_adapter_frees_one_and_the_other_samples_as_before(stub, re
 
     from fastexp.tensor_codec import to_numpy
     from fastexp.v1 import generation_pb2
-    from services.common.weights_wire import adapter_chunks
+    from services.common.weights.wire import adapter_chunks
 
     for name, seed in (("staying", 15), ("leaving", 16)):
         await stub.LoadAdapter(adapter_chunks(name, CONFIG, make_adapter(reference, seed=seed)))

@@ -15,8 +15,7 @@ import torch
 
 from fastexp import Sampling, build_request, weight_chunks
 from fastexp.v1 import generation_pb2, tensor_pb2
-from services.common.weight_checks import TensorSpec, max_update_bytes
-from services.common.weights import WeightStager
+from services.common.weights import TensorSpec, WeightStager, max_update_bytes
 from tests.support.stack import MATH_VERIFY_OR_ZERO, three_services
 
 TOKEN_CAP = 1000  # prompts x samples x max_new_tokens

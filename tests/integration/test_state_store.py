@@ -14,11 +14,10 @@ import torch
 from fastexp.errors import AlreadyExists, FailedPrecondition, NotReady, Overloaded, PermissionDenied
 from fastexp.rl.running import KLController, RunningMoments, RunState
 from services.common.identity import caller_of
-from services.common.weights import TensorEntry
+from services.common.weights import TensorEntry, WeightsBlobs
 from services.experience.pipeline.statistics import StatisticsKey
 from services.experience.runs.limits import LoraSpec, OperatorLimits, RunLimits
 from services.experience.runs.registry import ReplicaIdentity, RunRegistry
-from services.experience.state.blobs import WeightsBlobs
 from services.experience.state.ledger import StoredLedger
 from services.experience.state.schema import metadata
 from services.experience.state.statistics import StoredStatistics

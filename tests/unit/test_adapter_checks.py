@@ -8,7 +8,7 @@ import torch
 
 from services.common.errors import InvalidRequest
 from services.common.lora import AdapterConfig, check_adapter, expected_tensors, linear_modules
-from services.common.weight_checks import TensorSpec
+from services.common.weights import TensorSpec
 from services.generator.adapters import AdapterTable
 
 # Two layers of a Llama-like model: hidden 8, q 8 -> 8, v 8 -> 4 (grouped KV heads), MLP 8 -> 16 -> 8.

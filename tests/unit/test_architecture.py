@@ -40,7 +40,7 @@ EXPERIENCE_ALLOWED = {
     "api": {"config", "workers", "pipeline", "fleet", "runs", "state", "api"},
     "gateway": {"config", "pipeline", "gateway"},  # the OpenAI-compatible edge over the Generator protocol
     "runs": {"runs", "state"},  # the runs' records, their owner and the operator's limits on them
-    "state": {"state"},  # the durable, shared state: the store, its rows and migrations, the weights' blobs
+    "state": {"state"},  # the durable, shared state: the store, its rows and migrations, the versions' ledger
     "settings": {"fleet", "runs", "settings"},
     "server": {"config", "workers", "pipeline", "fleet", "api", "gateway", "runs", "state", "settings", "server"},
 }
@@ -200,3 +200,25 @@ def test_cores_take_domain_types_not_grpc_or_generated_classes():
     wrong += [f"{path} imports {imported}" for path in CORES
               for imported in _imports(_module_name(ROOT / path)) if _under(imported, WIRE)]
     assert not wrong, wrong
+
+
+#: The weights package's modules in import order: each may import only those before it (no cycle, one direction).
+WEIGHTS_ORDER = ("records", "checks", "staging", "blobs", "wire")
+
+
+def test_the_weights_path_imports_one_way_and_only_its_wire_knows_protobuf():
+    package = "services.common.weights"
+    wrong = []
+    for rank, name in enumerate(WEIGHTS_ORDER):
+        module = f"{package}.{name}"
+        for imported in _imports(module):
+            if _under(imported, (package,)) and imported != package:
+                other = imported.removeprefix(package + ".").split(".")[0]
+                if other not in WEIGHTS_ORDER[:rank]:
+                    wrong.append(f"{module} imports {imported}")
+            if name != "wire" and _under(imported, WIRE):
+                wrong.append(f"{module} imports {imported} (only wire may)")
+        if package in _imports(module):
+            wrong.append(f"{module} imports the package itself (a cycle through __init__)")
+    assert not wrong, wrong
+    assert not [m for m in _closure(package) if _under(m, WIRE)], "services.common.weights loads protobuf"

@@ -15,7 +15,7 @@ import torch
 from fastexp.integrations.trl import FastexpRollout, adapter_tensors, lora_config, run_spec
 from fastexp.runs import LoraSpec
 from services.common.lora import AdapterConfig, check_adapter, expected_tensors, linear_modules
-from services.common.weight_checks import TensorSpec
+from services.common.weights import TensorSpec
 
 peft = pytest.importorskip("peft")
 

@@ -32,9 +32,8 @@ from services.common.logs import bind_request_id, current_request_id
 from services.common.lora import AdapterConfig
 from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits
-from services.common.weight_checks import TensorSpec
-from services.common.weights import UpdateBounds
-from services.common.weights_wire import staged_update
+from services.common.weights import TensorSpec, UpdateBounds
+from services.common.weights.wire import staged_update
 from services.experience.api.prompts import InvalidPrompts
 from services.experience.api.request import decode_request
 from services.experience.api.runs import RunMethods, check_lora_stream

@@ -35,7 +35,7 @@ from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.lora import AdapterConfig
 from services.common.media_wire import media_to_pb
 from services.common.weights import ReceivedUpdate
-from services.common.weights_wire import adapter_chunks, entry_chunks
+from services.common.weights.wire import adapter_chunks, entry_chunks
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.pipeline.events import EpisodeStep, ScoreBatch, Scores
 

@@ -9,7 +9,7 @@ replica (the second is refused, RESOURCE_EXHAUSTED). A base ``policy`` update is
 Two implementations: :class:`LocalLedger` for one process (an in-process maker: versions in memory, weights are
 the models' own), and the state store's (:class:`services.experience.state.ledger.StoredLedger`), shared by every
 experience replica and kept across restarts, with each version's weights written by reference
-(:mod:`services.experience.state.blobs`) so any replica loads the live version from there.
+(:mod:`services.common.weights.blobs`) so any replica loads the live version from there.
 """
 
 from __future__ import annotations

@@ -35,8 +35,7 @@ from services.common.deadlines import Deadline
 from services.common.errors import FastexpError, InvalidRequest, StreamFailed
 from services.common.lora import AdapterConfig
 from services.common.versions import Snapshot
-from services.common.weight_checks import TensorSpec
-from services.common.weights import ReceivedUpdate
+from services.common.weights import ReceivedUpdate, TensorSpec
 from services.experience.config import ExperienceConfig, ExperienceRequest
 from services.experience.pipeline import batcher
 from services.experience.pipeline import statistics as run_statistics

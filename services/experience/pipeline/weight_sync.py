@@ -31,8 +31,7 @@ from services.common.deadlines import Deadline
 from services.common.errors import FailedPrecondition, InvalidRequest, UpstreamTimeout
 from services.common.lora import AdapterConfig, check_adapter, expected_tensors
 from services.common.versions import Claim, Live, Snapshot
-from services.common.weight_checks import TensorSpec, check_update
-from services.common.weights import ReceivedUpdate, TensorEntry, module_spec
+from services.common.weights import ReceivedUpdate, TensorEntry, TensorSpec, check_update, module_spec
 from services.experience.pipeline.events import Generator
 from services.experience.pipeline.forwarder import Forwarder
 from services.experience.pipeline.ledger import LocalLedger, VersionLedger

@@ -1,6 +1,6 @@
 """The version ledger in the state store: versions issued by the store's rows (one claim at a time per model or
 run, serialized by the row's lock on every replica), each version's weights written by reference first
-(:class:`~services.experience.state.blobs.WeightsBlobs`). Implements the pipeline's ``VersionLedger``
+(:class:`~services.common.weights.blobs.WeightsBlobs`). Implements the pipeline's ``VersionLedger``
 (:mod:`services.experience.pipeline.ledger`); its records have the same fields."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from collections.abc import Callable, Sequence
 
 from services.common.errors import NotReady
 from services.common.versions import Claim, Snapshot
-from services.common.weights import TensorEntry
+from services.common.weights import TensorEntry, WeightsBlobs
 from services.experience.state import rows
-from services.experience.state.blobs import WeightsBlobs
 from services.experience.state.store import StateStore
 
 

@@ -4,7 +4,7 @@ replicas that hold them. The migrations (:mod:`services.experience.state.migrati
 
 Units: times are seconds since the Unix epoch (each replica's clock: they should agree to within
 ``replica_ttl_s``), versions are policy versions (0: nothing sent yet), digests ``sha256:<hex>`` of a weights blob
-(:mod:`services.experience.state.blobs`).
+(:mod:`services.common.weights.blobs`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Weight updates: stage streamed tensors on disk, read checkpoint folders lazily, check both against the model.
+"""Staging: streamed tensors written to disk, checkpoint folders read lazily, tensors copied into a model.
 
 An update is a list of :class:`TensorEntry` (name, dtype, shape, and a loader that reads the tensor when the
 engine applies it), so memory on the receiving side stays bounded by one tensor: streamed chunks are appended to
 one data file in a staging folder, each tensor at its offset (a ``manifest.json`` lists them; vLLM's worker
 processes read it too: one file, not one per tensor, since creating hundreds of files for a LoRA adapter's small
 tensors cost more than writing them), and a
-checkpoint folder's safetensors files are opened lazily. :func:`~services.common.weight_checks.check_update` rejects the update as a whole,
+checkpoint folder's safetensors files are opened lazily. :func:`~services.common.weights.checks.check_update` rejects the update as a whole,
 before anything is applied, naming the first bad tensor.
 
 Shared by the generator and the experience service (which checks a policy update against its actor replica,
@@ -19,40 +19,23 @@ import math
 import shutil
 import tempfile
 import zlib
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 
-from fastexp.types import FLOAT_DTYPES, Target
+from fastexp.types import FLOAT_DTYPES
 from services.common.errors import InvalidRequest
-from services.common.weight_checks import TensorSpec, check_entry, max_update_bytes
-
-MANIFEST = "manifest.json"
-#: The staging folder's one data file: every tensor's bytes, one after the other (offsets in the manifest).
-DATA_FILE = "tensors.bin"
+from services.common.weights.checks import check_entry, max_update_bytes
+from services.common.weights.records import (
+    DATA_FILE,
+    MANIFEST,
+    TensorEntry,
+    TensorSpec,
+)
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-
-UpdateKind = Literal["staged", "checkpoint"]
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of an update; ``load()`` reads it (CPU, ``dtype``, ``shape``)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    load: Callable[[], torch.Tensor]
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of tensor data: prod(shape) * itemsize(dtype)."""
-        return math.prod(self.shape) * FLOAT_DTYPES[self.dtype].itemsize
 
 
 def model_spec(model_dir: str | Path) -> dict[str, TensorSpec]:
@@ -245,29 +228,3 @@ def copy_into(targets: Mapping[str, torch.Tensor], entries: Iterable[TensorEntry
     with torch.no_grad():
         for entry in entries:
             targets[entry.name].data.copy_(entry.load())
-
-
-@dataclass(frozen=True)
-class ReceivedUpdate:
-    """An ``UpdateWeights`` stream, read: where its tensors are and what they replace."""
-
-    target: Target
-    kind: UpdateKind
-    folder: str  # the staging folder (``staged``) or the named checkpoint folder (``checkpoint``)
-    entries: list[TensorEntry]
-    policy_version: int | None = None  # the version the sender asked for (None: previous + 1)
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of tensor data in the update."""
-        return sum(entry.num_bytes for entry in self.entries)
-
-
-@dataclass(frozen=True)
-class UpdateBounds:
-    """What a receiving service checks an ``UpdateWeights`` stream against: ``spec_for(target)``, the model's
-    tensors for a target (raises InvalidRequest naming ``header.target`` for one it does not serve), and the
-    folders a ``checkpoint_dir`` may be under (none: checkpoint updates are refused)."""
-
-    spec_for: Callable[[Target], Mapping[str, TensorSpec]]
-    checkpoint_roots: tuple[Path, ...] = ()

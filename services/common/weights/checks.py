@@ -1,30 +1,18 @@
 """Checks of a weight update against the model it replaces: per tensor (name, dtype, shape; on its first chunk),
 the whole update (each name once, bytes within the model's size, every tensor after the engine dropped its
 weights), and where a ``checkpoint_dir`` may be. Pure functions: every failure is an InvalidRequest naming the
-tensor or field. :mod:`services.common.weights` stages and reads updates with them.
+tensor or field. :mod:`~services.common.weights.staging` stages and reads updates with them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fastexp.types import FLOAT_DTYPES
 from services.common.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from services.common.weights import TensorEntry
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What the model expects under a checkpoint name."""
-
-    shape: tuple[int, ...]
-    dtype: str
+from services.common.weights.records import TensorEntry, TensorSpec
 
 
 def accepts_dtype(dtype: str, model_dtype: str) -> bool:

@@ -1,8 +1,8 @@
 """``UpdateWeights`` streams on the receiving side: read into staged tensors, and re-sent to a generator; and the
 ``LoadAdapter`` messages that carry a LoRA adapter to a generator (:func:`adapter_chunks`).
 
-The wire half of :mod:`services.common.weights` (which holds the records and the staging itself, free of
-protobuf): servicers and the fleet's clients use these; the pipeline sees only :class:`ReceivedUpdate`.
+The wire half of :mod:`services.common.weights` (whose other modules hold the records, checks, staging and blobs,
+free of protobuf): servicers and the fleet's clients use these; the pipeline sees only :class:`ReceivedUpdate`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from fastexp.v1 import generation_pb2, tensor_pb2
 from fastexp.weights import TARGETS, weight_chunks
 from services.common.errors import InvalidRequest
 from services.common.lora import AdapterConfig
-from services.common.weight_checks import allowed_checkpoint_dir
-from services.common.weights import ReceivedUpdate, UpdateBounds, WeightStager, checkpoint_entries
+from services.common.weights.checks import allowed_checkpoint_dir
+from services.common.weights.records import ReceivedUpdate, UpdateBounds
+from services.common.weights.staging import WeightStager, checkpoint_entries
 
 #: Chunks up to this size are staged on the event loop; larger ones in a worker thread. Writing and CRC-ing 256 KiB
 #: takes about as long as one thread hop (~0.1 ms): a LoRA adapter's hundreds of small tensors are not worth it.

@@ -3,7 +3,7 @@ once into a content-addressed folder of blobs, its name the SHA-256 of its bytes
 keep large objects. The state store's rows hold the digest (``sha256:<hex>``); any experience replica, and any
 generator replica it brings up to date, loads the live version from here, never from another process's memory.
 
-A blob is a folder in the staging format (:mod:`services.common.weights`: ``manifest.json`` listing each tensor's
+A blob is a folder in the staging format (:mod:`~services.common.weights.staging`: ``manifest.json`` listing each tensor's
 name, dtype, shape and offset, and one data file ``tensors.bin``), so its tensors are read lazily, one at a time.
 The digest is the SHA-256 of the manifest's bytes, a newline, and the hex SHA-256 of the data file. A blob is written to a
 temporary folder beside the others and renamed into place (atomic on one filesystem: a reader never sees half of
@@ -31,7 +31,8 @@ import torch
 
 from services.common import metrics
 from services.common.errors import NotReady
-from services.common.weights import DATA_FILE, MANIFEST, TensorEntry, staged_entries
+from services.common.weights.records import DATA_FILE, MANIFEST, TensorEntry
+from services.common.weights.staging import staged_entries
 
 logger = logging.getLogger(__name__)
 
