@@ -270,7 +270,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     except NotReady as error:
         logger.warning("could not load the live versions yet (%s); streams wait for them", error)
     fleet.weight_source = maker.sync_replica
-    fleet.members.live_adapters = maker.clocks.settled_adapters  # a replica lacking one is sent it before it serves
+    fleet.members.live_adapters = maker.settled_adapters  # a replica lacking one is sent it before it serves
     upstream.on_generator_info = _on_generator_reached(maker, policy)
     streams = StoredStreams(runs.store, settings.stream_ttl_s)
     servicer = ExperienceServicer(

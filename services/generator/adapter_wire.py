@@ -22,6 +22,9 @@ from fastexp.v1 import generation_pb2, tensor_pb2
 from services.common.errors import InvalidRequest
 from services.common.lora import AdapterConfig, check_config, check_tensor
 
+#: The longest ``AdapterHeader.weights_digest`` taken (``sha256:`` and 64 hex digits fit with room).
+MAX_DIGEST_CHARS = 128
+
 
 @dataclass(frozen=True)
 class ReceivedAdapter:
@@ -32,6 +35,7 @@ class ReceivedAdapter:
     tensors: dict[str, torch.Tensor]
     version: int | None  # None: the previous + 1
     num_bytes: int
+    weights_digest: str = ""  # what the sender says these tensors are ("": not said)
 
 
 async def receive_adapter(
@@ -40,7 +44,8 @@ async def receive_adapter(
     """Read a ``LoadAdapter`` stream into memory, checked as it arrives against the base's linear ``modules``.
 
     Raises:
-        InvalidRequest: no header first or a second one; a bad name or config (``adapter``, ``config.rank``, ...);
+        InvalidRequest: no header first or a second one; a bad name or config (``adapter``, ``config.rank``, ...)
+            or a ``header.weights_digest`` over 128 characters;
             a tensor that is not one the config produces, or of the wrong dtype or shape, sent twice, split over
             non-consecutive chunks, short or long, or failing its CRC-32 (``tensors[<name>]``); a count other than
             ``header.num_tensors``.
@@ -52,6 +57,8 @@ async def receive_adapter(
             if part != "header":
                 raise InvalidRequest("header", "the first message must carry the header")
             header = message.header
+            if len(header.weights_digest) > MAX_DIGEST_CHARS:
+                raise InvalidRequest("header.weights_digest", f"over {MAX_DIGEST_CHARS} characters")
             config = AdapterConfig(header.rank, header.alpha, tuple(header.target_modules), header.use_rslora)
             assembler = _Assembler(check_config(header.name, config, modules, max_rank))
         elif part == "header":
@@ -64,7 +71,7 @@ async def receive_adapter(
     if header.num_tensors != len(tensors):
         raise InvalidRequest("header.num_tensors", f"{header.num_tensors} announced, {len(tensors)} arrived")
     version = header.version if header.HasField("version") else None
-    return ReceivedAdapter(header.name, config, tensors, version, assembler.num_bytes)
+    return ReceivedAdapter(header.name, config, tensors, version, assembler.num_bytes, header.weights_digest)
 
 
 @dataclass

@@ -114,6 +114,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._streams = 0  # Generate streams open (Sleep waits for none)
         self._sleeping = asyncio.Lock()  # one Sleep / WakeUp at a time
         self._loading_adapter = asyncio.Lock()  # one adapter load or unload at a time (receiving runs concurrently)
+        self._adapter_digests: dict[str, str] = {}  # each loaded adapter's weights_digest, as its sender named it
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -154,7 +155,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             sleep_level=self._engine.sleep_state.level,
             needs_weights=self._engine.sleep_state.needs_weights,
             max_lora_rank=self._engine.max_lora_rank,
-            adapters=[generation_pb2.AdapterVersion(name=name, version=slot.version)
+            adapters=[generation_pb2.AdapterVersion(name=name, version=slot.version,
+                                                    weights_digest=self._adapter_digests.get(name, ""))
                       for name, slot in sorted(self._engine.adapters.live().items())],
         )
 
@@ -188,6 +190,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         async with self._loading_adapter:
             version = await self._engine.load_adapter(received.name, received.config, received.tensors,
                                                       received.version)
+            self._adapter_digests[received.name] = received.weights_digest
         return generation_pb2.LoadAdapterResponse(name=received.name, version=version,
                                                   num_tensors=len(received.tensors), num_bytes=received.num_bytes)
 
@@ -201,6 +204,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise FailedPrecondition("UnloadAdapter: this generator takes no LoRA adapters (max_loras 0)")
         async with self._loading_adapter:
             unloaded = await self._engine.unload_adapter(request.name)
+            self._adapter_digests.pop(request.name, None)
         return generation_pb2.UnloadAdapterResponse(name=request.name, unloaded=unloaded)
 
     def _update_spec(self, target: str) -> dict:

@@ -223,17 +223,25 @@ async def grpc_greedy(stub, reference, adapter: str):
 
 
 async def test_load_adapter_streams_chunks_and_generate_takes_its_name(stub, reference):
+    import grpc
+
     from fastexp.tensor_codec import to_numpy
     from fastexp.v1 import generation_pb2
     from services.common.weights.wire import adapter_chunks
 
     tensors = make_adapter(reference, seed=12)
-    answer = await stub.LoadAdapter(adapter_chunks("wired", CONFIG, tensors, version=3, chunk_bytes=4096))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:  # the digest is the sender's: bounded, not interpreted
+        await stub.LoadAdapter(adapter_chunks("wired", CONFIG, tensors, weights_digest="x" * 129))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("header.weights_digest: ")
+    digest = "sha256:" + "ab" * 32
+    answer = await stub.LoadAdapter(adapter_chunks("wired", CONFIG, tensors, version=3, weights_digest=digest,
+                                                   chunk_bytes=4096))
     assert (answer.name, answer.version, answer.num_tensors) == ("wired", 3, len(tensors))
     assert answer.num_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
     info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest())
     assert info.max_lora_rank == 16
-    assert generation_pb2.AdapterVersion(name="wired", version=3) in info.adapters
+    assert generation_pb2.AdapterVersion(name="wired", version=3, weights_digest=digest) in info.adapters
     completion = await grpc_greedy(stub, reference, "wired")
     assert completion.policy_version == 3
     record = CompletionRecord(0, 0, (), tuple(completion.output_token_ids),

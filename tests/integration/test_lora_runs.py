@@ -93,16 +93,18 @@ async def stack(tiny_model_path, tmp_path_factory):
         {"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}])
     scorer_core = build_scorer(scorer_settings)
     scorer = await start_scorer(scorer_settings, scorer_core)
-    service = await start_experience(ExperienceSettings(
+    settings = ExperienceSettings(
         port=0, generator_addresses=[r.address for r in replicas.values()], scorer_address=f"127.0.0.1:{scorer.port}",
         actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="float32",
-        auth_tokens_file=folder / "call-tokens", admin_tokens_file=folder / "admin-tokens"))
+        auth_tokens_file=folder / "call-tokens", admin_tokens_file=folder / "admin-tokens")
+    service = await start_experience(settings)
     await service.wait_ready(60)
-    state = {"address": f"127.0.0.1:{service.running.port}", "replicas": replicas}
+    state = {"address": f"127.0.0.1:{service.running.port}", "replicas": replicas, "service": service,
+             "settings": settings}
     await _until(lambda: all(_replica_up(r.address) for r in replicas.values()))
     yield state
-    await service.running.stop(1)
-    await service.close()
+    await state["service"].running.stop(1)
+    await state["service"].close()
     await scorer.stop(1)
     await scorer_core.close()
     for replica in state["replicas"].values():
@@ -294,6 +296,17 @@ async def _generator_adapters(stack) -> dict[str, dict[str, int]]:
                 generation_pb2.GetModelInfoRequest(), timeout=30)
         adapters[name] = {a.name: a.version for a in info.adapters}
     return adapters
+
+
+async def _generator_digests(stack) -> dict[str, dict[str, str]]:
+    """Each replica's own GetModelInfo: its adapters, name → the weights_digest their LoadAdapter named."""
+    digests = {}
+    for name, replica in stack["replicas"].items():
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            info = await generation_pb2_grpc.GenerationServiceStub(channel).GetModelInfo(
+                generation_pb2.GetModelInfoRequest(), timeout=30)
+        digests[name] = {a.name: a.weights_digest for a in info.adapters}
+    return digests
 
 
 def _on_every_replica(versions: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -505,3 +518,42 @@ async def test_a_replica_cut_off_at_a_deletion_never_serves_its_leftover_copy_to
     assert await _generator_adapters(stack) == _on_every_replica({**live, "carol-lora": 1})
     await _call(stack, CAROL, "delete_run", "carol-lora")
     assert await _generator_adapters(stack) == _on_every_replica(live)
+
+
+async def test_a_leftover_copy_is_told_apart_by_its_digest_after_the_deleting_service_is_gone(
+    stack, runs, base_model
+):
+    """As above, but the experience service that deleted the run is gone before b is reachable again (restarted on
+    the same store: a rolling update, or the deletion went through another replica), so no one remembers that b
+    missed the deletion. b's leftover copy has the new run's name and version 1: the digest b reports for it (its
+    LoadAdapter named the old blob) differs from the live one's, so b is sent the new run's adapter before it
+    serves, and every replica reports the live blob's digest."""
+    live = {run.run_id: run.version for run in runs.values()}
+    assert await _carols_run(stack, base_model, seed=8) == {**live, "carol-lora": 1}
+    b = stack["replicas"]["b"]
+    leftover = b.engine.adapters.live()["carol-lora"]
+    await b.running.stop(0)
+    await _call(stack, CAROL, "delete_run", "carol-lora")
+    await stack["service"].running.stop(1)
+    await stack["service"].close()
+    port = stack["service"].running.port  # the trainers' address stays
+    stack["service"] = await start_experience(stack["settings"].model_copy(update={"port": port}))
+    await stack["service"].wait_ready(60)
+    carol = await _call(stack, CAROL, "create_run", "carol-lora", lora_rank=4, target_modules=["v_proj"])
+    tensors = make_adapter(base_model, carol.lora, seed=9)
+    assert (await _call(stack, CAROL, "update_weights", tensors.items(), run_id=carol.run_id)).policy_version == 1
+    assert b.engine.adapters.live()["carol-lora"] is leftover
+    running = await start_generator(GeneratorSettings(port=b.running.port, max_model_len=256), b.engine)
+    stack["replicas"]["b"] = replace(b, running=running)
+
+    def resynced() -> bool:
+        slot = b.engine.adapters.live().get("carol-lora")
+        return slot is not None and slot.config.target_modules == ("v_proj",)
+
+    await _until(resynced)
+    digests = await _generator_digests(stack)
+    assert digests["a"]["carol-lora"] == digests["b"]["carol-lora"] != ""
+    assert digests["a"]["carol-lora"].startswith("sha256:")
+    await _call(stack, CAROL, "delete_run", "carol-lora")
+    assert await _generator_adapters(stack) == _on_every_replica(live)
+

@@ -55,16 +55,27 @@ async def test_an_adapter_being_updated_is_live_but_not_settled():
 def test_a_replica_lacks_an_adapter_it_misses_or_holds_at_another_version():
     info = GeneratorInfo("m", "hf", 256, 0, adapters={"a": 2, "old": 1})
     assert not lacks_adapters(info, {})
-    assert not lacks_adapters(info, {"a": 2})  # adapters beyond the live ones are not checked
-    assert lacks_adapters(info, {"a": 3})
-    assert lacks_adapters(info, {"a": 2, "b": 1})
+    assert not lacks_adapters(info, {"a": (2, None)})  # adapters beyond the live ones are not checked
+    assert lacks_adapters(info, {"a": (3, None)})
+    assert lacks_adapters(info, {"a": (2, None), "b": (1, None)})
 
 
 def test_a_replica_holding_a_deleted_runs_adapter_it_was_not_told_to_unload_needs_a_resync():
     info = GeneratorInfo("m", "hf", 256, 0, adapters={"a": 1, "old": 1})
-    assert lacks_adapters(info, {"a": 1}, stale={"old"})  # a new run named "old" would start at version 1 too
-    assert lacks_adapters(info, {"a": 1, "old": 1}, stale={"old"})
-    assert not lacks_adapters(info, {"a": 1}, stale={"gone"})  # it unloaded that one after all, or restarted
+    assert lacks_adapters(info, {"a": (1, None)}, stale={"old"})  # a new run named "old" would start at version 1 too
+    assert lacks_adapters(info, {"a": (1, None), "old": (1, None)}, stale={"old"})
+    assert not lacks_adapters(info, {"a": (1, None)}, stale={"gone"})  # it unloaded that one after all, or restarted
+
+
+def test_an_adapter_held_under_another_digest_is_a_deleted_runs_copy_whoever_deleted_it():
+    """No ``stale`` set here (the run was deleted through another experience replica, or before a restart): the
+    copy a generator replica kept has the new run's name and version, and only its digest tells it apart."""
+    info = GeneratorInfo("m", "hf", 256, 0, adapters={"old": 1}, adapter_digests={"old": "sha256:" + "1" * 64})
+    assert lacks_adapters(info, {"old": (1, "sha256:" + "2" * 64)})
+    assert not lacks_adapters(info, {"old": (1, "sha256:" + "1" * 64)})
+    unnamed = GeneratorInfo("m", "hf", 256, 0, adapters={"old": 1}, adapter_digests={"old": ""})
+    assert lacks_adapters(unnamed, {"old": (1, "sha256:" + "1" * 64)})  # loaded without one: sent again, named
+    assert not lacks_adapters(unnamed, {"old": (1, None)})  # a local ledger names none
 
 
 def test_a_lora_run_streams_once_its_adapter_was_sent_and_only_what_it_can():

@@ -42,6 +42,7 @@ from services.common.weights.staging import (
     model_spec,
     module_spec,
     staged_entries,
+    tensor_entries,
     update_entries,
 )
 
@@ -49,5 +50,5 @@ __all__ = [
     "DATA_FILE", "MANIFEST", "ReceivedUpdate", "TensorEntry", "TensorSpec", "UpdateBounds", "UpdateKind",
     "WeightStager", "WeightsBlobs", "accepts_dtype", "allowed_checkpoint_dir", "check_complete", "check_entry",
     "check_update", "checkpoint_entries", "copy_into", "max_update_bytes", "model_spec", "module_spec",
-    "staged_entries", "update_entries",
+    "staged_entries", "tensor_entries", "update_entries",
 ]

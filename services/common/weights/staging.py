@@ -218,6 +218,12 @@ def module_spec(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     return {name: TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()}
 
 
+def tensor_entries(tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
+    """A model's live tensors as update entries (each read when loaded: hold whatever lock keeps them still)."""
+    return [TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), lambda t=t: t.detach().cpu())
+            for name, t in tensors.items()]
+
+
 def copy_into(targets: Mapping[str, torch.Tensor], entries: Iterable[TensorEntry]) -> None:
     """Copy each entry into the live tensor of its name, in place (cast to the tensor's dtype and device).
 

@@ -109,18 +109,19 @@ def entry_chunks(
 
 def adapter_chunks(
     name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], *, version: int | None = None,
-    chunk_bytes: int = 4 * 1024 * 1024,
+    weights_digest: str = "", chunk_bytes: int = 4 * 1024 * 1024,
 ) -> Iterator[generation_pb2.AdapterChunk]:
     """The ``LoadAdapter`` messages for adapter ``name``: the header, then each peft-named tensor in its own
     floating dtype, ``chunk_bytes`` per chunk, its first chunk with its CRC-32 (as :func:`fastexp.weights.weight_chunks`
-    sends weights). ``version``: the version the load makes live (None: the receiver's previous + 1).
+    sends weights). ``version``: the version the load makes live (None: the receiver's previous + 1);
+    ``weights_digest``: what the tensors are (the blob's digest), which the generator reports back in ``ModelInfo``.
 
     Raises:
         ValueError: a tensor is not floating point; ``chunk_bytes`` < 1.
     """
     yield generation_pb2.AdapterChunk(header=generation_pb2.AdapterHeader(
         name=name, rank=config.rank, alpha=config.alpha, target_modules=list(config.target_modules),
-        use_rslora=config.use_rslora, num_tensors=len(tensors), version=version,
+        use_rslora=config.use_rslora, num_tensors=len(tensors), version=version, weights_digest=weights_digest,
     ))
     chunks = weight_chunks(list(tensors.items()), chunk_bytes=chunk_bytes)
     next(chunks)  # its WeightsHeader: the adapter's header went first

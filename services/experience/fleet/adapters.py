@@ -37,10 +37,11 @@ UNLOAD_TIMEOUT_S = 30.0
 
 async def load_adapter(
     members: ReplicaSet, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int,
-    deadline: Deadline,
+    deadline: Deadline, *, weights_digest: str = "",
 ) -> int:
-    """Load adapter ``name`` (peft-named tensors) live as ``version`` on every routable replica in parallel;
-    returns ``version`` once every replica that stays has it.
+    """Load adapter ``name`` (peft-named tensors) live as ``version``, named ``weights_digest`` (its blob's: each
+    replica reports it back, :func:`~services.experience.fleet.replica_state.lacks_adapters`), on every routable
+    replica in parallel; returns ``version`` once every replica that stays has it.
 
     Raises:
         NotReady: no replica serves (nothing loaded).
@@ -53,7 +54,8 @@ async def load_adapter(
     if not targets:
         raise NotReady(f"no generator replica serves to load adapter {name!r}: {members.describe()}")
     results = await asyncio.gather(
-        *(r.client.load_adapter(name, config, tensors, version, deadline) for r in targets), return_exceptions=True
+        *(r.client.load_adapter(name, config, tensors, version, deadline, weights_digest=weights_digest)
+          for r in targets), return_exceptions=True,
     )
     failed = [(r, result) for r, result in zip(targets, results, strict=True) if isinstance(result, BaseException)]
     for replica, result in zip(targets, results, strict=True):

@@ -90,16 +90,18 @@ class GeneratorClient:
         return await self._send(chunks, deadline)
 
     async def load_adapter(
-        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline,
+        *, weights_digest: str = "",
     ) -> int:
         """Load LoRA adapter ``name`` (peft-named tensors, held in the generator's memory: no disk), live there as
-        ``version``; returns the adapter's version once live.
+        ``version``, named ``weights_digest`` (its blob's; reported back in ``ModelInfo``); returns the adapter's
+        version once live.
 
         Raises:
             InvalidRequest: the generator rejected it (naming the field or tensor; its previous version serves on).
             FailedPrecondition: the generator takes no adapters, or sleeps. NotReady, UpstreamTimeout.
         """
-        chunks = adapter_chunks(name, config, tensors, version=version)
+        chunks = adapter_chunks(name, config, tensors, version=version, weights_digest=weights_digest)
 
         async def messages() -> AsyncIterator[generation_pb2.AdapterChunk]:
             while (message := await asyncio.to_thread(next, chunks, None)) is not None:
@@ -159,6 +161,7 @@ class GeneratorClient:
             model_name=info.model_name, backend=info.backend, max_model_len=info.max_model_len,
             policy_version=info.policy_version, multimodal=info.multimodal, max_lora_rank=info.max_lora_rank,
             adapters={adapter.name: adapter.version for adapter in info.adapters},
+            adapter_digests={adapter.name: adapter.weights_digest for adapter in info.adapters},
         )
 
     async def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]:

@@ -296,10 +296,12 @@ class GeneratorFleet:
         return not (isinstance(error, UpstreamTimeout) and expired)
 
     async def load_adapter(
-        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline,
+        *, weights_digest: str = "",
     ) -> int:
         """Load a LoRA run's adapter on every serving replica (:func:`~services.experience.fleet.adapters.load_adapter`)."""
-        return await adapters.load_adapter(self.members, name, config, tensors, version, deadline)
+        return await adapters.load_adapter(self.members, name, config, tensors, version, deadline,
+                                           weights_digest=weights_digest)
 
     async def unload_adapter(self, name: str, deadline: Deadline | None = None) -> adapters.UnloadOutcome:
         """Free a deleted LoRA run's adapter on every replica by ``deadline`` (default:

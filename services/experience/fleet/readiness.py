@@ -45,7 +45,8 @@ class GeneratorInfo:
 
     ``max_model_len``: most prompt + response tokens per sequence; ``policy_version``: the version of the
     weights it samples with now; ``max_lora_rank``: the highest LoRA rank it takes (0: no adapters);
-    ``adapters``: the adapters it holds, name → live version.
+    ``adapters``: the adapters it holds, name → live version; ``adapter_digests``: name → the digest their load
+    named ("": none).
     """
 
     model_name: str
@@ -55,6 +56,7 @@ class GeneratorInfo:
     multimodal: bool = False
     max_lora_rank: int = 0
     adapters: Mapping[str, int] = field(default_factory=dict)
+    adapter_digests: Mapping[str, str] = field(default_factory=dict)
 
 
 class GeneratorProbe(Protocol):

@@ -78,7 +78,8 @@ class ReplicaClient(Protocol):
     ) -> int: ...
 
     async def load_adapter(
-        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline,
+        *, weights_digest: str = "",
     ) -> int: ...
 
     async def unload_adapter(self, name: str, deadline: Deadline) -> bool: ...
@@ -86,13 +87,19 @@ class ReplicaClient(Protocol):
     async def close(self) -> None: ...
 
 
-def lacks_adapters(info: GeneratorInfo, live: Mapping[str, int], stale: Collection[str] = ()) -> bool:
-    """Whether a replica (its ``info``) needs a resync for its adapters: it lacks a live one or holds another
-    version of one (``live``: name → version), or it still holds one of ``stale``, a deleted run's adapter it could
-    not be told to unload (the version numbers of a later run of that name start again at 1, so a leftover copy
-    could pass for that run's). Other adapters it holds are not checked."""
-    return (any(info.adapters.get(name) != version for name, version in live.items())
-            or any(name in info.adapters for name in stale))
+def lacks_adapters(info: GeneratorInfo, live: Mapping[str, tuple[int, str | None]], stale: Collection[str] = ()) -> bool:
+    """Whether a replica (its ``info``) needs a resync for its adapters: it lacks a live one, holds another
+    version of one, or holds it under another digest (``live``: name → (version, digest; None: not by reference)),
+    or it still holds one of ``stale``, a deleted run's adapter this replica could not tell it to unload.
+
+    The version numbers of a later run of a deleted run's name start again at 1, so a leftover copy could pass for
+    that run's by version: its digest tells it apart, even where the deletion went through another experience
+    replica or before a restart (which keep no ``stale`` set of this one's). Other adapters it holds are not
+    checked."""
+    for name, (version, digest) in live.items():
+        if info.adapters.get(name) != version or (digest is not None and info.adapter_digests.get(name) != digest):
+            return True
+    return any(name in info.adapters for name in stale)
 
 
 #: Sends the live policy's weights to a replica: ``source(client, version)`` with ``version()`` the version to

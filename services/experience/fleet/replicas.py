@@ -86,7 +86,7 @@ class ReplicaSet:
             raise ValueError("a generator fleet needs at least one target address")
         self.targets = tuple(targets)
         self.weight_source: WeightSource | None = None
-        self.live_adapters: Callable[[], Mapping[str, int]] = dict  # LoRA run adapters a replica must hold to serve
+        self.live_adapters: Callable[[], Mapping[str, tuple[int, str | None]]] = dict  # name → (version, digest)
         self.changes = Changes()  # notified on every change of a replica's state, version or load
         self._probe_now = asyncio.Event()  # set (and replaced) to probe every replica at once
         self._version: int | None = None

@@ -65,9 +65,11 @@ class Generator(Protocol):
         ...
 
     async def load_adapter(
-        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, deadline: Deadline,
+        *, weights_digest: str = "",
     ) -> int:
-        """Load a LoRA run's adapter (peft-named tensors), live as ``version``; return the version now live."""
+        """Load a LoRA run's adapter (peft-named tensors), live as ``version``, its blob's ``weights_digest``
+        reported by the replicas that hold it; return the version now live."""
         ...
 
     async def unload_adapter(self, name: str) -> object:

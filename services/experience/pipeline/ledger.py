@@ -40,11 +40,20 @@ class VersionLedger(Protocol):
         """
         ...
 
-    async def commit(self, claim: Claim, version: int | None,
-                     entries: Sequence[TensorEntry] | None = None) -> str | None:
-        """End ``claim``: ``version`` is live with the weights ``entries`` (stored by reference first), or (None)
-        the update failed and the version live before stays. Returns the weights' digest (None: not by reference,
-        or no version).
+    async def put(self, entries: Sequence[TensorEntry]) -> str | None:
+        """Store ``entries`` by reference now (before the update they belong to is live); returns their digest
+        for :meth:`commit` (None: not by reference).
+
+        Raises:
+            NotReady: the weights' folder cannot be written.
+        """
+        ...
+
+    async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None, *,
+                     digest: str | None = None) -> str | None:
+        """End ``claim``: ``version`` is live with the weights ``entries`` (stored by reference first) or those
+        :meth:`put` stored as ``digest``, or (``version`` None) the update failed and the version live before stays.
+        Returns the weights' digest (None: not by reference, or no version).
 
         Raises:
             NotReady: the store is unavailable, or the claim had expired and another update took it over (the
@@ -97,8 +106,11 @@ class LocalLedger:
         self._claims[key] = claim.claim_id
         return claim
 
-    async def commit(self, claim: Claim, version: int | None,
-                     entries: Sequence[TensorEntry] | None = None) -> str | None:
+    async def put(self, entries: Sequence[TensorEntry]) -> str | None:
+        return None
+
+    async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None, *,
+                     digest: str | None = None) -> str | None:
         key = self._key(claim.target, claim.run_id)
         if self._claims.get(key) == claim.claim_id:
             del self._claims[key]

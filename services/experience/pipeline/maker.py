@@ -4,8 +4,7 @@
 
 - **producer** (:mod:`~services.experience.pipeline.producer`): generation rounds, off-policy admission, resampling, and
   scoring of each group as its samples finish → events (:mod:`~services.experience.pipeline.events`) on a queue.
-- **forwarder** (:mod:`~services.experience.pipeline.forwarder`): actor/reference/critic forwards over ready groups in a
-  worker thread, and batch assembly.
+- **forwarder** (:mod:`~services.experience.pipeline.forwarder`): actor/reference/critic forwards in a thread; batches.
 - **batcher** (:mod:`~services.experience.pipeline.batcher`): pure functions over the consumer's inbox: what to do next,
   which groups make the next batch, which are too stale.
 - **weight sync** (:mod:`~services.experience.pipeline.weight_sync`): policy and critic updates, the live version.
@@ -167,9 +166,8 @@ class ExperienceMaker:
         return self.clocks.live_adapters().get(name, 0)
 
     async def remove_adapter(self, name: str) -> None:
-        """Free a deleted LoRA run's adapter: its use here first (:meth:`WeightSync.remove_adapter`), then on every
-        generator replica (one that cannot be told unloads it before it serves again). Callers run it to the end
-        (the servicer shields it from a cancelled DeleteRun): stopped half-way, the forwarder could keep it."""
+        """Free a deleted LoRA run's adapter here (:meth:`WeightSync.remove_adapter`), then on every generator
+        replica; callers shield it from a cancelled DeleteRun (stopped half-way, the forwarder could keep it)."""
         await self._weights.remove_adapter(name)
         await self._generator.unload_adapter(name)
 
@@ -193,9 +191,12 @@ class ExperienceMaker:
         self._weights.on_policy_live = follow
 
     async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
-        """Send a generator replica the live policy's weights (the fleet's weight source; see
-        :meth:`services.experience.pipeline.weight_sync.WeightSync.sync_replica`)."""
+        """Send a generator replica the live weights (the fleet's weight source: :meth:`WeightSync.sync_replica`)."""
         return await self._weights.sync_replica(replica, version)
+
+    def settled_adapters(self) -> dict[str, tuple[int, str | None]]:
+        """What a generator replica must hold to serve (:meth:`WeightSync.settled_adapters`)."""
+        return self._weights.settled_adapters()
 
     async def make_experiences(
         self, request: ExperienceRequest, deadline: Deadline, stats: StreamStats | None = None,

@@ -12,26 +12,25 @@ Another experience replica's update reaches this one through the ledger: :meth:`
 versions' weights this replica lacks (actor, critic, LoRA runs' adapters) from their blobs, and moves the local
 clocks, so streams here sample and forward the live version. A generator replica that restarted or joined late is
 sent the live version's weights from the ledger's blobs (:meth:`WeightSync.sync_replica`), never another
-process's memory; with a local ledger (one process) from the actor replica, which then holds exactly the live
-weights. One lock serializes updates, catch-ups, such syncs and the removal of a deleted LoRA run's adapter, so a
-replica is never sent half-updated weights under either version's number, nor an adapter being removed.
+process's memory (adapters named by their digest); with a local ledger, from the actor replica. One lock serializes
+updates, catch-ups, such syncs and the removal of a deleted LoRA run's adapter, so a replica is never sent
+half-updated weights under either version's number, nor an adapter being removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
-
-import torch
 
 from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FailedPrecondition, InvalidRequest, UpstreamTimeout
 from services.common.lora import AdapterConfig, check_adapter, expected_tensors
 from services.common.versions import Claim, Live, Snapshot
-from services.common.weights import ReceivedUpdate, TensorEntry, TensorSpec, check_update, module_spec
+from services.common.weights import ReceivedUpdate, TensorEntry, TensorSpec, check_update
+from services.common.weights.staging import module_spec, tensor_entries
 from services.experience.pipeline.events import Generator
 from services.experience.pipeline.forwarder import Forwarder
 from services.experience.pipeline.ledger import LocalLedger, VersionLedger
@@ -42,8 +41,7 @@ if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
 
 logger = logging.getLogger(__name__)
 
-#: Deadline of the ``ModelInfo`` call that starts a replica's sync (seconds): a serving generator answers it at
-#: once, and a hung one must not hold every tenant's updates for the whole sync deadline.
+#: Deadline (s) of the ``ModelInfo`` call a replica's sync starts with: a hung one must not hold every update.
 INFO_TIMEOUT_S = 30.0
 
 
@@ -106,7 +104,7 @@ class WeightSync:
                 await self._forwarder.load_critic(update.entries, tensors)
                 version = max(claim.live.version, self.critic_version) + 1
             finally:
-                await asyncio.shield(self._commit(claim, version, _entries(tensors), "critic"))
+                await asyncio.shield(self._commit(claim, version, tensor_entries(tensors), "critic"))
             self.critic_version = version
 
     def adapter_spec(self, config: AdapterConfig) -> dict[str, TensorSpec]:
@@ -137,22 +135,30 @@ class WeightSync:
         clock = self.clocks.of(name)
         async with self._applying:
             claim = await self._claim(run_id=name)
-            live = None
+            live = digest = None
             try:
                 # the ledger's version when it has one: a run of this name deleted and made again through another
                 # replica starts again at 0, whatever this replica's clock of the old run says
                 current = claim.live.version if self.ledger.by_reference else clock.version
                 version = self._next_version(update, current)
+                digest = await self.ledger.put(update.entries)  # generator replicas hold it under its digest
                 await clock.begin_update()
                 try:
-                    live = await self._generator.load_adapter(name, config, tensors, version, deadline)
+                    live = await self._generator.load_adapter(name, config, tensors, version, deadline,
+                                                              weights_digest=digest or "")
                     await asyncio.shield(self._forwarder.load_adapter(name, config, tensors, live))
                 finally:
                     await clock.end_update(live)
             finally:
-                await asyncio.shield(self._commit(claim, live, update.entries, f"adapter/{name}"))
+                await asyncio.shield(self._commit(claim, live, update.entries, f"adapter/{name}", digest))
         logger.info("run %s: adapter version %d live (%d tensors, %d bytes)", name, live, len(tensors), update.num_bytes)
         return live
+
+    def settled_adapters(self) -> dict[str, tuple[int, str | None]]:
+        """What a generator replica must hold to serve: each live adapter no update is being applied to, name →
+        (version, the digest of this replica's copy; None: not by reference)."""
+        return {name: (version, self._held.get(f"adapter/{name}"))
+                for name, version in self.clocks.settled_adapters().items()}
 
     async def remove_adapter(self, name: str) -> None:
         """Stop using a deleted LoRA run's adapter here: the forwarder's copy goes, then its clock (no longer live:
@@ -185,10 +191,12 @@ class WeightSync:
             raise InvalidRequest("header.policy_version", f"{requested} is not after the live version {current}")
         return requested
 
-    async def _commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry], key: str) -> None:
+    async def _commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry], key: str,
+                      digest: str | None = None) -> None:
         """End ``claim`` in the ledger: ``version`` live with ``entries`` (the whole model's or adapter's tensors:
-        what a replica starting from nothing loads) as its weights, or released (None); this replica holds it."""
-        digest = await self.ledger.commit(claim, version, entries if version is not None else None)
+        what a replica starting from nothing loads; stored already as ``digest`` if given) as its weights, or
+        released (None); this replica holds it."""
+        digest = await self.ledger.commit(claim, version, entries if version is not None else None, digest=digest)
         if version is not None and digest is not None:
             self._held[key] = digest
 
@@ -217,7 +225,7 @@ class WeightSync:
                     await self.policy.end_update(version)
             finally:
                 # by reference: the actor's every tensor (an update may carry only the tensors a step changed)
-                await asyncio.shield(self._commit(claim, version, _entries(tensors), "policy"))
+                await asyncio.shield(self._commit(claim, version, tensor_entries(tensors), "policy"))
         logger.info("policy version %d live (%d tensors, %d bytes)", version, len(update.entries), update.num_bytes)
 
     async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
@@ -245,10 +253,12 @@ class WeightSync:
                         logger.info("generator replica given run %s's adapter, version %d", name, adapter_version)
                 return applied
             for name, live in snapshot.adapters.items():
-                if live.version > 0 and live.weights_digest and info.adapters.get(name) != live.version:
+                held = (info.adapters.get(name), info.adapter_digests.get(name))  # by digest: not a deleted run's
+                if live.version > 0 and live.weights_digest and held != (live.version, live.weights_digest):
                     entries = await asyncio.to_thread(self.ledger.weights, live.weights_digest)
                     tensors = await asyncio.to_thread(lambda entries=entries: {e.name: e.load() for e in entries})
-                    await replica.load_adapter(name, snapshot.configs[name], tensors, live.version, deadline)
+                    await replica.load_adapter(name, snapshot.configs[name], tensors, live.version, deadline,
+                                               weights_digest=live.weights_digest)
                     logger.info("generator replica given run %s's adapter, version %d (blob %s)", name,
                                 live.version, live.weights_digest)
         return applied
@@ -388,9 +398,3 @@ class WeightSync:
             metrics.CATCH_UPS.labels("adapter").inc()
             logger.info("caught up with run %s's adapter version %d from blob %s", name, live.version,
                         live.weights_digest)
-
-
-def _entries(tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
-    """Live tensors as update entries (each read when the blob is written; the caller holds the update lock)."""
-    return [TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), lambda t=t: t.detach().cpu())
-            for name, t in tensors.items()]

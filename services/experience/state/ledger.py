@@ -35,11 +35,18 @@ class StoredLedger:
         return await self._store.transact("claiming a weight update", functools.partial(
             rows.claim_update, now=now, until=now + self._claim_s, target=target, run_id=run_id))
 
-    async def commit(self, claim: Claim, version: int | None,
-                     entries: Sequence[TensorEntry] | None = None) -> str | None:
-        digest = None
-        if version is not None and entries is not None:
-            digest = await asyncio.to_thread(self._blobs.put, entries)
+    async def put(self, entries: Sequence[TensorEntry]) -> str:
+        try:
+            return await asyncio.to_thread(self._blobs.put, entries)
+        except OSError as error:
+            raise NotReady(f"the weights folder {self._blobs.root} cannot be written: {error}") from error
+
+    async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None, *,
+                     digest: str | None = None) -> str | None:
+        if version is None:
+            digest = None
+        elif digest is None and entries is not None:
+            digest = await self.put(entries)
         held = await self._store.transact("committing a weight update", functools.partial(
             rows.commit_update, claim=claim, version=version, weights_digest=digest, now=self._clock()))
         if not held and version is not None:
