@@ -64,6 +64,8 @@ TARGETS = {
     "state_store_vs_update_s_postgresql": "informative (store calls and the version's blob / the update)",
     "catch_up_vs_update_s_sqlite": "informative (a second replica loading the version / the update)",
     "catch_up_vs_update_s_postgresql": "informative (a second replica loading the version / the update)",
+    "adapter_catch_up_vs_update_s_sqlite": "informative (a second replica loading a LoRA run's adapter / its update)",
+    "adapter_catch_up_vs_update_s_postgresql": "informative (a second replica loading a LoRA run's adapter / its update)",
     "resume_next_row_excess_s": "<= 5 (SIGKILL to the next row, less one group's own time)",
     "resume_regenerated_vs_undelivered": "<= 1 (only what was not delivered is generated again)",
     "resume_total_vs_uninterrupted_s": "informative (a stream that lost its replica / one that did not)",

@@ -16,7 +16,10 @@ Figures (ratios taken here, in this run):
   / the update's wall seconds (informative: the blob is a copy of the weights, the rows a few milliseconds);
 - ``catch_up_vs_update_s_<backend>``: from the update's answer until replica B reports the new version live (its
   follower's poll every ``state_poll_interval_s``, then the blob read, verified and copied into its actor) / the
-  update's wall seconds.
+  update's wall seconds;
+- ``adapter_catch_up_vs_update_s_<backend>``: the same for a LoRA run's adapter (rank ``lora_rank`` on every
+  projection, created after the full update: a base update refuses while LoRA runs exist), sent through A, until
+  B has loaded it from its blob (``fastexp_catch_ups_total{model="adapter"}``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class StateWorkload:
     micro_rollout_batch_size: int = 8
     backend: str = "vllm"
     state_poll_interval_s: float = 0.5
+    lora_rank: int = 16
     seed: int = 0
 
 
@@ -66,6 +70,8 @@ def run(model: str, workload: StateWorkload, log_dir: Path) -> dict:
             results[f"state_store_vs_stream_s_{backend}"] = measured["stream_store_s"] / measured["stream_s"]
             results[f"state_store_vs_update_s_{backend}"] = measured["update_state_s"] / measured["update_s"]
             results[f"catch_up_vs_update_s_{backend}"] = measured["catch_up_s"] / measured["update_s"]
+            results[f"adapter_catch_up_vs_update_s_{backend}"] = (measured["adapter_catch_up_s"]
+                                                                  / measured["adapter_update_s"])
     finally:
         postgres.remove()
     return results | {"state_inputs": inputs, "state_workload": asdict(workload)}
@@ -95,12 +101,37 @@ def _measure(model: str, workload: StateWorkload, state_url: str, log_dir: Path)
         while _version(metrics_b) != version:  # B's follower loads it from the blob
             time.sleep(0.02)
         catch_up_s = time.perf_counter() - answered
+        adapter_update_s, adapter_catch_up_s = _adapter_catch_up(cluster.address("experience"), model, workload,
+                                                                 metrics_b)
     return {
         "rows": rows, "stream_s": stream_s, "update_s": update_s, "catch_up_s": catch_up_s,
+        "adapter_update_s": adapter_update_s, "adapter_catch_up_s": adapter_catch_up_s,
         "stream_store_s": after_stream["store"] - before["store"],
         "stream_store_calls": after_stream["calls"] - before["calls"],
         "update_state_s": (after_update["store"] - after_stream["store"]) + (after_update["blob"] - after_stream["blob"]),
     }
+
+
+def _adapter_catch_up(address: str, model: str, workload: StateWorkload, metrics_b: str) -> tuple[float, float]:
+    """A LoRA run's adapter sent through A: the update's wall seconds, then the seconds until B has it live."""
+    from benchmarks.runs import random_adapter
+    from services.common.lora import AdapterConfig
+    from services.experience.runs.limits import DEFAULT_LORA_TARGET_MODULES
+
+    config = AdapterConfig(workload.lora_rank, float(workload.lora_rank), DEFAULT_LORA_TARGET_MODULES)
+    tensors = list(random_adapter(model, config, seed=workload.seed + 1).items())
+    loaded = _catch_ups(metrics_b)
+    with ExperienceClient(address) as client:
+        client.create_run("bench-lora", lora_rank=config.rank, lora_alpha=config.alpha,
+                          target_modules=list(config.target_modules))
+        started = time.perf_counter()
+        version = client.update_weights(tensors, run_id="bench-lora").policy_version
+        update_s = time.perf_counter() - started
+    answered = time.perf_counter()
+    while _catch_ups(metrics_b) == loaded:  # B's follower loads it from its blob
+        time.sleep(0.02)
+    assert version == 1
+    return update_s, time.perf_counter() - answered
 
 
 @contextlib.contextmanager
@@ -148,3 +179,9 @@ def _version(url: str) -> int | None:
             if sample.name == "fastexp_policy_version" and sample.labels.get("service") == "experience":
                 return int(sample.value)
     return None
+
+
+def _catch_ups(url: str) -> float:
+    """Adapters the replica loaded from blobs made through another replica, so far."""
+    return sum(sample.value for family in _families(url) for sample in family.samples
+               if sample.name == "fastexp_catch_ups_total" and sample.labels.get("model") == "adapter")

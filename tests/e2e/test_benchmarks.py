@@ -19,7 +19,8 @@ FIGURES = {
     "judge_batched_vs_per_response", "runs_concurrent_vs_sequential_tokens_per_s", "runs_adapter_vs_full_update_s",
     "runs_adapter_qv_vs_full_update_s", "state_store_vs_stream_s_sqlite", "state_store_vs_stream_s_postgresql",
     "state_store_vs_update_s_sqlite", "state_store_vs_update_s_postgresql", "catch_up_vs_update_s_sqlite",
-    "catch_up_vs_update_s_postgresql", "resume_total_vs_uninterrupted_s", "replicas_two_vs_one_rows_per_s",
+    "catch_up_vs_update_s_postgresql", "adapter_catch_up_vs_update_s_sqlite", "adapter_catch_up_vs_update_s_postgresql",
+    "resume_total_vs_uninterrupted_s", "replicas_two_vs_one_rows_per_s",
     "replica_rss_gib", "replica_store_calls_per_stream",
 }
 
@@ -59,3 +60,4 @@ def test_benchmarks_run_and_write_every_figure(tmp_path):
     workload = run.SMALL_STATE_WORKLOAD
     assert {b["rows"] for b in state.values()} == {workload.num_prompts * workload.n_samples_per_prompt}, state
     assert all(b["stream_store_calls"] > 0 and b["catch_up_s"] > 0 for b in state.values()), state
+    assert all(b["adapter_catch_up_s"] > 0 for b in state.values()), state

@@ -235,8 +235,7 @@ async def test_a_daemon_does_not_outlive_its_run(scorer):
         print('spawned')
     """)
     assert "spawned" in out
-    await asyncio.sleep(0.5)
-    assert _host_processes_with(MARKER) == []
+    assert _host_processes_with(MARKER) == []  # the run's whole tree is reaped before the call returns
 
 
 async def test_signals_cannot_reach_the_scorer(scorer):
@@ -273,6 +272,46 @@ async def test_files_vanish_with_the_run(scorer):
     assert "written" in out and not Path(f"/tmp/{MARKER}").exists() and not Path(f"/dev/shm/{MARKER}").exists()
     again = await tool(scorer, f"import os; print(os.path.exists('/tmp/{MARKER}'))")
     assert again.strip() == "False"
+
+
+_IPC_KEY = 0x5EED
+
+
+async def test_nothing_a_call_leaves_reaches_the_next_call_or_the_host(scorer):
+    """A first episode leaves what it can: files (/tmp, its work folder, /dev/shm), System V shared memory, message
+    queue and semaphore, a POSIX message queue, a listening abstract unix socket. A second episode (another
+    tenant's, to the scorer) finds none of them, and the host holds none (its /tmp, its System V IPC tables)."""
+    left = await tool(scorer, f"""
+        import ctypes, os, socket
+        libc, rt = ctypes.CDLL(None, use_errno=True), ctypes.CDLL('librt.so.1', use_errno=True)
+        for path in ('/tmp/{MARKER}', '/dev/shm/{MARKER}', '{MARKER}'):
+            try:
+                open(path, 'w').write('x'); print('file', path)
+            except OSError:
+                pass
+        print('shm', libc.shmget({_IPC_KEY}, 4096, 0o1666), 'msg', libc.msgget({_IPC_KEY}, 0o1666),
+              'sem', libc.semget({_IPC_KEY}, 1, 0o1666), 'mq', rt.mq_open(b'/{MARKER}', os.O_CREAT | os.O_RDWR, 0o666, None))
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); server.bind('\\0{MARKER}'); server.listen()
+        print('listening')
+    """)
+    assert "file /tmp/" in left and "listening" in left and "shm -1" not in left and "mq -1" not in left, left
+    found = await tool(scorer, f"""
+        import ctypes, os, socket
+        libc, rt = ctypes.CDLL(None, use_errno=True), ctypes.CDLL('librt.so.1', use_errno=True)
+        found = [p for p in ('/tmp/{MARKER}', '/dev/shm/{MARKER}', '{MARKER}') if os.path.exists(p)]
+        found += [name for name, id in (('shm', libc.shmget({_IPC_KEY}, 0, 0)), ('msg', libc.msgget({_IPC_KEY}, 0)),
+                                        ('sem', libc.semget({_IPC_KEY}, 0, 0)),
+                                        ('mq', rt.mq_open(b'/{MARKER}', os.O_RDWR, 0, None))) if id >= 0]
+        try:
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect('\\0{MARKER}'); found.append('socket')
+        except OSError:
+            pass
+        print(found)
+    """)
+    assert found.strip() == "[]", found
+    assert not Path(f"/tmp/{MARKER}").exists() and not Path(f"/dev/shm/{MARKER}").exists()
+    host_ipc = "".join(Path(f"/proc/sysvipc/{table}").read_text() for table in ("shm", "msg", "sem"))
+    assert f" {_IPC_KEY} " not in host_ipc and MARKER not in Path("/proc/net/unix").read_text()
 
 
 # --- network ------------------------------------------------------------------------------------------------------
