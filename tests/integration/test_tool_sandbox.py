@@ -352,6 +352,56 @@ async def test_memory_cpu_and_disk_are_bounded(scorer):
     assert "stopped" in disk and int(disk.split()[1]) < 80  # the 64 MiB tmpfs
 
 
+#: A run that spreads its work over three processes, each within its own rlimits (CPU seconds, address space),
+#: then waits for them: per process it passes every limit, as a whole it does not.
+_SPREAD = """
+    import multiprocessing, sys, time
+    def work(kind):
+        if kind == 'cpu':
+            end = time.process_time() + 1.5  # each under the 2 s per-process limit, 4.5 s together
+            while time.process_time() < end:
+                pass
+        else:
+            held = bytearray(300 * 1024**2)  # each under the 512 MiB address space, 900 MiB together
+            held[::4096] = b'x' * len(held[::4096])
+            time.sleep(3)
+    workers = [multiprocessing.Process(target=work, args=(sys.argv[1] if len(sys.argv) > 1 else KIND,))
+               for _ in range(3)]
+    for w in workers: w.start()
+    for w in workers: w.join()
+    print('all done', [w.exitcode for w in workers])
+"""
+
+
+@pytest.mark.parametrize(("kind", "stopped", "observed"), [("cpu", "cpu", "CPU time limit"),
+                                                          ("memory", "memory", "memory limit")])
+async def test_cpu_and_memory_are_limited_per_run_not_per_process(kind, stopped, observed):
+    """cpu_s 2 and memory_bytes 512 MiB hold for the run's whole tree: three processes, each within both, are
+    stopped together once their sum passes either (they ran to the end under per-process limits alone)."""
+    code = textwrap.dedent(_SPREAD).replace("KIND", repr(kind))
+    result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=60.0, cpu_s=2, memory_bytes=512 * 1024**2))
+    assert result.stopped == stopped and "all done" not in result.stdout, result
+    assert observed in result.as_observation()
+
+
+def test_a_trees_use_sums_its_live_processes_and_their_reaped_children():
+    from services.scorer.sandbox.usage import parse_stat, tree_usage_of
+
+    def stat(pid: int, ppid: int, utime: int, cutime: int, rss: int) -> str:
+        fields = ["S", str(ppid), *["0"] * 9, str(utime), "0", str(cutime), "0", *["0"] * 6, str(rss), *["0"] * 20]
+        return f"{pid} (a (tricky) name) " + " ".join(fields)
+
+    stats = [parse_stat(stat(10, 1, 100, 0, 5)), parse_stat(stat(11, 10, 50, 200, 7)),
+             parse_stat(stat(12, 11, 25, 0, 3)), parse_stat(stat(20, 1, 999, 999, 999))]
+    usage = tree_usage_of(stats, 10)
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert usage.processes == 3 and usage.cpu_s == pytest.approx(375 / ticks)
+    assert usage.rss_bytes == 15 * os.sysconf("SC_PAGE_SIZE")
+    assert tree_usage_of(stats, 99).processes == 0
+    with pytest.raises(ValueError):
+        parse_stat("not a stat line")
+
+
 # --- fail closed ------------------------------------------------------------------------------------------------
 
 async def test_without_bwrap_python_tool_is_not_offered_and_nothing_runs():

@@ -24,8 +24,10 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Limits of one run: ``timeout_s`` wall-clock seconds, ``cpu_s`` CPU seconds, ``memory_bytes`` of address
-    space, ``max_output_bytes`` of stdout and of stderr kept, ``max_file_bytes`` any one file may reach."""
+    """Limits of one run: ``timeout_s`` wall-clock seconds; ``cpu_s`` CPU seconds and ``memory_bytes`` (of each
+    process's address space, and resident in the run's whole tree) where the backend enforces them per run
+    (bubblewrap: module :mod:`services.scorer.sandbox.bubblewrap`); ``max_output_bytes`` of stdout and of stderr
+    kept, ``max_file_bytes`` any one file may reach."""
 
     timeout_s: float = 10.0
     cpu_s: int = 5
@@ -42,7 +44,8 @@ class SandboxLimits:
 @dataclass(frozen=True)
 class SandboxResult:
     """What a run printed (each stream cut to ``max_output_bytes``), its exit code (non-zero: it failed or was
-    stopped), and why it was stopped: ``"timeout"`` (wall clock), ``"cpu"`` (CPU time), ``""`` otherwise."""
+    stopped), and why it was stopped: ``"timeout"`` (wall clock), ``"cpu"`` (CPU time), ``"memory"`` (the run's
+    resident memory), ``""`` otherwise."""
 
     stdout: str
     stderr: str
@@ -58,6 +61,8 @@ class SandboxResult:
             parts.append("(stopped: wall-clock time limit)")
         elif self.stopped == "cpu":
             parts.append("(stopped: CPU time limit)")
+        elif self.stopped == "memory":
+            parts.append("(stopped: memory limit)")
         elif self.exit_code != 0 and not self.stderr.strip():
             parts.append(f"(exit code {self.exit_code})")
         return "\n".join(parts) if parts else "(no output)"

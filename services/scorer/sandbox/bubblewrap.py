@@ -17,9 +17,12 @@ Each run is ``bwrap`` with, for the tool's process tree:
   host where it cannot be built runs no tool (fail closed);
 - ``--die-with-parent`` and ``--new-session``; when the run's first process ends, the kernel kills every process
   left in its pid namespace, so nothing outlives the run;
-- **limits** set by a trusted launcher inside, before the tool's code starts (the code cannot raise them):
-  ``RLIMIT_NPROC`` (``max_processes``), ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and
-  ``RLIMIT_CORE`` = 0; a wall-clock timeout kills the whole tree; stdout and stderr are cut to
+- **limits per process** set by a trusted launcher inside, before the tool's code starts (the code cannot raise
+  them): ``RLIMIT_NPROC`` (``max_processes``), ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``
+  and ``RLIMIT_CORE`` = 0;
+- **limits per run**: the whole tree's CPU seconds (``cpu_s``) and resident bytes (``memory_bytes``), sampled from
+  ``/proc`` every ``usage_poll_s`` (:mod:`services.scorer.sandbox.usage`): past either, the whole tree is killed
+  (``stopped``: ``"cpu"``, ``"memory"``); a wall-clock timeout kills it too; stdout and stderr are cut to
   ``max_output_bytes`` (the rest is read and dropped);
 - **one unit that ends once**: however the call ends (its result, the timeout, the caller's cancellation: a
   cancelled Step or stream, a step timeout, the scorer stopping), the run's whole tree is killed and reaped before
@@ -56,6 +59,7 @@ from services.scorer.sandbox.base import (
     cut,
 )
 from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
+from services.scorer.sandbox.usage import tree_usage
 
 #: Runs inside the sandbox first: sets the limits (argv: cpu_s, memory_bytes, max_file_bytes, max_processes), then
 #: replaces itself with the tool's program so that the tool runs as a clean ``__main__``.
@@ -80,7 +84,8 @@ class BubblewrapOptions:
     when it lies under ``/usr``, else ``/usr/bin/python3``), the host ``uid``/``gid`` runs use (``None``: 65534 when
     the scorer is root, else the scorer's own), ``max_processes`` the tool may have (itself included),
     ``tmpfs_bytes`` of its writable ``/tmp``, ``mount_proc`` (a private ``/proc``; off where the container
-    runtime masks ``/proc``), and ``max_concurrent`` runs at once (more wait)."""
+    runtime masks ``/proc``), ``max_concurrent`` runs at once (more wait), and ``usage_poll_s``, the seconds
+    between two samples of a run's tree's CPU time and memory (its per-run limits)."""
 
     bwrap: str = "bwrap"
     python: str | None = None
@@ -90,6 +95,7 @@ class BubblewrapOptions:
     tmpfs_bytes: int = 64 * MIB
     mount_proc: bool = True
     max_concurrent: int = 4
+    usage_poll_s: float = 0.1
 
 
 class BubblewrapSandbox:
@@ -172,7 +178,7 @@ class BubblewrapSandbox:
             os.close(rules)
             os.close(status_write)
         with open(status_read, "rb") as status:
-            stopped, stdout, stderr = await _collect(process, limits)
+            stopped, stdout, stderr = await _collect(process, limits, self._options.usage_poll_s)
             started, exit_code = _parse_status(status.read())
         if not started:
             raise SandboxError(stderr.decode(errors="replace").strip() or f"bwrap exited {process.returncode}")
@@ -242,23 +248,40 @@ def _memory_file(name: str, data: bytes) -> int:
     return fd
 
 
-async def _collect(process: asyncio.subprocess.Process, limits: SandboxLimits) -> tuple[str, bytes, bytes]:
-    """Wait for ``process`` (killing its whole tree at ``timeout_s``) while reading both streams, each kept up to
-    one byte past ``max_output_bytes``."""
+async def _collect(process: asyncio.subprocess.Process, limits: SandboxLimits,
+                   poll_s: float) -> tuple[str, bytes, bytes]:
+    """Wait for ``process`` while reading both streams, each kept up to one byte past ``max_output_bytes``, and
+    kill its whole tree at ``timeout_s`` or once the tree passes ``cpu_s`` or ``memory_bytes`` (:func:`_watch`)."""
     keep = limits.max_output_bytes + 1
     reads = asyncio.gather(_drain(process.stdout, keep), _drain(process.stderr, keep))
-    stopped = ""
     try:
-        await asyncio.wait_for(asyncio.shield(process.wait()), limits.timeout_s)
+        stopped = await asyncio.wait_for(_watch(process, limits, poll_s), limits.timeout_s)
     except TimeoutError:
         stopped = "timeout"
-        await _end(process)
     except BaseException:  # the caller gave up (cancelled, its deadline): the run ends here, before its slot is free
         await _end(process)
         reads.cancel()
         raise
+    if stopped:
+        await _end(process)
     stdout, stderr = await reads
     return stopped, stdout, stderr
+
+
+async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, poll_s: float) -> str:
+    """Wait for ``process`` to end (``""``), sampling its tree's use every ``poll_s``: ``"cpu"`` once it passed
+    ``cpu_s`` CPU seconds, ``"memory"`` once it holds more than ``memory_bytes`` resident (the caller kills it)."""
+    ended = asyncio.ensure_future(process.wait())
+    while not ended.done():
+        await asyncio.wait({ended}, timeout=poll_s)
+        if ended.done():
+            break
+        usage = await asyncio.to_thread(tree_usage, process.pid)
+        if usage.cpu_s > limits.cpu_s:
+            return "cpu"
+        if usage.rss_bytes > limits.memory_bytes:
+            return "memory"
+    return ""
 
 
 async def _end(process: asyncio.subprocess.Process) -> None:

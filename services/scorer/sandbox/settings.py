@@ -32,6 +32,8 @@ class SandboxSettings(BaseModel):
     tmpfs_bytes: int = Field(64 * MIB, ge=MIB, description="size of the run's only writable place, /tmp")
     mount_proc: bool = Field(True, description="a private /proc (turn off where the runtime masks /proc)")
     max_concurrent: int = Field(4, ge=1, description="runs at once; more wait")
+    usage_poll_s: float = Field(0.1, ge=0.01, le=5.0, description="seconds between two samples of a run's whole "
+                                "tree (CPU seconds, resident memory) against its per-run limits")
     remote_url: str | None = Field(None, description="remote: the endpoint's base URL (POST {url}/run_code)")
     remote_token_file: Path | None = Field(None, description="remote: bearer token file (first line)")
     remote_ca_file: Path | None = Field(None, description="remote: CA bundle verifying an https endpoint")
@@ -59,5 +61,5 @@ def build_sandbox(settings: SandboxSettings) -> Sandbox:
     return BubblewrapSandbox(BubblewrapOptions(
         bwrap=settings.bwrap, python=settings.python, uid=settings.uid, gid=settings.gid,
         max_processes=settings.max_processes, tmpfs_bytes=settings.tmpfs_bytes, mount_proc=settings.mount_proc,
-        max_concurrent=settings.max_concurrent,
+        max_concurrent=settings.max_concurrent, usage_poll_s=settings.usage_poll_s,
     ))

@@ -1,0 +1,93 @@
+"""What a run's whole process tree uses, read from ``/proc``: the per-run limits of a tool run on hosts that
+delegate no cgroup to the scorer (most containers: Kubernetes and Docker mount the container's cgroup read-only).
+
+A run's tree is the bubblewrap process the scorer started and every process below it: bwrap's init is the reaper of
+the run's pid namespace, so an orphan (a daemon, a double fork) is re-parented to it and stays in the tree. Its use:
+
+- **CPU seconds**: user + system time of each live process and of the children each has reaped (``utime + stime +
+  cutime + cstime`` in ``/proc/<pid>/stat``), so the work of processes that already ended still counts;
+- **resident bytes**: the sum of each live process's resident set (``/proc/<pid>/stat`` ``rss``): pages shared
+  between processes (the interpreter's, a fork's copy-on-write pages) count once per process, so the figure is an
+  upper bound and a run is stopped no later than its true use passes the limit.
+
+The supervisor (:func:`services.scorer.sandbox.bubblewrap`'s ``_collect``) samples it every ``poll_s``: between two
+samples a run's total may pass its limit, by at most what its processes can each reach under their own rlimits
+(``RLIMIT_AS``, ``RLIMIT_CPU``), for at most one interval; then the whole tree is killed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Clock ticks per second of ``/proc/<pid>/stat``'s times.
+_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class TreeUsage:
+    """A process tree's use at one moment: ``cpu_s`` CPU seconds (user + system, reaped children included),
+    ``rss_bytes`` resident bytes (summed per process: an upper bound), ``processes`` alive."""
+
+    cpu_s: float = 0.0
+    rss_bytes: int = 0
+    processes: int = 0
+
+
+@dataclass(frozen=True)
+class ProcessStat:
+    """The fields of one ``/proc/<pid>/stat`` line a tree's use is summed from."""
+
+    pid: int
+    ppid: int
+    cpu_ticks: int  # utime + stime + cutime + cstime
+    rss_pages: int
+
+
+def parse_stat(line: str) -> ProcessStat:
+    """Parse a ``/proc/<pid>/stat`` line (proc(5)); the command name may hold spaces and parentheses, so fields
+    are counted after its last ``)``.
+
+    Raises:
+        ValueError: not such a line.
+    """
+    head, _, tail = line.rpartition(")")
+    fields = tail.split()
+    if not head or len(fields) < 22:
+        raise ValueError(f"not a /proc/<pid>/stat line: {line[:80]!r}")
+    pid = int(head.split("(", 1)[0])
+    # fields[0] is field 3 (state): ppid is field 4, utime..cstime 14..17, rss 24
+    return ProcessStat(pid, int(fields[1]), sum(int(value) for value in fields[11:15]), int(fields[21]))
+
+
+def tree_usage_of(stats: list[ProcessStat], root: int) -> TreeUsage:
+    """The use of ``root`` and its descendants among ``stats`` (every process's stat at one moment)."""
+    children: dict[int, list[ProcessStat]] = {}
+    by_pid = {}
+    for stat in stats:
+        children.setdefault(stat.ppid, []).append(stat)
+        by_pid[stat.pid] = stat
+    if root not in by_pid:
+        return TreeUsage()
+    ticks = pages = count = 0
+    pending = [by_pid[root]]
+    while pending:
+        stat = pending.pop()
+        ticks, pages, count = ticks + stat.cpu_ticks, pages + stat.rss_pages, count + 1
+        pending.extend(children.get(stat.pid, ()))
+    return TreeUsage(ticks / _TICKS, pages * _PAGE, count)
+
+
+def tree_usage(root: int, proc: Path = Path("/proc")) -> TreeUsage:
+    """The use of process ``root``'s tree now, from ``proc`` (blocking: a walk of every process's stat; call it off
+    the event loop). A process that ends during the walk is skipped (its time is in its parent's once reaped)."""
+    stats = []
+    for entry in os.scandir(proc):
+        if entry.name.isdigit():
+            try:
+                stats.append(parse_stat((proc / entry.name / "stat").read_text()))
+            except (OSError, ValueError):
+                continue
+    return tree_usage_of(stats, root)
