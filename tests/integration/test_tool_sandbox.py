@@ -10,6 +10,7 @@ sandbox server with a total deadline and a response cap.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -19,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -474,6 +476,32 @@ async def test_python_tool_runs_on_a_remote_sandbox_server(sandbox_server, host)
         assert "wall-clock" in await tool(stub, "import time\ntime.sleep(60)")
     finally:
         await _stop(core, running, channel)
+
+
+async def _until(condition, timeout_s: float) -> None:
+    """Wait until ``condition()`` holds, checking every 50 ms (polling a state, not a delay)."""
+
+    async def check() -> None:
+        while not condition():
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(check(), timeout_s)
+
+
+async def test_a_caller_that_hangs_up_ends_its_remote_run_at_once(sandbox_server):
+    """The run's caller (the scorer's RemoteSandbox, here a plain HTTP client) gives up while the run sleeps toward
+    its 30 s timeout: the server ends the run's whole tree within seconds, not at its timeout."""
+    marker = "fx-hangup-" + secrets.token_hex(6)
+    code = (f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', "
+            f"{marker!r}])\ntime.sleep(30)")
+    async with httpx.AsyncClient() as client:
+        post = asyncio.ensure_future(client.post(f"{sandbox_server}/run_code", timeout=60,
+                                                 json={"code": code, "run_timeout": 30}))
+        await _until(lambda: _host_processes_with(marker), 30)  # the run is under way
+        post.cancel()  # the caller hangs up
+        with contextlib.suppress(asyncio.CancelledError):
+            await post
+    await _until(lambda: not _host_processes_with(marker), 10)
 
 
 async def test_an_unreachable_remote_sandbox_withdraws_python_tool(unused_tcp_port):

@@ -11,6 +11,11 @@ uvicorn.
 the server's (``max_timeout_s``, ``max_memory_bytes``); bad input is HTTP 400 naming the field; a missing or
 unknown bearer token (when ``auth_tokens_file`` is set) is 401. ``GET /health`` is 200 once the probe ran.
 The server refuses to start where the probe fails (the cause and the fix named).
+
+A caller that hangs up (its deadline, a cancelled episode: the scorer's ``RemoteSandbox`` closes its connection)
+ends its run: the server checks the connection every :data:`DISCONNECT_POLL_S` seconds while the run goes on, and
+cancels the run once the caller is gone (its whole tree killed and reaped, its slot freed), instead of running it
+to its own timeout for nobody.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import hmac
 import logging
 import signal
 import time
+from collections.abc import Coroutine
 from typing import ClassVar
 
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
@@ -34,6 +40,9 @@ from services.scorer.sandbox.base import MIB, Sandbox, SandboxError, SandboxLimi
 from services.scorer.sandbox.settings import SandboxSettings, build_sandbox
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between two checks of a running call's connection (a run whose caller hung up is cancelled).
+DISCONNECT_POLL_S = 0.25
 
 
 class SandboxServerSettings(ServiceSettings):
@@ -119,20 +128,44 @@ def create_app(sandbox: Sandbox, settings: SandboxServerSettings) -> FastAPI:
         return {"status": "ok", "sandbox": sandbox.description}
 
     @app.post("/run_code", dependencies=[Depends(authorize)])
-    async def run_code(request: RunCodeRequest) -> dict[str, object]:
+    async def run_code(request: RunCodeRequest, http: Request) -> dict[str, object]:
         try:
             limits = limits_for(request, settings)
         except ValueError as error:
             raise HTTPException(400, str(error)) from error
         started = time.monotonic()
         try:
-            result = await sandbox.run(request.code, limits)
+            result = await while_connected(sandbox.run(request.code, limits), http)
         except SandboxError as error:
             logger.error("sandbox run failed: %s", error)
             return {"status": "SandboxError", "message": str(error), "run_result": None}
+        if result is None:
+            logger.info("run_code: the caller hung up after %.1f s; its run was ended", time.monotonic() - started)
+            return {"status": "SandboxError", "message": "the caller hung up", "run_result": None}
         return run_code_response(result, time.monotonic() - started)
 
     return app
+
+
+async def while_connected(run: Coroutine[object, object, SandboxResult], http: Request,
+                          poll_s: float = DISCONNECT_POLL_S) -> SandboxResult | None:
+    """Await ``run`` while the caller of ``http`` stays connected; once it hangs up, cancel ``run`` (the sandbox
+    ends the run's tree before the cancellation completes) and return None."""
+    task = asyncio.ensure_future(run)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll_s)
+            if not task.done() and await http.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+        return task.result()
+    finally:
+        if not task.done():  # this handler itself was cancelled: the run goes with it
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def serve(settings: SandboxServerSettings) -> None:
