@@ -27,7 +27,7 @@ from fastapi.responses import Response
 
 from fastexp.v1 import environment_pb2, environment_pb2_grpc
 from services.scorer.sandbox import RemoteSandbox, SandboxError, SandboxLimits, SandboxSettings
-from services.scorer.sandbox.bubblewrap import BubblewrapSandbox
+from services.scorer.sandbox.bubblewrap import BubblewrapOptions, BubblewrapSandbox
 from services.scorer.sandbox.server import SandboxServerSettings, create_app
 from services.scorer.server import build_scorer, start_scorer
 from services.scorer.settings import ScorerSettings
@@ -280,9 +280,10 @@ _IPC_KEY = 0x5EED
 
 
 async def test_nothing_a_call_leaves_reaches_the_next_call_or_the_host(scorer):
-    """A first episode leaves what it can: files (/tmp, its work folder, /dev/shm), System V shared memory, message
-    queue and semaphore, a POSIX message queue, a listening abstract unix socket. A second episode (another
-    tenant's, to the scorer) finds none of them, and the host holds none (its /tmp, its System V IPC tables)."""
+    """A first episode leaves what it can: files (/tmp, its work folder; /dev/shm is read-only), a System V
+    semaphore (shared memory and message queues are refused: they would hold memory no limit sees), a POSIX message
+    queue, a listening abstract unix socket. A second episode (another tenant's, to the scorer) finds none of them,
+    and the host holds none (its /tmp, its System V IPC tables, its unix sockets)."""
     left = await tool(scorer, f"""
         import ctypes, os, socket
         libc, rt = ctypes.CDLL(None, use_errno=True), ctypes.CDLL('librt.so.1', use_errno=True)
@@ -296,7 +297,8 @@ async def test_nothing_a_call_leaves_reaches_the_next_call_or_the_host(scorer):
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); server.bind('\\0{MARKER}'); server.listen()
         print('listening')
     """)
-    assert "file /tmp/" in left and "listening" in left and "shm -1" not in left and "mq -1" not in left, left
+    assert "file /tmp/" in left and "listening" in left and "shm -1 msg -1 sem" in left, left
+    assert "sem -1" not in left and "mq -1" not in left, left
     found = await tool(scorer, f"""
         import ctypes, os, socket
         libc, rt = ctypes.CDLL(None, use_errno=True), ctypes.CDLL('librt.so.1', use_errno=True)
@@ -384,6 +386,28 @@ async def test_cpu_and_memory_are_limited_per_run_not_per_process(kind, stopped,
     result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=60.0, cpu_s=2, memory_bytes=512 * 1024**2))
     assert result.stopped == stopped and "all done" not in result.stdout, result
     assert observed in result.as_observation()
+
+
+async def test_empty_files_past_the_runs_file_limit_stop_it():
+    """Empty files take no tmpfs bytes but ~1 KiB of kernel memory each: past max_files the run is stopped."""
+    code = "import os\nfor i in range(1_000_000):\n    open(f'f{i}', 'w').close()\nprint('all created')"
+    sandbox = BubblewrapSandbox(BubblewrapOptions(max_files=2000))
+    result = await sandbox.run(code, SandboxLimits(timeout_s=60.0, cpu_s=30))
+    assert result.stopped == "files" and "all created" not in result.stdout, result
+    assert "file count limit" in result.as_observation()
+
+
+async def test_the_namespaces_init_is_the_tool_so_proc_1_mem_reaches_nothing_but_itself():
+    """Without bwrap's own init in the sandbox, /proc/1 is the tool's process (under the filter and the limits):
+    writing its memory changes only itself, and it cannot clear the signal that ends it with bwrap's monitor."""
+    code = textwrap.dedent("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print(os.getpid(), open('/proc/1/cmdline').read().split('\\0')[-2])
+        print(libc.prctl(1, 0, 0, 0, 0), ctypes.get_errno())  # PR_SET_PDEATHSIG 0: clear it
+    """)
+    result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=30.0))
+    assert result.stdout.split() == ["1", "main.py", "-1", "1"], result
 
 
 def test_a_trees_use_sums_its_live_processes_and_their_reaped_children():
@@ -581,13 +605,18 @@ async def test_the_system_call_filter_refuses_the_keyring_and_kernel_interfaces(
                  "request_key": (249, b"user", b"left-behind", None, 0), "bpf": (321, 0, 0, 0),
                  "perf_event_open": (298, 0, 0, -1, -1, 0), "userfaultfd": (323, 0), "ptrace": (101, 0, 1, 0, 0),
                  "unshare": (272, 0x10000000), "mount": (165, b"none", b"/tmp", b"tmpfs", 0, 0),
-                 "clone_newuser": (56, 0x10000000 | 17, 0, 0, 0, 0)}
+                 "clone_newuser": (56, 0x10000000 | 17, 0, 0, 0, 0), "shmget": (29, 0x5EED, 4096, 0o1600),
+                 "msgget": (68, 0x5EED, 0o1600), "memfd_create": (319, b"x", 0), "prctl_pdeathsig": (157, 1, 0)}
         print(sorted(name for name, args in calls.items() if call(*args) != (-1, 1)))
+        families = {"vsock": 40, "packet": 17, "alg": 38, "xdp": 44, "appletalk": 5, "key": 15}
+        assert all(call(41, family, 1, 0) == (-1, 97) for family in families.values())  # EAFNOSUPPORT
+        assert all(call(41, family, 1, 0)[0] >= 0 for family in (1, 2, 10))  # unix, IPv4, IPv6
+        print(open("/proc/1/cmdline").read().split("\\0")[-2])  # the namespace's init is the tool itself
         print(subprocess.run(["echo", "forked"], capture_output=True, text=True).stdout.strip())
         threading.Thread(target=print, args=("threaded",)).start()
     """)
     result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=30.0))
-    assert result.stdout.split("\n")[:3] == ["[]", "forked", "threaded"], result
+    assert result.stdout.split("\n")[:4] == ["[]", "main.py", "forked", "threaded"], result
 
 
 def test_the_sandbox_containers_seccomp_profile_is_the_code_and_bwrap_builds_its_runs_under_it():
@@ -603,15 +632,17 @@ def test_the_sandbox_containers_seccomp_profile_is_the_code_and_bwrap_builds_its
         import pyseccomp as seccomp
         profile = json.loads({json.dumps(json.dumps(shipped))})
         rules = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+        operators = {{"SCMP_CMP_EQ": seccomp.EQ, "SCMP_CMP_GE": seccomp.GE}}
         for group in profile["syscalls"]:
+            conditions = [seccomp.Arg(a["index"], operators[a["op"]], a["value"]) for a in group.get("args", [])]
             for name in group["names"]:
                 try:
-                    rules.add_rule(seccomp.ERRNO(group["errnoRet"]), name)
+                    rules.add_rule(seccomp.ERRNO(group["errnoRet"]), name, *conditions)
                 except (RuntimeError, ValueError, OSError):
                     pass
         rules.load()  # this process and its children: the container
         from services.scorer.sandbox.base import SandboxLimits
-        from services.scorer.sandbox.bubblewrap import BubblewrapSandbox
+        from services.scorer.sandbox.bubblewrap import BubblewrapOptions, BubblewrapSandbox
         async def main():
             sandbox = BubblewrapSandbox()
             await sandbox.check()

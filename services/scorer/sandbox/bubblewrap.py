@@ -15,14 +15,16 @@ Each run is ``bwrap`` with, for the tool's process tree:
 - **a system-call filter** (``--seccomp``: :mod:`services.scorer.sandbox.seccomp`, a Docker-default-like deny list:
   the kernel keyring, ``bpf``, ``perf_event_open``, ``userfaultfd``, ``ptrace``, mounts and namespaces, ...); a
   host where it cannot be built runs no tool (fail closed);
-- ``--die-with-parent`` and ``--new-session``; when the run's first process ends, the kernel kills every process
-  left in its pid namespace, so nothing outlives the run;
+- ``--as-pid-1``, ``--die-with-parent`` and ``--new-session``: the run's first process is its pid namespace's init
+  (no bwrap process runs inside: its memory, outside the filter and the limits, would be writable through
+  ``/proc/1/mem``), it dies with bwrap's monitor (the filter keeps it from clearing that), and when it ends the
+  kernel kills every process left in the namespace, so nothing outlives the run;
 - **limits per process** set by a trusted launcher inside, before the tool's code starts (the code cannot raise
   them): ``RLIMIT_NPROC`` (``max_processes``), ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``
   and ``RLIMIT_CORE`` = 0;
-- **limits per run**: the whole tree's CPU seconds (``cpu_s``) and resident bytes (``memory_bytes``), sampled from
-  ``/proc`` every ``usage_poll_s`` (:mod:`services.scorer.sandbox.usage`): past either, the whole tree is killed
-  (``stopped``: ``"cpu"``, ``"memory"``); a wall-clock timeout kills it too; stdout and stderr are cut to
+- **limits per run**: the whole tree's CPU seconds (``cpu_s``), resident bytes (``memory_bytes``) and files in its
+  tmpfs (``max_files``), sampled from ``/proc`` every ``usage_poll_s`` (:mod:`services.scorer.sandbox.usage`): past
+  any, the whole tree is killed (``stopped``: ``"cpu"``, ``"memory"``, ``"files"``); a wall-clock timeout kills it; stdout and stderr are cut to
   ``max_output_bytes`` (the rest is read and dropped);
 - **one unit that ends once**: however the call ends (its result, the timeout, the caller's cancellation: a
   cancelled Step or stream, a step timeout, the scorer stopping), the run's whole tree is killed and reaped before
@@ -59,7 +61,7 @@ from services.scorer.sandbox.base import (
     cut,
 )
 from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
-from services.scorer.sandbox.usage import tree_usage
+from services.scorer.sandbox.usage import TreeUsage, files_used, process_stats, tree_of, tree_usage
 
 #: Runs inside the sandbox first: sets the limits (argv: cpu_s, memory_bytes, max_file_bytes, max_processes), then
 #: replaces itself with the tool's program so that the tool runs as a clean ``__main__``.
@@ -85,7 +87,8 @@ class BubblewrapOptions:
     the scorer is root, else the scorer's own), ``max_processes`` the tool may have (itself included),
     ``tmpfs_bytes`` of its writable ``/tmp``, ``mount_proc`` (a private ``/proc``; off where the container
     runtime masks ``/proc``), ``max_concurrent`` runs at once (more wait), and ``usage_poll_s``, the seconds
-    between two samples of a run's tree's CPU time and memory (its per-run limits)."""
+    between two samples of a run's tree's CPU time, memory and files (its per-run limits); ``max_files`` the
+    files (inodes) a run's tmpfs may hold."""
 
     bwrap: str = "bwrap"
     python: str | None = None
@@ -96,6 +99,7 @@ class BubblewrapOptions:
     mount_proc: bool = True
     max_concurrent: int = 4
     usage_poll_s: float = 0.1
+    max_files: int = 10_000
 
 
 class BubblewrapSandbox:
@@ -178,7 +182,7 @@ class BubblewrapSandbox:
             os.close(rules)
             os.close(status_write)
         with open(status_read, "rb") as status:
-            stopped, stdout, stderr = await _collect(process, limits, self._options.usage_poll_s)
+            stopped, stdout, stderr = await _collect(process, limits, self._options)
             started, exit_code = _parse_status(status.read())
         if not started:
             raise SandboxError(stderr.decode(errors="replace").strip() or f"bwrap exited {process.returncode}")
@@ -192,6 +196,7 @@ class BubblewrapSandbox:
         o = self._options
         command = [
             self._bwrap or o.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--as-pid-1",
             "--clearenv", "--hostname", "sandbox", "--json-status-fd", str(status),
             "--ro-bind", "/usr", "/usr", *_root_links(), *_prefix_bind(self._python),
             "--dev", "/dev", "--remount-ro", "/dev", *(["--proc", "/proc"] if o.mount_proc else []),
@@ -201,8 +206,9 @@ class BubblewrapSandbox:
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", _WORKDIR,
             "--setenv", "LANG", "C.UTF-8",
         ]
-        # The tool's processes plus bwrap's init in its pid namespace.
-        nproc = o.max_processes + 1
+        # The tool's processes: the launcher is the pid namespace's init (--as-pid-1: no bwrap process of the host's
+        # runs in the sandbox, whose memory a run could write through /proc/1/mem, outside every limit)
+        nproc = o.max_processes
         return [*self._drop_privileges(), *command, self._python, "-I", "-B", "-c", _LAUNCHER,
                 str(limits.cpu_s), str(limits.memory_bytes), str(limits.max_file_bytes), str(nproc)]
 
@@ -249,13 +255,13 @@ def _memory_file(name: str, data: bytes) -> int:
 
 
 async def _collect(process: asyncio.subprocess.Process, limits: SandboxLimits,
-                   poll_s: float) -> tuple[str, bytes, bytes]:
+                   options: BubblewrapOptions) -> tuple[str, bytes, bytes]:
     """Wait for ``process`` while reading both streams, each kept up to one byte past ``max_output_bytes``, and
-    kill its whole tree at ``timeout_s`` or once the tree passes ``cpu_s`` or ``memory_bytes`` (:func:`_watch`)."""
+    kill its whole tree at ``timeout_s`` or once it passes a per-run limit (:func:`_watch`)."""
     keep = limits.max_output_bytes + 1
     reads = asyncio.gather(_drain(process.stdout, keep), _drain(process.stderr, keep))
     try:
-        stopped = await asyncio.wait_for(_watch(process, limits, poll_s), limits.timeout_s)
+        stopped = await asyncio.wait_for(_watch(process, limits, options), limits.timeout_s)
     except TimeoutError:
         stopped = "timeout"
     except BaseException:  # the caller gave up (cancelled, its deadline): the run ends here, before its slot is free
@@ -268,26 +274,39 @@ async def _collect(process: asyncio.subprocess.Process, limits: SandboxLimits,
     return stopped, stdout, stderr
 
 
-async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, poll_s: float) -> str:
-    """Wait for ``process`` to end (``""``), sampling its tree's use every ``poll_s``: ``"cpu"`` once it passed
-    ``cpu_s`` CPU seconds, ``"memory"`` once it holds more than ``memory_bytes`` resident (the caller kills it)."""
+async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, options: BubblewrapOptions) -> str:
+    """Wait for ``process`` to end (``""``), sampling its tree's use every ``usage_poll_s``: ``"cpu"`` once it
+    passed ``cpu_s`` CPU seconds, ``"memory"`` once it holds more than ``memory_bytes`` resident, ``"files"`` once
+    its tmpfs holds more than ``max_files`` (the caller kills it)."""
     ended = asyncio.ensure_future(process.wait())
     while not ended.done():
-        await asyncio.wait({ended}, timeout=poll_s)
+        await asyncio.wait({ended}, timeout=options.usage_poll_s)
         if ended.done():
             break
-        usage = await asyncio.to_thread(tree_usage, process.pid)
+        usage, files = await asyncio.to_thread(_sample, process.pid)
         if usage.cpu_s > limits.cpu_s:
             return "cpu"
         if usage.rss_bytes > limits.memory_bytes:
             return "memory"
+        if files is not None and files > options.max_files:
+            return "files"
     return ""
 
 
+def _sample(root: int) -> tuple[TreeUsage, int | None]:
+    """The run's tree's use and the files in its tmpfs (None: not readable yet)."""
+    usage = tree_usage(root)
+    return usage, files_used(usage.inner, _WORKDIR) if usage.inner is not None else None
+
+
 async def _end(process: asyncio.subprocess.Process) -> None:
-    """Kill the run's whole tree and reap it, even while the caller is being cancelled: SIGKILL to bwrap's process
-    group ends the sandbox's pid namespace with it (its init dies with its parent, and the kernel kills every
-    process of a namespace whose init died), then the wait is shielded and taken up again after each cancel."""
+    """Kill the run's whole tree and reap it, even while the caller is being cancelled: SIGKILL to every process
+    of the tree (from ``/proc``: the sandbox's init among them, and the kernel kills every process of a pid
+    namespace whose init died) and to bwrap's process group (the init also dies with its parent), then the wait is
+    shielded and taken up again after each cancel."""
+    for stat in tree_of(process_stats(), process.pid):  # the walk takes ~1 ms
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(stat.pid, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     reaped = asyncio.ensure_future(process.wait())

@@ -7,9 +7,16 @@ neither readable nor writable, and nothing left there by one call reaches the ne
 ``perf_event_open``, ``userfaultfd``, ``ptrace`` and reading or writing other processes' memory, mounts and
 namespaces (``mount``, ``umount2``, ``pivot_root``, ``chroot``, ``unshare``, ``setns``, and ``clone`` with any
 namespace flag), kernel modules and ``kexec``, clocks, swap, reboot, ``syslog``, ``acct``, quotas, handles
-(``open_by_handle_at``), ``fanotify``, ``io_uring``, port I/O. ``clone3`` answers ENOSYS, as under Docker: its
-flags cannot be filtered (they are behind a pointer), and the C library falls back to ``clone``. Everything else
-is allowed: the run's other limits (namespaces, rlimits, the read-only root) do the rest.
+(``open_by_handle_at``), ``fanotify``, ``io_uring``, port I/O; and the kernel memory no per-run limit sees
+(System V shared memory segments and message queues, ``shmget`` and ``msgget``: they outlive every process that
+mapped them; ``memfd_create``: its pages count in no process's resident set until mapped). ``clone3`` answers
+ENOSYS, as under Docker: its flags cannot be filtered (they are behind a pointer), and the C library falls back to
+``clone``. ``prctl(PR_SET_PDEATHSIG)`` is EPERM: a run's first process is its pid namespace's init and dies with
+bwrap's monitor (``--die-with-parent``), which it must not undo. Sockets of any address family but ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` and ``AF_NETLINK`` answer
+EAFNOSUPPORT: ``AF_VSOCK`` is not confined by the network namespace (a run would share the virtual machine's
+vsock ports with its host), and the others are kernel attack surface no tool needs (``AF_PACKET``, ``AF_ALG``,
+``AF_XDP``, ...). Everything else is allowed: the run's other limits (namespaces, rlimits, the read-only root, the
+per-run use) do the rest.
 """
 
 from __future__ import annotations
@@ -31,7 +38,14 @@ DENIED_SYSCALLS = (
     "open_by_handle_at", "name_to_handle_at", "fanotify_init",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
     "iopl", "ioperm", "vhangup",
+    "shmget", "msgget", "memfd_create",
 )
+#: Socket address families a run may use (unix, IPv4, IPv6, netlink); any other is EAFNOSUPPORT. As ranges of the
+#: families denied: ``socket``'s first argument in [low, high] (high None: and above).
+ALLOWED_SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
+DENIED_SOCKET_FAMILIES = ((3, 9), (11, 15), (17, None))
+#: ``prctl``'s option that sets (or clears) the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 #: ``clone`` flags that make a namespace (any of them: EPERM).
 NAMESPACE_FLAGS = {
     "CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
@@ -44,6 +58,8 @@ NAMESPACE_FLAGS = {
 #: profile (:func:`container_profile`: the sandbox container's seccomp profile, under which bwrap starts) and the
 #: filter of every run (:func:`filter_program`).
 BWRAP_NEEDS = ("mount", "umount2", "pivot_root", "chroot", "unshare")
+#: What the sandbox server itself needs: the run's code reaches bwrap through a memory file.
+SERVER_NEEDS = ("memfd_create",)
 #: The architectures the container profile names (the runtime picks the node's).
 PROFILE_ARCHITECTURES = ("SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32", "SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM")
 
@@ -51,16 +67,31 @@ PROFILE_ARCHITECTURES = ("SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32", "
 def container_profile() -> dict:
     """The sandbox container's seccomp profile (Docker's and Kubernetes' JSON format, ``deploy/seccomp/
     fastexp-sandbox.json``): the runs' deny list, less what bubblewrap needs to build their namespaces
-    (:data:`BWRAP_NEEDS`, and ``clone`` with namespace flags); every run then gets the whole filter inside."""
-    denied = [name for name in DENIED_SYSCALLS if name not in BWRAP_NEEDS]
+    (:data:`BWRAP_NEEDS`, and ``clone`` with namespace flags) and what the server needs (:data:`SERVER_NEEDS`);
+    every run then gets the whole filter inside."""
+    denied = [name for name in DENIED_SYSCALLS if name not in BWRAP_NEEDS + SERVER_NEEDS]
+    families = [{"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT, "args": args}
+                for args in _family_conditions()]
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": list(PROFILE_ARCHITECTURES),
         "syscalls": [
             {"names": denied, "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM},
             {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
+            *families,
         ],
     }
+
+
+def _family_conditions() -> list[list[dict]]:
+    """One rule's conditions on ``socket``'s family per denied value or open range (Docker's JSON format)."""
+    rules = []
+    for low, high in DENIED_SOCKET_FAMILIES:
+        if high is None:
+            rules.append([{"index": 0, "value": low, "op": "SCMP_CMP_GE"}])
+        else:
+            rules += [[{"index": 0, "value": value, "op": "SCMP_CMP_EQ"}] for value in range(low, high + 1)]
+    return rules
 
 
 class SeccompUnavailable(RuntimeError):
@@ -87,6 +118,11 @@ def filter_program() -> bytes:
     for flag in NAMESPACE_FLAGS.values():
         rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    rules.add_rule(seccomp.ERRNO(errno.EPERM), "prctl", seccomp.Arg(0, seccomp.EQ, PR_SET_PDEATHSIG))
+    operators = {"SCMP_CMP_EQ": seccomp.EQ, "SCMP_CMP_GE": seccomp.GE}
+    for conditions in _family_conditions():
+        rules.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socket",
+                       *(seccomp.Arg(c["index"], operators[c["op"]], c["value"]) for c in conditions))
     with tempfile.TemporaryFile() as program:
         rules.export_bpf(program)
         program.seek(0)

@@ -34,6 +34,8 @@ class SandboxSettings(BaseModel):
     max_concurrent: int = Field(4, ge=1, description="runs at once; more wait")
     usage_poll_s: float = Field(0.1, ge=0.01, le=5.0, description="seconds between two samples of a run's whole "
                                 "tree (CPU seconds, resident memory) against its per-run limits")
+    max_files: int = Field(10_000, ge=16, description="files (inodes) a run's /tmp may hold; each costs the kernel "
+                           "about 1 KiB that tmpfs_bytes does not count")
     remote_url: str | None = Field(None, description="remote: the endpoint's base URL (POST {url}/run_code)")
     remote_token_file: Path | None = Field(None, description="remote: bearer token file (first line)")
     remote_ca_file: Path | None = Field(None, description="remote: CA bundle verifying an https endpoint")
@@ -61,5 +63,5 @@ def build_sandbox(settings: SandboxSettings) -> Sandbox:
     return BubblewrapSandbox(BubblewrapOptions(
         bwrap=settings.bwrap, python=settings.python, uid=settings.uid, gid=settings.gid,
         max_processes=settings.max_processes, tmpfs_bytes=settings.tmpfs_bytes, mount_proc=settings.mount_proc,
-        max_concurrent=settings.max_concurrent, usage_poll_s=settings.usage_poll_s,
+        max_concurrent=settings.max_concurrent, usage_poll_s=settings.usage_poll_s, max_files=settings.max_files,
     ))

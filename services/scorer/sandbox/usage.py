@@ -8,7 +8,12 @@ the run's pid namespace, so an orphan (a daemon, a double fork) is re-parented t
   cutime + cstime`` in ``/proc/<pid>/stat``), so the work of processes that already ended still counts;
 - **resident bytes**: the sum of each live process's resident set (``/proc/<pid>/stat`` ``rss``): pages shared
   between processes (the interpreter's, a fork's copy-on-write pages) count once per process, so the figure is an
-  upper bound and a run is stopped no later than its true use passes the limit.
+  upper bound and a run is stopped no later than its true use passes the limit;
+- **files** in its writable tmpfs (:func:`files_used`: the inodes in use, seen through ``/proc/<pid>/root``): the
+  tmpfs is bounded in bytes, but each empty file still costs the kernel about 1 KiB that no byte limit counts.
+
+Memory no process's resident set shows (System V shared memory and message queues, unmapped memory files) is
+refused by the run's system-call filter instead (:mod:`services.scorer.sandbox.seccomp`).
 
 The supervisor (:func:`services.scorer.sandbox.bubblewrap`'s ``_collect``) samples it every ``poll_s``: between two
 samples a run's total may pass its limit, by at most what its processes can each reach under their own rlimits
@@ -34,6 +39,7 @@ class TreeUsage:
     cpu_s: float = 0.0
     rss_bytes: int = 0
     processes: int = 0
+    inner: int | None = None  # the root's first child (bubblewrap's: the sandbox's init), None: none yet
 
 
 @dataclass(frozen=True)
@@ -62,27 +68,32 @@ def parse_stat(line: str) -> ProcessStat:
     return ProcessStat(pid, int(fields[1]), sum(int(value) for value in fields[11:15]), int(fields[21]))
 
 
-def tree_usage_of(stats: list[ProcessStat], root: int) -> TreeUsage:
-    """The use of ``root`` and its descendants among ``stats`` (every process's stat at one moment)."""
+def tree_of(stats: list[ProcessStat], root: int) -> list[ProcessStat]:
+    """``root`` and its descendants among ``stats`` (every process's stat at one moment), parents first."""
     children: dict[int, list[ProcessStat]] = {}
     by_pid = {}
     for stat in stats:
         children.setdefault(stat.ppid, []).append(stat)
         by_pid[stat.pid] = stat
-    if root not in by_pid:
-        return TreeUsage()
-    ticks = pages = count = 0
-    pending = [by_pid[root]]
+    tree, pending = [], [by_pid[root]] if root in by_pid else []
     while pending:
-        stat = pending.pop()
-        ticks, pages, count = ticks + stat.cpu_ticks, pages + stat.rss_pages, count + 1
+        stat = pending.pop(0)
+        tree.append(stat)
         pending.extend(children.get(stat.pid, ()))
-    return TreeUsage(ticks / _TICKS, pages * _PAGE, count)
+    return tree
 
 
-def tree_usage(root: int, proc: Path = Path("/proc")) -> TreeUsage:
-    """The use of process ``root``'s tree now, from ``proc`` (blocking: a walk of every process's stat; call it off
-    the event loop). A process that ends during the walk is skipped (its time is in its parent's once reaped)."""
+def tree_usage_of(stats: list[ProcessStat], root: int) -> TreeUsage:
+    """The use of ``root`` and its descendants among ``stats``."""
+    tree = tree_of(stats, root)
+    inner = tree[1].pid if len(tree) > 1 and tree[1].ppid == root else None
+    return TreeUsage(sum(s.cpu_ticks for s in tree) / _TICKS, sum(s.rss_pages for s in tree) * _PAGE, len(tree),
+                     inner)
+
+
+def process_stats(proc: Path = Path("/proc")) -> list[ProcessStat]:
+    """Every process's stat now, from ``proc`` (blocking: call it off the event loop where it matters). A process
+    that ends during the walk is skipped (its time is in its parent's once reaped)."""
     stats = []
     for entry in os.scandir(proc):
         if entry.name.isdigit():
@@ -90,4 +101,19 @@ def tree_usage(root: int, proc: Path = Path("/proc")) -> TreeUsage:
                 stats.append(parse_stat((proc / entry.name / "stat").read_text()))
             except (OSError, ValueError):
                 continue
-    return tree_usage_of(stats, root)
+    return stats
+
+
+def tree_usage(root: int, proc: Path = Path("/proc")) -> TreeUsage:
+    """The use of process ``root``'s tree now (blocking)."""
+    return tree_usage_of(process_stats(proc), root)
+
+
+def files_used(pid: int, folder: str, proc: Path = Path("/proc")) -> int | None:
+    """Inodes in use in the filesystem at ``folder`` as process ``pid`` sees it (its mount namespace), or None
+    where that cannot be read (the process ended, or no access)."""
+    try:
+        stats = os.statvfs(proc / str(pid) / "root" / folder.lstrip("/"))
+    except OSError:
+        return None
+    return stats.f_files - stats.f_ffree
