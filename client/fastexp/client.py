@@ -70,7 +70,7 @@ from fastexp.status import (
 )
 from fastexp.types import Experience, Target
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc
-from fastexp.weights import weight_chunks
+from fastexp.weights import TENSOR_BATCHES, server_features, weight_chunks
 from fastexp.wire import experience_from_pb
 
 SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].full_name
@@ -111,6 +111,7 @@ class ExperienceClient:
         self._stub = experience_pb2_grpc.ExperienceServiceStub(self._channel)
         self._timeout_s = timeout_s
         self._stream_retry = stream_retry
+        self._features: frozenset[str] | None = None  # the server's (GetServerInfo), asked before the first update
         #: ``fastexp-*`` trailing metadata of the last stream as ints, summed over its opens, e.g.
         #: ``dropped-groups``, ``generation-rounds`` (dynamic sampling drops after the last batch are only counted
         #: here), and ``resumes``: how often it was resumed.
@@ -200,7 +201,7 @@ class ExperienceClient:
 
         Args:
             tensors: ``(name, tensor)`` pairs in checkpoint names, e.g. ``model.state_dict().items()`` or the
-                tensors a step changed; sent one at a time in ``chunk_bytes`` pieces, in their own float dtype.
+                tensors a step changed; in ``chunk_bytes`` pieces (small ones several per message), own float dtype.
             target: ``"policy"`` or ``"critic"`` (names as :func:`save_value_model` writes them).
             checkpoint_dir: instead of tensors, a safetensors folder both services can read (shared storage).
             run_id: the run (:meth:`create_run`) the update is for; only its owner or an admin token may make it.
@@ -222,8 +223,11 @@ class ExperienceClient:
                 DEADLINE_EXCEEDED; with ``run_id``: NOT_FOUND, PERMISSION_DENIED naming ``run_id``;
                 FAILED_PRECONDITION for a base-model update while LoRA runs exist (it would change their base).
         """
+        if self._features is None:  # small tensors several per message where the server takes it
+            self._features = server_features(self._stub, min(timeout_s, 30.0))
+        batch = TENSOR_BATCHES in self._features
         return self._stub.UpdateWeights(
-            weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target),
+            weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target, batch=batch),
             timeout=timeout_s, metadata=((RUN_ID_KEY, run_id),) if run_id else None,
         )
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Iterator
 
+import grpc
 import torch
 
 from fastexp.types import FLOAT_DTYPES, Target
-from fastexp.v1 import generation_pb2, tensor_pb2
+from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, tensor_pb2
 
 _WIRE_DTYPES = {torch_dtype: getattr(tensor_pb2, f"DTYPE_{name.upper()}") for name, torch_dtype in FLOAT_DTYPES.items()}
+#: The feature a receiver lists (``ModelInfo.features``, ``ServerInfo.features``) when it takes ``TensorBatch``
+#: messages (:func:`weight_chunks` with ``batch``).
+TENSOR_BATCHES = "tensor-batches"
 #: ``WeightsTarget`` enum value -> target.
 TARGETS: dict[int, Target] = {
     generation_pb2.WEIGHTS_TARGET_POLICY: "policy", generation_pb2.WEIGHTS_TARGET_CRITIC: "critic",
@@ -20,7 +24,7 @@ TARGETS: dict[int, Target] = {
 def weight_chunks(
     tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = 4 * 1024 * 1024,
     checkpoint_dir: str | None = None, target: Target = "policy", num_tensors: int | None = None,
-    policy_version: int | None = None,
+    policy_version: int | None = None, batch: bool = False,
 ) -> Iterator[generation_pb2.WeightsChunk]:
     """The ``UpdateWeights`` messages for named tensors (checkpoint/HF names), ``chunk_bytes`` of data each.
 
@@ -29,7 +33,9 @@ def weight_chunks(
     bytes, which the receiver checks before applying anything. With ``checkpoint_dir`` only the header is sent.
     ``num_tensors`` (when ``tensors`` is a lazy iterator) is announced in the header; otherwise ``tensors`` is
     listed first. ``policy_version``: the version the update makes live (``None``: the receiver's previous + 1;
-    an experience service sets it to keep a fleet of generators in step).
+    an experience service sets it to keep a fleet of generators in step). ``batch``: tensors smaller than
+    ``chunk_bytes`` travel whole, several per message (``TensorBatch``, up to ``chunk_bytes`` each), larger ones
+    in chunks as before; only for a receiver that lists the feature ``"tensor-batches"``.
 
     Raises:
         ValueError: a tensor is not floating point; ``chunk_bytes`` < 1.
@@ -48,16 +54,49 @@ def weight_chunks(
             policy_version=policy_version,
         )
     )
+    pending: list[generation_pb2.TensorChunk] = []  # whole small tensors waiting for their batch
+    pending_bytes = 0
     for name, tensor in tensors:
-        if tensor.dtype not in _WIRE_DTYPES:
-            raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point weight dtype")
-        data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
-        shape = list(tensor.shape)
-        crc32 = zlib.crc32(data)
-        for start in range(0, max(len(data), 1), chunk_bytes):
-            yield generation_pb2.WeightsChunk(
-                tensor=generation_pb2.TensorChunk(
-                    name=name, dtype=_WIRE_DTYPES[tensor.dtype], shape=shape,
-                    data=data[start : start + chunk_bytes].tobytes(), crc32=crc32 if start == 0 else None,
-                )
-            )
+        size = tensor.numel() * tensor.element_size()
+        if batch and size < chunk_bytes:
+            if pending and pending_bytes + size > chunk_bytes:
+                yield generation_pb2.WeightsChunk(tensors=generation_pb2.TensorBatch(tensors=pending))
+                pending, pending_bytes = [], 0
+            pending.extend(_tensor_chunks(name, tensor, chunk_bytes))  # its one chunk
+            pending_bytes += size
+            continue
+        if pending:  # tensors go in order
+            yield generation_pb2.WeightsChunk(tensors=generation_pb2.TensorBatch(tensors=pending))
+            pending, pending_bytes = [], 0
+        yield from (generation_pb2.WeightsChunk(tensor=chunk) for chunk in _tensor_chunks(name, tensor, chunk_bytes))
+    if pending:
+        yield generation_pb2.WeightsChunk(tensors=generation_pb2.TensorBatch(tensors=pending))
+
+
+def _tensor_chunks(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[generation_pb2.TensorChunk]:
+    """One tensor's chunks, ``chunk_bytes`` of data each, the first with the CRC-32 of all its bytes."""
+    if tensor.dtype not in _WIRE_DTYPES:
+        raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point weight dtype")
+    data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
+    shape = list(tensor.shape)
+    crc32 = zlib.crc32(data)
+    for start in range(0, max(len(data), 1), chunk_bytes):
+        yield generation_pb2.TensorChunk(
+            name=name, dtype=_WIRE_DTYPES[tensor.dtype], shape=shape,
+            data=data[start : start + chunk_bytes].tobytes(), crc32=crc32 if start == 0 else None,
+        )
+
+
+def server_features(stub: experience_pb2_grpc.ExperienceServiceStub, timeout_s: float) -> frozenset[str]:
+    """What an experience server takes beyond the contract's first version (``GetServerInfo``, e.g.
+    :data:`TENSOR_BATCHES`); none from a server older than that call (UNIMPLEMENTED).
+
+    Raises:
+        grpc.RpcError: any other failure (UNAVAILABLE, UNAUTHENTICATED, DEADLINE_EXCEEDED).
+    """
+    try:
+        return frozenset(stub.GetServerInfo(experience_pb2.GetServerInfoRequest(), timeout=timeout_s).features)
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return frozenset()
+        raise

@@ -63,8 +63,13 @@ async def receive_adapter(
             assembler = _Assembler(check_config(header.name, config, modules, max_rank))
         elif part == "header":
             raise InvalidRequest("header", "sent twice")
-        else:
+        elif part == "tensor":
             assembler.add(message.tensor)
+        elif part == "tensors":  # several whole tensors, in order (the feature "tensor-batches")
+            for chunk in message.tensors.tensors:
+                assembler.add(chunk)
+        else:
+            raise InvalidRequest("kind", "an empty message, or a kind this server does not take")
     if header is None:
         raise InvalidRequest("header", "the stream was empty")
     tensors = assembler.finish()

@@ -13,6 +13,7 @@ import grpc
 
 from fastexp.tensor_codec import from_numpy
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
+from fastexp.weights import TENSOR_BATCHES
 from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
 from services.common.generation import CompletionRecord, GenerationRequest
@@ -158,6 +159,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             adapters=[generation_pb2.AdapterVersion(name=name, version=slot.version,
                                                     weights_digest=self._adapter_digests.get(name, ""))
                       for name, slot in sorted(self._engine.adapters.live().items())],
+            features=[TENSOR_BATCHES],
         )
 
     async def UpdateWeights(  # noqa: N802 - gRPC method name

@@ -12,7 +12,7 @@ import torch
 
 from fastexp import update_generator_weights, weight_chunks
 from fastexp.tensor_codec import to_numpy
-from fastexp.v1 import generation_pb2, tensor_pb2
+from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, tensor_pb2
 from services.generator.hf_engine import HFEngine
 from tests.support.inprocess import serving_generator
 
@@ -142,3 +142,68 @@ def test_weight_chunks_split_tensors_and_keep_bytes():
     assert b_parts[0].dtype == tensor_pb2.DTYPE_BFLOAT16 and len(b_parts[0].data) == 6
     with pytest.raises(ValueError, match="not a floating-point"):
         list(weight_chunks([("i", torch.ones(2, dtype=torch.int64))]))
+
+
+def test_weight_chunks_batch_whole_small_tensors_in_order_and_chunk_large_ones():
+    tensors = [("a", torch.arange(3, dtype=torch.float32)), ("b", torch.ones(2, dtype=torch.bfloat16)),
+               ("big", torch.arange(10, dtype=torch.float32)), ("c", torch.zeros(1))]
+    messages = list(weight_chunks(tensors, chunk_bytes=16, batch=True))
+    assert [m.WhichOneof("kind") for m in messages] == ["header", "tensors", "tensor", "tensor", "tensor", "tensors"]
+    first, last = messages[1].tensors.tensors, messages[-1].tensors.tensors
+    assert [t.name for t in first] == ["a", "b"] and [t.name for t in last] == ["c"]  # in order: 16 bytes fit one
+    assert all(t.crc32 == zlib.crc32(t.data) for t in [*first, *last])  # each whole, with its CRC-32
+    assert b"".join(m.tensor.data for m in messages[2:5]) == tensors[2][1].numpy().tobytes()
+
+
+async def test_a_batched_update_applies_as_one_tensor_per_message_does(generator, tiny_model_path):
+    stub = generator["stub"]
+    info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert "tensor-batches" in info.features
+    model = perturbed(tiny_model_path, seed=3)
+    messages = list(weight_chunks(list(model.state_dict().items()), chunk_bytes=1 << 20, batch=True))
+    assert any(m.WhichOneof("kind") == "tensors" for m in messages)
+    answer = await stub.UpdateWeights(iter(messages), timeout=60)
+    assert answer.policy_version == info.policy_version + 1
+    assert_sampled_by(model, await sample(stub))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:  # an empty message (or a kind from a newer sender)
+        await stub.UpdateWeights(iter([_header(num_tensors=1), generation_pb2.WeightsChunk()]), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("kind: ")
+
+
+class _OlderExperienceServer(experience_pb2_grpc.ExperienceServiceServicer):
+    """An experience server of the contract's first version (no GetServerInfo: UNIMPLEMENTED), or one listing
+    ``features``; it records the kinds of the UpdateWeights messages it gets."""
+
+    def __init__(self, features: tuple[str, ...] | None) -> None:
+        self.features, self.kinds = features, []
+
+    def UpdateWeights(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        self.kinds = [message.WhichOneof("kind") for message in request_iterator]
+        return generation_pb2.UpdateWeightsResponse(policy_version=1)
+
+    def GetServerInfo(self, request, context):  # noqa: N802 - gRPC method name
+        if self.features is None:
+            return super().GetServerInfo(request, context)  # the generated base: UNIMPLEMENTED
+        return experience_pb2.ServerInfo(features=list(self.features))
+
+
+@pytest.mark.parametrize(("features", "batched"), [(None, False), ((), False), (("tensor-batches",), True)])
+def test_the_sdk_batches_small_tensors_only_for_a_server_that_lists_the_feature(features, batched):
+    from concurrent import futures
+
+    from fastexp import ExperienceClient
+
+    servicer = _OlderExperienceServer(features)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with ExperienceClient(f"127.0.0.1:{port}") as client:
+            tensors = [(f"t{i}", torch.ones(4)) for i in range(8)]
+            assert client.update_weights(tensors).policy_version == 1
+    finally:
+        server.stop(0)
+    assert servicer.kinds[0] == "header"
+    assert set(servicer.kinds[1:]) == ({"tensors"} if batched else {"tensor"}), servicer.kinds

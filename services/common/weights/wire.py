@@ -49,8 +49,12 @@ async def receive_update(
     """Read an ``UpdateWeights`` stream: the header, then tensor chunks staged on disk by ``stager``, each tensor
     checked against the target's model on its first chunk (:meth:`WeightStager.add`).
 
+    Tensors come one chunk per message (``tensor``) or several whole ones per message (``tensors``: the feature
+    ``"tensor-batches"``).
+
     Raises:
-        InvalidRequest: no header first, a second header, chunks after a ``checkpoint_dir`` header, an unknown
+        InvalidRequest: no header first, a second header, chunks after a ``checkpoint_dir`` header, an empty
+            message or one of a kind this server does not know (``kind``), an unknown
             target or one the service does not serve, a bad chunk (see :meth:`WeightStager.add`), a
             ``checkpoint_dir`` outside ``bounds.checkpoint_roots`` or missing, or a count mismatch.
     """
@@ -68,8 +72,13 @@ async def receive_update(
             raise InvalidRequest("header", "sent twice")
         elif header.checkpoint_dir:
             raise InvalidRequest("tensor", "no tensor chunks may follow a checkpoint_dir header")
-        else:
+        elif part == "tensor":
             await _stage_chunk(message.tensor, stager)
+        elif part == "tensors":  # several whole tensors, in order
+            for chunk in message.tensors.tensors:
+                await _stage_chunk(chunk, stager)
+        else:
+            raise InvalidRequest("kind", "an empty message, or a kind this server does not take")
     if header is None:
         raise InvalidRequest("header", "the stream was empty")
     target = TARGETS[header.target]
@@ -94,27 +103,30 @@ async def _stage_chunk(chunk: generation_pb2.TensorChunk, stager: WeightStager) 
 
 
 def entry_chunks(
-    update: ReceivedUpdate, *, chunk_bytes: int = 4 * 1024 * 1024, policy_version: int | None = None
+    update: ReceivedUpdate, *, chunk_bytes: int = 4 * 1024 * 1024, policy_version: int | None = None,
+    batch: bool = False,
 ) -> Iterator[generation_pb2.WeightsChunk]:
     """Re-send a received update (e.g. to a generator): the folder's name for a checkpoint, else its staged
     tensors read one at a time from disk (each with its CRC-32); ``policy_version``: the version it makes live
-    there (``None``: the receiver's previous + 1)."""
+    there (``None``: the receiver's previous + 1); ``batch``: small tensors several per message (a receiver listing
+    the feature ``"tensor-batches"``)."""
     if update.kind == "checkpoint":
         return weight_chunks((), checkpoint_dir=update.folder, target=update.target, policy_version=policy_version)
     return weight_chunks(
         ((e.name, e.load()) for e in update.entries), chunk_bytes=chunk_bytes, target=update.target,
-        num_tensors=len(update.entries), policy_version=policy_version,
+        num_tensors=len(update.entries), policy_version=policy_version, batch=batch,
     )
 
 
 def adapter_chunks(
     name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], *, version: int | None = None,
-    weights_digest: str = "", chunk_bytes: int = 4 * 1024 * 1024,
+    weights_digest: str = "", chunk_bytes: int = 4 * 1024 * 1024, batch: bool = False,
 ) -> Iterator[generation_pb2.AdapterChunk]:
     """The ``LoadAdapter`` messages for adapter ``name``: the header, then each peft-named tensor in its own
     floating dtype, ``chunk_bytes`` per chunk, its first chunk with its CRC-32 (as :func:`fastexp.weights.weight_chunks`
     sends weights). ``version``: the version the load makes live (None: the receiver's previous + 1);
-    ``weights_digest``: what the tensors are (the blob's digest), which the generator reports back in ``ModelInfo``.
+    ``weights_digest``: what the tensors are (the blob's digest), which the generator reports back in ``ModelInfo``;
+    ``batch``: small tensors several per message (a generator listing the feature ``"tensor-batches"``).
 
     Raises:
         ValueError: a tensor is not floating point; ``chunk_bytes`` < 1.
@@ -123,7 +135,10 @@ def adapter_chunks(
         name=name, rank=config.rank, alpha=config.alpha, target_modules=list(config.target_modules),
         use_rslora=config.use_rslora, num_tensors=len(tensors), version=version, weights_digest=weights_digest,
     ))
-    chunks = weight_chunks(list(tensors.items()), chunk_bytes=chunk_bytes)
+    chunks = weight_chunks(list(tensors.items()), chunk_bytes=chunk_bytes, batch=batch)
     next(chunks)  # its WeightsHeader: the adapter's header went first
     for chunk in chunks:
-        yield generation_pb2.AdapterChunk(tensor=chunk.tensor)
+        if chunk.WhichOneof("kind") == "tensors":
+            yield generation_pb2.AdapterChunk(tensors=chunk.tensors)
+        else:
+            yield generation_pb2.AdapterChunk(tensor=chunk.tensor)

@@ -23,6 +23,7 @@ from fastexp.status import (
     UNDELIVERED_KEY,
 )
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2
+from fastexp.weights import TENSOR_BATCHES
 from fastexp.wire import experience_to_pb
 from services.common import metrics
 from services.common.deadlines import Deadline
@@ -308,6 +309,11 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         if target != "policy":
             raise InvalidRequest("header.target", "a LoRA run's update carries its adapter: target the policy")
         return self._maker.adapter_spec(config)
+
+    async def GetServerInfo(  # noqa: N802 - gRPC method name
+        self, request: experience_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> experience_pb2.ServerInfo:
+        return experience_pb2.ServerInfo(features=[TENSOR_BATCHES])
 
     async def OffloadModels(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.OffloadModelsRequest, context: grpc.aio.ServicerContext

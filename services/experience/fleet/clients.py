@@ -27,7 +27,7 @@ from fastexp.v1 import (
     scoring_pb2,
     scoring_pb2_grpc,
 )
-from fastexp.weights import weight_chunks
+from fastexp.weights import TENSOR_BATCHES, weight_chunks
 from fastexp.wire import sampling_to_pb
 from services.common.deadlines import Deadline
 from services.common.errors import EpisodeFailed, FastexpError, NotReady, RewardFailed, UpstreamTimeout
@@ -66,6 +66,9 @@ class GeneratorClient:
         self._stub = generation_pb2_grpc.GenerationServiceStub(channel)
         self._timeout_s = timeout_s
         self._update_timeout_s = update_timeout_s
+        #: Whether the generator takes several small tensors per message (its ModelInfo lists TENSOR_BATCHES; read
+        #: on each :meth:`model_info`, which the fleet's probes call before any update reaches a replica)
+        self._batches = False
 
     async def close(self) -> None:
         """Close the channel (calls in flight are cancelled)."""
@@ -79,14 +82,14 @@ class GeneratorClient:
         Raises:
             InvalidRequest: the generator rejected it (nothing was applied); NotReady, UpstreamTimeout, Overloaded.
         """
-        return await self._send(entry_chunks(update, policy_version=version), deadline)
+        return await self._send(entry_chunks(update, policy_version=version, batch=self._batches), deadline)
 
     async def load_tensors(
         self, tensors: Iterable[tuple[str, torch.Tensor]], num_tensors: int, version: int, deadline: Deadline
     ) -> int:
         """Send named policy tensors (e.g. the actor replica's, to a replica that restarted), live as ``version``;
         returns the generator's policy version once live. Raises as :meth:`update_weights`."""
-        chunks = weight_chunks(tensors, num_tensors=num_tensors, policy_version=version)
+        chunks = weight_chunks(tensors, num_tensors=num_tensors, policy_version=version, batch=self._batches)
         return await self._send(chunks, deadline)
 
     async def load_adapter(
@@ -101,7 +104,8 @@ class GeneratorClient:
             InvalidRequest: the generator rejected it (naming the field or tensor; its previous version serves on).
             FailedPrecondition: the generator takes no adapters, or sleeps. NotReady, UpstreamTimeout.
         """
-        chunks = adapter_chunks(name, config, tensors, version=version, weights_digest=weights_digest)
+        chunks = adapter_chunks(name, config, tensors, version=version, weights_digest=weights_digest,
+                                batch=self._batches)
 
         async def messages() -> AsyncIterator[generation_pb2.AdapterChunk]:
             while (message := await asyncio.to_thread(next, chunks, None)) is not None:
@@ -157,6 +161,7 @@ class GeneratorClient:
             info = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             raise translate_rpc_error(self._service, error) from error
+        self._batches = TENSOR_BATCHES in info.features
         return GeneratorInfo(
             model_name=info.model_name, backend=info.backend, max_model_len=info.max_model_len,
             policy_version=info.policy_version, multimodal=info.multimodal, max_lora_rank=info.max_lora_rank,
