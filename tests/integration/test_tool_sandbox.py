@@ -280,9 +280,9 @@ _IPC_KEY = 0x5EED
 
 
 async def test_nothing_a_call_leaves_reaches_the_next_call_or_the_host(scorer):
-    """A first episode leaves what it can: files (/tmp, its work folder; /dev/shm is read-only), a System V
-    semaphore (shared memory and message queues are refused: they would hold memory no limit sees), a POSIX message
-    queue, a listening abstract unix socket. A second episode (another tenant's, to the scorer) finds none of them,
+    """A first episode leaves what it can: files (/tmp, its work folder; /dev/shm is read-only), a POSIX message
+    queue, a listening abstract unix socket (System V shared memory, message queues and semaphores are refused:
+    they would hold memory no limit sees). A second episode (another tenant's, to the scorer) finds none of them,
     and the host holds none (its /tmp, its System V IPC tables, its unix sockets)."""
     left = await tool(scorer, f"""
         import ctypes, os, socket
@@ -297,8 +297,8 @@ async def test_nothing_a_call_leaves_reaches_the_next_call_or_the_host(scorer):
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); server.bind('\\0{MARKER}'); server.listen()
         print('listening')
     """)
-    assert "file /tmp/" in left and "listening" in left and "shm -1 msg -1 sem" in left, left
-    assert "sem -1" not in left and "mq -1" not in left, left
+    assert "file /tmp/" in left and "listening" in left and "shm -1 msg -1 sem -1" in left, left
+    assert "mq -1" not in left, left
     found = await tool(scorer, f"""
         import ctypes, os, socket
         libc, rt = ctypes.CDLL(None, use_errno=True), ctypes.CDLL('librt.so.1', use_errno=True)
@@ -365,9 +365,16 @@ _SPREAD = """
             end = time.process_time() + 1.5  # each under the 2 s per-process limit, 4.5 s together
             while time.process_time() < end:
                 pass
-        else:
+        elif kind == 'memory':
             held = bytearray(300 * 1024**2)  # each under the 512 MiB address space, 900 MiB together
             held[::4096] = b'x' * len(held[::4096])
+            time.sleep(3)
+        else:  # shared memory written, then dropped from the resident set: still allocated, resident nowhere
+            import mmap
+            held, step = mmap.mmap(-1, 300 * 1024**2), 32 * 1024**2
+            for start in range(0, len(held), step):
+                held[start:start + step] = b'x' * step
+                held.madvise(mmap.MADV_DONTNEED, start, step)
             time.sleep(3)
     workers = [multiprocessing.Process(target=work, args=(sys.argv[1] if len(sys.argv) > 1 else KIND,))
                for _ in range(3)]
@@ -378,7 +385,8 @@ _SPREAD = """
 
 
 @pytest.mark.parametrize(("kind", "stopped", "observed"), [("cpu", "cpu", "CPU time limit"),
-                                                          ("memory", "memory", "memory limit")])
+                                                          ("memory", "memory", "memory limit"),
+                                                          ("shared", "memory", "memory limit")])
 async def test_cpu_and_memory_are_limited_per_run_not_per_process(kind, stopped, observed):
     """cpu_s 2 and memory_bytes 512 MiB hold for the run's whole tree: three processes, each within both, are
     stopped together once their sum passes either (they ran to the end under per-process limits alone)."""
@@ -606,7 +614,9 @@ async def test_the_system_call_filter_refuses_the_keyring_and_kernel_interfaces(
                  "perf_event_open": (298, 0, 0, -1, -1, 0), "userfaultfd": (323, 0), "ptrace": (101, 0, 1, 0, 0),
                  "unshare": (272, 0x10000000), "mount": (165, b"none", b"/tmp", b"tmpfs", 0, 0),
                  "clone_newuser": (56, 0x10000000 | 17, 0, 0, 0, 0), "shmget": (29, 0x5EED, 4096, 0o1600),
-                 "msgget": (68, 0x5EED, 0o1600), "memfd_create": (319, b"x", 0), "prctl_pdeathsig": (157, 1, 0)}
+                 "msgget": (68, 0x5EED, 0o1600), "memfd_create": (319, b"x", 0), "prctl_pdeathsig": (157, 1, 0),
+                 "prctl_pdeathsig_high_bits": (157, 0x100000001, 0), "semget": (64, 0, 1, 0o1600),
+                 "io_setup": (206, 128, 0)}
         print(sorted(name for name, args in calls.items() if call(*args) != (-1, 1)))
         families = {"vsock": 40, "packet": 17, "alg": 38, "xdp": 44, "appletalk": 5, "key": 15}
         assert all(call(41, family, 1, 0) == (-1, 97) for family in families.values())  # EAFNOSUPPORT
@@ -632,9 +642,12 @@ def test_the_sandbox_containers_seccomp_profile_is_the_code_and_bwrap_builds_its
         import pyseccomp as seccomp
         profile = json.loads({json.dumps(json.dumps(shipped))})
         rules = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
-        operators = {{"SCMP_CMP_EQ": seccomp.EQ, "SCMP_CMP_GE": seccomp.GE}}
+        def arg(a):
+            if a["op"] == "SCMP_CMP_MASKED_EQ":
+                return seccomp.Arg(a["index"], seccomp.MASKED_EQ, a["value"], a["valueTwo"])
+            return seccomp.Arg(a["index"], seccomp.GE, a["value"])
         for group in profile["syscalls"]:
-            conditions = [seccomp.Arg(a["index"], operators[a["op"]], a["value"]) for a in group.get("args", [])]
+            conditions = [arg(a) for a in group.get("args", [])]
             for name in group["names"]:
                 try:
                     rules.add_rule(seccomp.ERRNO(group["errnoRet"]), name, *conditions)

@@ -286,7 +286,7 @@ async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, opt
         usage, files = await asyncio.to_thread(_sample, process.pid)
         if usage.cpu_s > limits.cpu_s:
             return "cpu"
-        if usage.rss_bytes > limits.memory_bytes:
+        if usage.memory_bytes > limits.memory_bytes:
             return "memory"
         if files is not None and files > options.max_files:
             return "files"

@@ -8,8 +8,11 @@ neither readable nor writable, and nothing left there by one call reaches the ne
 namespaces (``mount``, ``umount2``, ``pivot_root``, ``chroot``, ``unshare``, ``setns``, and ``clone`` with any
 namespace flag), kernel modules and ``kexec``, clocks, swap, reboot, ``syslog``, ``acct``, quotas, handles
 (``open_by_handle_at``), ``fanotify``, ``io_uring``, port I/O; and the kernel memory no per-run limit sees
-(System V shared memory segments and message queues, ``shmget`` and ``msgget``: they outlive every process that
-mapped them; ``memfd_create``: its pages count in no process's resident set until mapped). ``clone3`` answers
+(System V shared memory, message queues and semaphores, ``shmget``, ``msgget``, ``semget``: they outlive every
+process that used them, and a fresh IPC namespace allows 32,000 semaphore sets of ~2 MiB; ``memfd_create``: its
+pages count in no process's resident set until mapped), and ``io_setup`` (Linux AIO's event quota, ``fs.aio-nr``,
+is one counter for the whole host). Arguments are compared as the kernel reads them: ``int`` arguments on their
+low 32 bits (``prctl(0x100000001)`` is ``prctl(1)`` to the kernel). ``clone3`` answers
 ENOSYS, as under Docker: its flags cannot be filtered (they are behind a pointer), and the C library falls back to
 ``clone``. ``prctl(PR_SET_PDEATHSIG)`` is EPERM: a run's first process is its pid namespace's init and dies with
 bwrap's monitor (``--die-with-parent``), which it must not undo. Sockets of any address family but ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` and ``AF_NETLINK`` answer
@@ -38,7 +41,7 @@ DENIED_SYSCALLS = (
     "open_by_handle_at", "name_to_handle_at", "fanotify_init",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
     "iopl", "ioperm", "vhangup",
-    "shmget", "msgget", "memfd_create",
+    "shmget", "msgget", "semget", "memfd_create", "io_setup",
 )
 #: Socket address families a run may use (unix, IPv4, IPv6, netlink); any other is EAFNOSUPPORT. As ranges of the
 #: families denied: ``socket``'s first argument in [low, high] (high None: and above).
@@ -83,15 +86,29 @@ def container_profile() -> dict:
     }
 
 
+#: ``int`` arguments are compared on the 32 bits the kernel reads (a 64-bit register's high bits are ignored there).
+INT_MASK = 0xFFFFFFFF
+
+
 def _family_conditions() -> list[list[dict]]:
-    """One rule's conditions on ``socket``'s family per denied value or open range (Docker's JSON format)."""
+    """One rule's conditions on ``socket``'s family per denied value or open range (Docker's JSON format; a
+    masked comparison's ``value`` is the mask, ``valueTwo`` the datum). The open range compares all 64 bits: a
+    family with high bits set is above it too."""
     rules = []
     for low, high in DENIED_SOCKET_FAMILIES:
         if high is None:
             rules.append([{"index": 0, "value": low, "op": "SCMP_CMP_GE"}])
         else:
-            rules += [[{"index": 0, "value": value, "op": "SCMP_CMP_EQ"}] for value in range(low, high + 1)]
+            rules += [[{"index": 0, "value": INT_MASK, "valueTwo": value, "op": "SCMP_CMP_MASKED_EQ"}]
+                      for value in range(low, high + 1)]
     return rules
+
+
+def _arg(seccomp, condition: dict):
+    """A libseccomp argument comparison from one condition of the JSON format."""
+    if condition["op"] == "SCMP_CMP_MASKED_EQ":
+        return seccomp.Arg(condition["index"], seccomp.MASKED_EQ, condition["value"], condition["valueTwo"])
+    return seccomp.Arg(condition["index"], seccomp.GE, condition["value"])
 
 
 class SeccompUnavailable(RuntimeError):
@@ -118,11 +135,9 @@ def filter_program() -> bytes:
     for flag in NAMESPACE_FLAGS.values():
         rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-    rules.add_rule(seccomp.ERRNO(errno.EPERM), "prctl", seccomp.Arg(0, seccomp.EQ, PR_SET_PDEATHSIG))
-    operators = {"SCMP_CMP_EQ": seccomp.EQ, "SCMP_CMP_GE": seccomp.GE}
+    rules.add_rule(seccomp.ERRNO(errno.EPERM), "prctl", seccomp.Arg(0, seccomp.MASKED_EQ, INT_MASK, PR_SET_PDEATHSIG))
     for conditions in _family_conditions():
-        rules.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socket",
-                       *(seccomp.Arg(c["index"], operators[c["op"]], c["value"]) for c in conditions))
+        rules.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socket", *(_arg(seccomp, c) for c in conditions))
     with tempfile.TemporaryFile() as program:
         rules.export_bpf(program)
         program.seek(0)

@@ -9,6 +9,9 @@ the run's pid namespace, so an orphan (a daemon, a double fork) is re-parented t
 - **resident bytes**: the sum of each live process's resident set (``/proc/<pid>/stat`` ``rss``): pages shared
   between processes (the interpreter's, a fork's copy-on-write pages) count once per process, so the figure is an
   upper bound and a run is stopped no later than its true use passes the limit;
+- **shared bytes**: the size of every writable shared mapping of its processes (``rw?s`` in ``/proc/<pid>/maps``),
+  each object once: shared memory stays allocated while no resident set shows it (a page dropped with
+  ``MADV_DONTNEED``, a forked child that never touched it), so the whole mapping counts, touched or not;
 - **files** in its writable tmpfs (:func:`files_used`: the inodes in use, seen through ``/proc/<pid>/root``): the
   tmpfs is bounded in bytes, but each empty file still costs the kernel about 1 KiB that no byte limit counts.
 
@@ -40,6 +43,13 @@ class TreeUsage:
     rss_bytes: int = 0
     processes: int = 0
     inner: int | None = None  # the root's first child (bubblewrap's: the sandbox's init), None: none yet
+    shared_bytes: int = 0  # writable shared mappings, each object once (:func:`shared_writable_bytes`)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the run's memory limit is held against: resident bytes plus writable shared mappings (an upper
+        bound: a shared page resident somewhere counts twice)."""
+        return self.rss_bytes + self.shared_bytes
 
 
 @dataclass(frozen=True)
@@ -105,8 +115,30 @@ def process_stats(proc: Path = Path("/proc")) -> list[ProcessStat]:
 
 
 def tree_usage(root: int, proc: Path = Path("/proc")) -> TreeUsage:
-    """The use of process ``root``'s tree now (blocking)."""
-    return tree_usage_of(process_stats(proc), root)
+    """The use of process ``root``'s tree now, shared mappings included (blocking)."""
+    stats = process_stats(proc)
+    usage = tree_usage_of(stats, root)
+    shared = shared_writable_bytes([s.pid for s in tree_of(stats, root)], proc)
+    return TreeUsage(usage.cpu_s, usage.rss_bytes, usage.processes, usage.inner, shared)
+
+
+def shared_writable_bytes(pids: list[int], proc: Path = Path("/proc")) -> int:
+    """Bytes of the writable shared mappings of ``pids`` (``/proc/<pid>/maps`` lines with permissions ``rw?s``),
+    each mapped object (device, inode) counted once at its largest mapping."""
+    objects: dict[tuple[str, str], int] = {}
+    for pid in pids:
+        try:
+            maps = (proc / str(pid) / "maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) < 5 or fields[1][1] != "w" or fields[1][3] != "s":
+                continue
+            start, end = (int(value, 16) for value in fields[0].split("-"))
+            key = (fields[3], fields[4])
+            objects[key] = max(objects.get(key, 0), end - start)
+    return sum(objects.values())
 
 
 def files_used(pid: int, folder: str, proc: Path = Path("/proc")) -> int | None:
