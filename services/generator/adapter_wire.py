@@ -21,6 +21,7 @@ from fastexp.types import FLOAT_DTYPES
 from fastexp.v1 import generation_pb2, tensor_pb2
 from services.common.errors import InvalidRequest
 from services.common.lora import AdapterConfig, check_config, check_tensor
+from services.common.weights.wire import header_then_chunks
 
 #: The longest ``AdapterHeader.weights_digest`` taken (``sha256:`` and 64 hex digits fit with room).
 MAX_DIGEST_CHARS = 128
@@ -44,34 +45,23 @@ async def receive_adapter(
     """Read a ``LoadAdapter`` stream into memory, checked as it arrives against the base's linear ``modules``.
 
     Raises:
-        InvalidRequest: no header first or a second one; a bad name or config (``adapter``, ``config.rank``, ...)
+        InvalidRequest: no header first or a second one, an empty message or an unknown kind; a bad name or config (``adapter``, ``config.rank``, ...)
             or a ``header.weights_digest`` over 128 characters;
             a tensor that is not one the config produces, or of the wrong dtype or shape, sent twice, split over
             non-consecutive chunks, short or long, or failing its CRC-32 (``tensors[<name>]``); a count other than
             ``header.num_tensors``.
     """
-    header, assembler = None, None
-    async for message in messages:
-        part = message.WhichOneof("kind")
-        if header is None:
-            if part != "header":
-                raise InvalidRequest("header", "the first message must carry the header")
-            header = message.header
-            if len(header.weights_digest) > MAX_DIGEST_CHARS:
-                raise InvalidRequest("header.weights_digest", f"over {MAX_DIGEST_CHARS} characters")
-            config = AdapterConfig(header.rank, header.alpha, tuple(header.target_modules), header.use_rslora)
-            assembler = _Assembler(check_config(header.name, config, modules, max_rank))
-        elif part == "header":
-            raise InvalidRequest("header", "sent twice")
-        elif part == "tensor":
-            assembler.add(message.tensor)
-        elif part == "tensors":  # several whole tensors, in order (the feature "tensor-batches")
-            for chunk in message.tensors.tensors:
-                assembler.add(chunk)
-        else:
-            raise InvalidRequest("kind", "an empty message, or a kind this server does not take")
-    if header is None:
-        raise InvalidRequest("header", "the stream was empty")
+    taken: list[tuple[generation_pb2.AdapterHeader, AdapterConfig, _Assembler]] = []
+
+    def take(header: generation_pb2.AdapterHeader) -> None:
+        if len(header.weights_digest) > MAX_DIGEST_CHARS:
+            raise InvalidRequest("header.weights_digest", f"over {MAX_DIGEST_CHARS} characters")
+        config = AdapterConfig(header.rank, header.alpha, tuple(header.target_modules), header.use_rslora)
+        taken.append((header, config, _Assembler(check_config(header.name, config, modules, max_rank))))
+
+    async for chunk in header_then_chunks(messages, take):
+        taken[0][2].add(chunk)
+    header, config, assembler = taken[0]
     tensors = assembler.finish()
     if header.num_tensors != len(tensors):
         raise InvalidRequest("header.num_tensors", f"{header.num_tensors} announced, {len(tensors)} arrived")

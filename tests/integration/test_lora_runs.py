@@ -287,26 +287,16 @@ def _rows(batches: list[Experience]) -> dict[tuple[int, int], tuple[torch.Tensor
             for b in batches for r in range(len(b.reward))}
 
 
-async def _generator_adapters(stack) -> dict[str, dict[str, int]]:
-    """Each replica's own GetModelInfo: its adapters, name → live version."""
+async def _generator_adapters(stack, field: str = "version") -> dict[str, dict[str, int | str]]:
+    """Each replica's own GetModelInfo: its adapters, name → ``field`` (the live ``version``, or the
+    ``weights_digest`` their LoadAdapter named)."""
     adapters = {}
     for name, replica in stack["replicas"].items():
         async with grpc.aio.insecure_channel(replica.address) as channel:
             info = await generation_pb2_grpc.GenerationServiceStub(channel).GetModelInfo(
                 generation_pb2.GetModelInfoRequest(), timeout=30)
-        adapters[name] = {a.name: a.version for a in info.adapters}
+        adapters[name] = {a.name: getattr(a, field) for a in info.adapters}
     return adapters
-
-
-async def _generator_digests(stack) -> dict[str, dict[str, str]]:
-    """Each replica's own GetModelInfo: its adapters, name → the weights_digest their LoadAdapter named."""
-    digests = {}
-    for name, replica in stack["replicas"].items():
-        async with grpc.aio.insecure_channel(replica.address) as channel:
-            info = await generation_pb2_grpc.GenerationServiceStub(channel).GetModelInfo(
-                generation_pb2.GetModelInfoRequest(), timeout=30)
-        digests[name] = {a.name: a.weights_digest for a in info.adapters}
-    return digests
 
 
 def _on_every_replica(versions: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -317,6 +307,24 @@ async def _versions(stack, runs) -> dict[str, int]:
     """GetRun's live version of each run, asked by its owner."""
     return {run.run_id: (await _call(stack, run.token, "get_run", run.run_id)).policy_version
             for run in runs.values()}
+
+
+async def _new_carol_run_then_b_reachable(stack, base_model, b, leftover, seed: int) -> None:
+    """Carol makes a new run of the deleted run's name (rank 4 on v_proj: the leftover copy was on q_proj), sent
+    version 1 while b, cut off, still holds the leftover; then b is reachable again on its port (same engine), and
+    this returns once b holds the new run's adapter in the leftover's place."""
+    carol = await _call(stack, CAROL, "create_run", "carol-lora", lora_rank=4, target_modules=["v_proj"])
+    tensors = make_adapter(base_model, carol.lora, seed=seed)
+    assert (await _call(stack, CAROL, "update_weights", tensors.items(), run_id=carol.run_id)).policy_version == 1
+    assert b.engine.adapters.live()["carol-lora"] is leftover, "b was cut off: it still holds the deleted run's copy"
+    running = await start_generator(GeneratorSettings(port=b.running.port, max_model_len=256), b.engine)
+    stack["replicas"]["b"] = replace(b, running=running)
+
+    def resynced() -> bool:
+        slot = b.engine.adapters.live().get("carol-lora")
+        return slot is not None and slot.config.target_modules == ("v_proj",)
+
+    await _until(resynced)
 
 
 # --- the tests --------------------------------------------------------------------------------------------------
@@ -503,18 +511,7 @@ async def test_a_replica_cut_off_at_a_deletion_never_serves_its_leftover_copy_to
     assert leftover.config.target_modules == ("q_proj",)
     await b.running.stop(0)
     await _call(stack, CAROL, "delete_run", "carol-lora")
-    carol = await _call(stack, CAROL, "create_run", "carol-lora", lora_rank=4, target_modules=["v_proj"])
-    tensors = make_adapter(base_model, carol.lora, seed=7)
-    assert (await _call(stack, CAROL, "update_weights", tensors.items(), run_id=carol.run_id)).policy_version == 1
-    assert b.engine.adapters.live()["carol-lora"] is leftover, "b was cut off: it still holds the deleted run's copy"
-    running = await start_generator(GeneratorSettings(port=b.running.port, max_model_len=256), b.engine)
-    stack["replicas"]["b"] = replace(b, running=running)
-
-    def resynced() -> bool:
-        slot = b.engine.adapters.live().get("carol-lora")
-        return slot is not None and slot.config.target_modules == ("v_proj",)
-
-    await _until(resynced)
+    await _new_carol_run_then_b_reachable(stack, base_model, b, leftover, seed=7)
     assert await _generator_adapters(stack) == _on_every_replica({**live, "carol-lora": 1})
     await _call(stack, CAROL, "delete_run", "carol-lora")
     assert await _generator_adapters(stack) == _on_every_replica(live)
@@ -539,19 +536,8 @@ async def test_a_leftover_copy_is_told_apart_by_its_digest_after_the_deleting_se
     port = stack["service"].running.port  # the trainers' address stays
     stack["service"] = await start_experience(stack["settings"].model_copy(update={"port": port}))
     await stack["service"].wait_ready(60)
-    carol = await _call(stack, CAROL, "create_run", "carol-lora", lora_rank=4, target_modules=["v_proj"])
-    tensors = make_adapter(base_model, carol.lora, seed=9)
-    assert (await _call(stack, CAROL, "update_weights", tensors.items(), run_id=carol.run_id)).policy_version == 1
-    assert b.engine.adapters.live()["carol-lora"] is leftover
-    running = await start_generator(GeneratorSettings(port=b.running.port, max_model_len=256), b.engine)
-    stack["replicas"]["b"] = replace(b, running=running)
-
-    def resynced() -> bool:
-        slot = b.engine.adapters.live().get("carol-lora")
-        return slot is not None and slot.config.target_modules == ("v_proj",)
-
-    await _until(resynced)
-    digests = await _generator_digests(stack)
+    await _new_carol_run_then_b_reachable(stack, base_model, b, leftover, seed=9)
+    digests = await _generator_adapters(stack, "weights_digest")
     assert digests["a"]["carol-lora"] == digests["b"]["carol-lora"] != ""
     assert digests["a"]["carol-lora"].startswith("sha256:")
     await _call(stack, CAROL, "delete_run", "carol-lora")

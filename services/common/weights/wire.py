@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 import torch
 
@@ -58,29 +58,19 @@ async def receive_update(
             target or one the service does not serve, a bad chunk (see :meth:`WeightStager.add`), a
             ``checkpoint_dir`` outside ``bounds.checkpoint_roots`` or missing, or a count mismatch.
     """
-    header = None
-    async for message in messages:
-        part = message.WhichOneof("kind")
-        if header is None:
-            if part != "header":
-                raise InvalidRequest("header", "the first message must carry the header")
-            header = message.header
-            if header.target not in TARGETS:
-                raise InvalidRequest("header.target", f"unknown target {header.target}")
-            stager.expect(bounds.spec_for(TARGETS[header.target]))
-        elif part == "header":
-            raise InvalidRequest("header", "sent twice")
-        elif header.checkpoint_dir:
+    headers: list[generation_pb2.WeightsHeader] = []
+
+    def take(header: generation_pb2.WeightsHeader) -> None:
+        if header.target not in TARGETS:
+            raise InvalidRequest("header.target", f"unknown target {header.target}")
+        stager.expect(bounds.spec_for(TARGETS[header.target]))
+        headers.append(header)
+
+    async for chunk in header_then_chunks(messages, take):
+        if headers[0].checkpoint_dir:
             raise InvalidRequest("tensor", "no tensor chunks may follow a checkpoint_dir header")
-        elif part == "tensor":
-            await _stage_chunk(message.tensor, stager)
-        elif part == "tensors":  # several whole tensors, in order
-            for chunk in message.tensors.tensors:
-                await _stage_chunk(chunk, stager)
-        else:
-            raise InvalidRequest("kind", "an empty message, or a kind this server does not take")
-    if header is None:
-        raise InvalidRequest("header", "the stream was empty")
+        await _stage_chunk(chunk, stager)
+    header = headers[0]
     target = TARGETS[header.target]
     version = header.policy_version if header.HasField("policy_version") else None
     if header.checkpoint_dir:
@@ -89,6 +79,39 @@ async def receive_update(
         return ReceivedUpdate(target, "checkpoint", folder, entries, version)
     entries = await asyncio.to_thread(stager.finish, header.num_tensors or None)
     return ReceivedUpdate(target, "staged", str(stager.folder), entries, version)
+
+
+async def header_then_chunks(
+    messages: AsyncIterator[generation_pb2.WeightsChunk | generation_pb2.AdapterChunk],
+    take_header: Callable[[generation_pb2.WeightsHeader | generation_pb2.AdapterHeader], None],
+) -> AsyncIterator[generation_pb2.TensorChunk]:
+    """The tensor chunks of an ``UpdateWeights`` or ``LoadAdapter`` stream, in order, after ``take_header`` was
+    given its first message's header (it raises to refuse it): one chunk per ``tensor`` message, each of a
+    ``tensors`` batch in turn.
+
+    Raises:
+        InvalidRequest: no header first (``header``), a second header, an empty stream, an empty message or one of a
+            kind this server does not know (``kind``); whatever ``take_header`` raises.
+    """
+    seen = False
+    async for message in messages:
+        part = message.WhichOneof("kind")
+        if not seen:
+            if part != "header":
+                raise InvalidRequest("header", "the first message must carry the header")
+            seen = True
+            take_header(message.header)
+        elif part == "header":
+            raise InvalidRequest("header", "sent twice")
+        elif part == "tensor":
+            yield message.tensor
+        elif part == "tensors":  # several whole tensors, in order (the feature "tensor-batches")
+            for chunk in message.tensors.tensors:
+                yield chunk
+        else:
+            raise InvalidRequest("kind", "an empty message, or a kind this server does not take")
+    if not seen:
+        raise InvalidRequest("header", "the stream was empty")
 
 
 async def _stage_chunk(chunk: generation_pb2.TensorChunk, stager: WeightStager) -> None:
