@@ -622,6 +622,13 @@ async def test_the_system_call_filter_refuses_the_keyring_and_kernel_interfaces(
         assert all(call(41, family, 1, 0) == (-1, 97) for family in families.values())  # EAFNOSUPPORT
         assert all(call(41, family, 1, 0)[0] >= 0 for family in (1, 2, 10))  # unix, IPv4, IPv6
         print(open("/proc/1/cmdline").read().split("\\0")[-2])  # the namespace's init is the tool itself
+        import socket
+        try:
+            socket.socketpair()[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
+        except PermissionError:
+            pass  # its buffer stays at the host's default
+        else:
+            print("buffer grown")
         print(subprocess.run(["echo", "forked"], capture_output=True, text=True).stdout.strip())
         threading.Thread(target=print, args=("threaded",)).start()
     """)

@@ -14,7 +14,8 @@ pages count in no process's resident set until mapped), and ``io_setup`` (Linux 
 is one counter for the whole host). Arguments are compared as the kernel reads them: ``int`` arguments on their
 low 32 bits (``prctl(0x100000001)`` is ``prctl(1)`` to the kernel). ``clone3`` answers
 ENOSYS, as under Docker: its flags cannot be filtered (they are behind a pointer), and the C library falls back to
-``clone``. ``prctl(PR_SET_PDEATHSIG)`` is EPERM: a run's first process is its pid namespace's init and dies with
+``clone``. Growing a socket's buffers (``setsockopt`` ``SO_SNDBUF``/``SO_RCVBUF``) is EPERM: queued socket data is
+kernel memory no resident set shows. ``prctl(PR_SET_PDEATHSIG)`` is EPERM: a run's first process is its pid namespace's init and dies with
 bwrap's monitor (``--die-with-parent``), which it must not undo. Sockets of any address family but ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` and ``AF_NETLINK`` answer
 EAFNOSUPPORT: ``AF_VSOCK`` is not confined by the network namespace (a run would share the virtual machine's
 vsock ports with its host), and the others are kernel attack surface no tool needs (``AF_PACKET``, ``AF_ALG``,
@@ -49,6 +50,11 @@ ALLOWED_SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLI
 DENIED_SOCKET_FAMILIES = ((3, 9), (11, 15), (17, None))
 #: ``prctl``'s option that sets (or clears) the signal a process gets when its parent dies.
 PR_SET_PDEATHSIG = 1
+#: ``setsockopt(SOL_SOCKET, ...)`` options that grow a socket's buffers (``SO_SNDBUF``, ``SO_RCVBUF`` and their
+#: ``FORCE`` forms): EPERM, so each socket keeps the host's default (``net.core.wmem_default``) and the kernel memory
+#: a run's sockets can queue stays bounded by its descriptors × that default.
+SOL_SOCKET = 1
+BUFFER_OPTIONS = (7, 8, 32, 33)
 #: ``clone`` flags that make a namespace (any of them: EPERM).
 NAMESPACE_FLAGS = {
     "CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
@@ -138,6 +144,9 @@ def filter_program() -> bytes:
     rules.add_rule(seccomp.ERRNO(errno.EPERM), "prctl", seccomp.Arg(0, seccomp.MASKED_EQ, INT_MASK, PR_SET_PDEATHSIG))
     for conditions in _family_conditions():
         rules.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socket", *(_arg(seccomp, c) for c in conditions))
+    for option in BUFFER_OPTIONS:
+        rules.add_rule(seccomp.ERRNO(errno.EPERM), "setsockopt", seccomp.Arg(1, seccomp.MASKED_EQ, INT_MASK, SOL_SOCKET),
+                       seccomp.Arg(2, seccomp.MASKED_EQ, INT_MASK, option))
     with tempfile.TemporaryFile() as program:
         rules.export_bpf(program)
         program.seek(0)
