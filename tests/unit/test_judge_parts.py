@@ -217,3 +217,51 @@ def test_judge_configuration_errors_name_the_field():
     assert "score_range" in problems(score_range=[1, 1])
     assert "budget.requests_per_minute" in problems(budget={"requests_per_minute": 0}).replace(".judge", "")
     assert "cache.redis_url" in problems(cache={"redis_url": "http://x"}).replace(".judge", "")
+
+
+async def test_guide_a_hung_judge_counts_even_when_the_deadline_leaves_no_time_for_its_retry():
+    # "timeouts ... count": a try that timed out at the Score deadline's cap is a failed call, though the deadline
+    # leaves no time for the retry `max_attempts: 2` would make (that retry is not sent)
+    gateway = CallGuard("judge-hung", BudgetConfig(), BreakerConfig(failure_threshold=1, open_s=60))
+    deadline, tries = Deadline.from_remaining(0.6), []
+
+    async def hung() -> None:
+        timeout = deadline.timeout(60.0)  # the try's own timeout, capped by the deadline
+        tries.append(timeout)
+        await asyncio.sleep(timeout)  # the judge never answers within it
+        raise SourceUnavailable(f"no answer within {timeout:.2f} s")
+
+    with pytest.raises(SourceUnavailable, match="no answer within"):
+        await gateway.call(hung, tokens=1, deadline=deadline, max_attempts=2, backoff_initial_s=0.001,
+                           backoff_max_s=0.001)
+    assert len(tries) == 1 and gateway.breaker.state.status is BreakerStatus.OPEN
+
+
+def test_guide_open_items_fail_at_once_for_open_s_whatever_an_earlier_call_answers():
+    # "for `open_s` seconds the source's items fail at once": a call admitted before the breaker opened and
+    # answering after does not close it
+    config = BreakerConfig(failure_threshold=1, open_s=30)
+    opened = failed(BreakerState(), 0.0, config, "HTTP 503")
+    assert succeeded(opened) == opened and admit(succeeded(opened), 1.0, config)[0] is False
+
+
+async def test_guide_a_call_queued_past_its_deadline_fails_naming_the_budget_before_the_deadline():
+    # "A call still queued when that deadline passes fails its items naming the budget": it gives up a margin
+    # before the deadline, so the caller hears it before its own RPC is cancelled
+    budget = Budget("judge-queue", BudgetConfig(max_concurrency=1))
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def holder() -> None:
+        async with budget.slot(1, Deadline()):
+            held.set()
+            await release.wait()
+
+    task = asyncio.create_task(holder())
+    await held.wait()
+    deadline = Deadline.from_remaining(1.0)
+    with pytest.raises(BudgetTimeout, match="queued for the budget .max_concurrency 1"):
+        async with budget.slot(1, deadline):
+            pass
+    assert deadline.remaining() > 0  # before the deadline
+    release.set()
+    await task

@@ -59,7 +59,11 @@ def admit(state: BreakerState, now: float, config: BreakerConfig) -> tuple[bool,
 
 
 def succeeded(state: BreakerState) -> BreakerState:
-    """After a call that got an answer: closed, no failures counted."""
+    """After a call that got an answer: closed, no failures counted; except while open, where the answer is a
+    call's admitted before the breaker opened (open admits none): the source's items keep failing at once for
+    ``open_s``, then a probe decides."""
+    if state.status is BreakerStatus.OPEN:
+        return state
     return BreakerState()
 
 

@@ -15,6 +15,11 @@ from services.common.errors import UpstreamTimeout
 from services.common.metrics import SOURCE_BUDGET_WAIT_SECONDS
 from services.scorer.outbound.config import BudgetConfig
 
+#: A call still queued this many seconds before its deadline gives up (:class:`BudgetTimeout`): the same margin an
+#: outbound call keeps (:meth:`Deadline.timeout`), so the error naming the budget reaches the caller before the
+#: caller's own RPC deadline cancels the request.
+QUEUE_MARGIN_S = 0.25
+
 
 class BudgetTimeout(UpstreamTimeout):
     """The request's deadline passed while a call queued for its source's budget (DEADLINE_EXCEEDED's kind)."""
@@ -44,13 +49,13 @@ class Budget:
         tokens takes the whole minute's), then a concurrency slot, released when the block ends.
 
         Raises:
-            BudgetTimeout: ``deadline`` passed while waiting; nothing is held.
+            BudgetTimeout: ``deadline`` (less :data:`QUEUE_MARGIN_S`) passed while waiting; nothing is held.
         """
         slots, requests, token_bucket = self._limiters()
         started = time.perf_counter()
         remaining = deadline.remaining()
-        try:
-            async with asyncio.timeout(None if remaining is None else max(remaining, 0.0)):
+        try:  # given up QUEUE_MARGIN_S before the deadline: the caller still hears why, before its RPC is cancelled
+            async with asyncio.timeout(None if remaining is None else max(remaining - QUEUE_MARGIN_S, 0.0)):
                 if requests is not None:
                     await requests.acquire()
                 if token_bucket is not None:

@@ -126,18 +126,29 @@ class CallGuard:
         timeout from the deadline).
 
         Raises:
-            SourceUnavailable: the last try failed. BreakerOpen, BudgetTimeout: see :meth:`guarded`,
-                :meth:`attempt` (not retried).
+            SourceUnavailable: the last try failed, also where the deadline left no time for the next one (the
+                call failed: the breaker counts it). BreakerOpen, BudgetTimeout: see :meth:`guarded`,
+                :meth:`attempt` (not retried; a first try that never started counts neither way).
         """
         retries = stamina.retry_context(
             on=SourceUnavailable, attempts=max_attempts, timeout=deadline.remaining(),
             wait_initial=backoff_initial_s, wait_max=backoff_max_s,
         )
+        last: SourceUnavailable | None = None
         async with self.guarded():
-            async for attempt in retries:
-                with attempt:
-                    async with self.attempt(tokens, deadline):
-                        result = await send()
+            try:
+                async for attempt in retries:
+                    with attempt:
+                        try:
+                            async with self.attempt(tokens, deadline):
+                                result = await send()
+                        except SourceUnavailable as error:
+                            last = error
+                            raise
+            except UpstreamTimeout:
+                if last is None:
+                    raise  # no try was sent: neither way
+                raise last from None  # no time left for another try: the call failed as its last try did
         return result
 
     def describe(self) -> str:
