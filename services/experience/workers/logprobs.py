@@ -16,6 +16,9 @@ from services.experience.workers.vision import VisionTokens
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: Positions whose logits are reduced in float32 at a time: the model's logits (K, V) in its own dtype are read in
+#: slices of this many rows instead of one float32 copy of all of them (49,152-token vocabularies: 192 KiB a row).
+REDUCTION_POSITIONS = 256
 
 
 class LogProbModel:
@@ -102,7 +105,9 @@ class LogProbModel:
 
         Only the positions that predict response tokens go through the LM head (``logits_to_keep`` with the
         chunk's ``hidden_index``); ``log p = logit[token] - logsumexp(logits)`` and
-        ``H = logsumexp(logits) - sum_v softmax(logits)_v * logits_v`` are computed in float32.
+        ``H = logsumexp(logits) - sum_v softmax(logits)_v * logits_v`` are computed in float32, one slice of
+        :data:`REDUCTION_POSITIONS` positions at a time (the same numbers as all at once: each position's reduction
+        is its own).
 
         Shape:
             chunks: the rows of one Rollout, in order (:func:`services.experience.workers.inputs.chunks`).
@@ -113,11 +118,26 @@ class LogProbModel:
         device = self._model.device
         log_probs, entropies = [], []
         for chunk in chunks:
-            logits = self._model(**self._inputs(chunk, device)).logits.float()  # (b, K, V)
-            normalizer = torch.logsumexp(logits, dim=-1)
-            chosen = logits.gather(-1, chunk.targets.to(logits.device).unsqueeze(-1)).squeeze(-1)  # device_map: last GPU
-            log_probs.append(chunk.to_rows((chosen - normalizer).cpu()))
+            logits = self._model(**self._inputs(chunk, device)).logits  # (b, K, V), the model's dtype
+            targets = chunk.targets.to(logits.device)  # device_map: the last GPU's
+            parts = [_reduce(logits[:, s : s + REDUCTION_POSITIONS], targets[:, s : s + REDUCTION_POSITIONS],
+                             with_entropy) for s in range(0, max(logits.shape[1], 1), REDUCTION_POSITIONS)]
+            log_probs.append(chunk.to_rows(torch.cat([part[0] for part in parts], dim=1).cpu()))
             if with_entropy:
-                expected_logit = (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
-                entropies.append(chunk.to_rows((normalizer - expected_logit).cpu()))
+                entropies.append(chunk.to_rows(torch.cat([part[1] for part in parts], dim=1).cpu()))
         return torch.cat(log_probs), torch.cat(entropies) if with_entropy else None
+
+
+def _reduce(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` and the entropy (nats) of one slice of logits, in float32.
+
+    Shape:
+        logits: (b, k, V) any float dtype; targets: (b, k). Returns ``(log_probs (b, k), entropy (b, k) or None)``.
+    """
+    logits = logits.float()
+    normalizer = torch.logsumexp(logits, dim=-1)
+    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return chosen - normalizer, None
+    expected_logit = (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return chosen - normalizer, normalizer - expected_logit
