@@ -615,7 +615,8 @@ async def test_the_system_call_filter_refuses_the_keyring_and_kernel_interfaces(
                  "unshare": (272, 0x10000000), "mount": (165, b"none", b"/tmp", b"tmpfs", 0, 0),
                  "clone_newuser": (56, 0x10000000 | 17, 0, 0, 0, 0), "shmget": (29, 0x5EED, 4096, 0o1600),
                  "msgget": (68, 0x5EED, 0o1600), "memfd_create": (319, b"x", 0), "prctl_pdeathsig": (157, 1, 0),
-                 "prctl_pdeathsig_high_bits": (157, 0x100000001, 0), "semget": (64, 0, 1, 0o1600),
+                 "prctl_pdeathsig_high_bits": (157, 0x100000001, 0), "prctl_dumpable": (157, 4, 0),
+                 "semget": (64, 0, 1, 0o1600),
                  "io_setup": (206, 128, 0)}
         print(sorted(name for name, args in calls.items() if call(*args) != (-1, 1)))
         families = {"vsock": 40, "packet": 17, "alg": 38, "xdp": 44, "appletalk": 5, "key": 15}

@@ -16,8 +16,9 @@ low 32 bits (``prctl(0x100000001)`` is ``prctl(1)`` to the kernel). ``clone3`` a
 ENOSYS, as under Docker: its flags cannot be filtered (they are behind a pointer), and the C library falls back to
 ``clone``. Growing a socket's buffers (``setsockopt`` ``SO_SNDBUF``/``SO_RCVBUF``) is EPERM: queued socket data is
 kernel memory no resident set shows. ``prctl(PR_SET_PDEATHSIG)`` is EPERM: a run's first process is its pid namespace's init and dies with
-bwrap's monitor (``--die-with-parent``), which it must not undo. Sockets of any address family but ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` and ``AF_NETLINK`` answer
-EAFNOSUPPORT: ``AF_VSOCK`` is not confined by the network namespace (a run would share the virtual machine's
+bwrap's monitor (``--die-with-parent``), which it must not undo; ``prctl(PR_SET_DUMPABLE)`` likewise (a
+non-dumpable process hides the ``/proc`` entries the per-run limits read from a scorer of the same uid).
+Sockets of any address family but ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` and ``AF_NETLINK`` answer EAFNOSUPPORT: ``AF_VSOCK`` is not confined by the network namespace (a run would share the virtual machine's
 vsock ports with its host), and the others are kernel attack surface no tool needs (``AF_PACKET``, ``AF_ALG``,
 ``AF_XDP``, ...). Everything else is allowed: the run's other limits (namespaces, rlimits, the read-only root, the
 per-run use) do the rest.
@@ -48,8 +49,11 @@ DENIED_SYSCALLS = (
 #: families denied: ``socket``'s first argument in [low, high] (high None: and above).
 ALLOWED_SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
 DENIED_SOCKET_FAMILIES = ((3, 9), (11, 15), (17, None))
-#: ``prctl``'s option that sets (or clears) the signal a process gets when its parent dies.
+#: ``prctl``'s option that sets (or clears) the signal a process gets when its parent dies, and the one that makes a
+#: process non-dumpable (its ``/proc/<pid>/maps`` and ``root`` then closed to a scorer of the same uid, whose per-run
+#: limits read them): both EPERM.
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 #: ``setsockopt(SOL_SOCKET, ...)`` options that grow a socket's buffers (``SO_SNDBUF``, ``SO_RCVBUF`` and their
 #: ``FORCE`` forms): EPERM, so each socket keeps the host's default (``net.core.wmem_default``) and the kernel memory
 #: a run's sockets can queue stays bounded by its descriptors × that default.
@@ -141,7 +145,8 @@ def filter_program() -> bytes:
     for flag in NAMESPACE_FLAGS.values():
         rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-    rules.add_rule(seccomp.ERRNO(errno.EPERM), "prctl", seccomp.Arg(0, seccomp.MASKED_EQ, INT_MASK, PR_SET_PDEATHSIG))
+    for option in (PR_SET_PDEATHSIG, PR_SET_DUMPABLE):
+        rules.add_rule(seccomp.ERRNO(errno.EPERM), "prctl", seccomp.Arg(0, seccomp.MASKED_EQ, INT_MASK, option))
     for conditions in _family_conditions():
         rules.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socket", *(_arg(seccomp, c) for c in conditions))
     for option in BUFFER_OPTIONS:
