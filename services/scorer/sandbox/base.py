@@ -25,7 +25,7 @@ class SandboxError(RuntimeError):
 @dataclass(frozen=True)
 class SandboxLimits:
     """Limits of one run: ``timeout_s`` wall-clock seconds; ``cpu_s`` CPU seconds and ``memory_bytes`` (of each
-    process's address space, and resident in the run's whole tree) where the backend enforces them per run
+    process's address space, and resident plus shared in the run's whole tree) where the backend enforces them per run
     (bubblewrap: module :mod:`services.scorer.sandbox.bubblewrap`); ``max_output_bytes`` of stdout and of stderr
     kept, ``max_file_bytes`` any one file may reach."""
 

@@ -22,7 +22,8 @@ Each run is ``bwrap`` with, for the tool's process tree:
 - **limits per process** set by a trusted launcher inside, before the tool's code starts (the code cannot raise
   them): ``RLIMIT_NPROC`` (``max_processes``), ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``
   and ``RLIMIT_CORE`` = 0;
-- **limits per run**: the whole tree's CPU seconds (``cpu_s``), resident bytes (``memory_bytes``) and files in its
+- **limits per run**: the whole tree's CPU seconds (``cpu_s``), memory (``memory_bytes``: resident bytes plus
+  writable shared mappings) and files in its
   tmpfs (``max_files``), sampled from ``/proc`` every ``usage_poll_s`` (:mod:`services.scorer.sandbox.usage`): past
   any, the whole tree is killed (``stopped``: ``"cpu"``, ``"memory"``, ``"files"``); a wall-clock timeout kills it; stdout and stderr are cut to
   ``max_output_bytes`` (the rest is read and dropped);
@@ -276,7 +277,8 @@ async def _collect(process: asyncio.subprocess.Process, limits: SandboxLimits,
 
 async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, options: BubblewrapOptions) -> str:
     """Wait for ``process`` to end (``""``), sampling its tree's use every ``usage_poll_s``: ``"cpu"`` once it
-    passed ``cpu_s`` CPU seconds, ``"memory"`` once it holds more than ``memory_bytes`` resident, ``"files"`` once
+    passed ``cpu_s`` CPU seconds, ``"memory"`` once it holds more than ``memory_bytes`` (resident, plus writable
+    shared mappings: :attr:`TreeUsage.memory_bytes`), ``"files"`` once
     its tmpfs holds more than ``max_files`` (the caller kills it)."""
     ended = asyncio.ensure_future(process.wait())
     while not ended.done():

@@ -94,11 +94,14 @@ def tree_of(stats: list[ProcessStat], root: int) -> list[ProcessStat]:
 
 
 def tree_usage_of(stats: list[ProcessStat], root: int) -> TreeUsage:
-    """The use of ``root`` and its descendants among ``stats``."""
-    tree = tree_of(stats, root)
+    """The use of ``root`` and its descendants among ``stats`` (shared mappings not read: ``shared_bytes`` 0)."""
+    return _usage(tree_of(stats, root), root, 0)
+
+
+def _usage(tree: list[ProcessStat], root: int, shared_bytes: int) -> TreeUsage:
     inner = tree[1].pid if len(tree) > 1 and tree[1].ppid == root else None
     return TreeUsage(sum(s.cpu_ticks for s in tree) / _TICKS, sum(s.rss_pages for s in tree) * _PAGE, len(tree),
-                     inner)
+                     inner, shared_bytes)
 
 
 def process_stats(proc: Path = Path("/proc")) -> list[ProcessStat]:
@@ -116,10 +119,8 @@ def process_stats(proc: Path = Path("/proc")) -> list[ProcessStat]:
 
 def tree_usage(root: int, proc: Path = Path("/proc")) -> TreeUsage:
     """The use of process ``root``'s tree now, shared mappings included (blocking)."""
-    stats = process_stats(proc)
-    usage = tree_usage_of(stats, root)
-    shared = shared_writable_bytes([s.pid for s in tree_of(stats, root)], proc)
-    return TreeUsage(usage.cpu_s, usage.rss_bytes, usage.processes, usage.inner, shared)
+    tree = tree_of(process_stats(proc), root)
+    return _usage(tree, root, shared_writable_bytes([s.pid for s in tree], proc))
 
 
 def shared_writable_bytes(pids: list[int], proc: Path = Path("/proc")) -> int:
