@@ -230,7 +230,8 @@ class EnvironmentHost:
             raise Overloaded(f"max_sessions: {len(self._sessions)} episodes are open; retry later")
         try:
             environment = spec.cls(self._context, **spec.options)
-            first = await asyncio.wait_for(environment.reset(start), spec.step_timeout_s)
+            async with asyncio.timeout(spec.step_timeout_s):
+                first = await environment.reset(start)
         except Exception as error:  # noqa: BLE001 - an environment's failure is that episode's, named
             raise EpisodeFailed(_failure(spec.name, "reset", error)) from error
         session_id = f"{name}-{next(self._ids)}-{secrets.token_hex(6)}"
@@ -249,7 +250,8 @@ class EnvironmentHost:
             raise EpisodeFailed(f"session {session_id}: a step is already running")
         session.busy = True
         try:
-            result = await asyncio.wait_for(session.environment.step(action), session.spec.step_timeout_s)
+            async with asyncio.timeout(session.spec.step_timeout_s):
+                result = await session.environment.step(action)
         except Exception as error:  # noqa: BLE001 - that episode fails, named; the service goes on
             self._sessions.pop(session_id, None)
             raise EpisodeFailed(_failure(session.spec.name, f"step {session.turns + 1}", error)) from error

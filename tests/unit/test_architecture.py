@@ -222,3 +222,48 @@ def test_the_weights_path_imports_one_way_and_only_its_wire_knows_protobuf():
             wrong.append(f"{module} imports the package itself (a cycle through __init__)")
     assert not wrong, wrong
     assert not [m for m in _closure(package) if _under(m, WIRE)], "services.common.weights loads protobuf"
+
+
+def test_no_module_bounds_an_await_with_asyncio_wait_for():
+    """``asyncio.wait_for`` on Python 3.11 swallows a cancel that lands while the awaited result is on its way
+    (it returns the result instead; gh-86296, reimplemented on ``asyncio.timeout`` in 3.12): a loop that polls
+    through it, cancelled as a service stops, runs on for ever, and its ``close()`` waits for it for ever (a drained
+    experience replica that never exited, CI of 2026-11-25). ``async with asyncio.timeout(s)`` lets it through."""
+    found = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "wait_for" and isinstance(node.value, ast.Name) \
+                    and node.value.id == "asyncio":
+                found.append(f"{module}:{node.lineno}")
+    assert not found, found
+
+
+def test_asyncio_wait_for_still_swallows_a_cancel_on_this_python():
+    """The reason for the rule above, checked on the running interpreter: once this fails (a Python whose
+    wait_for lets the cancel through), the rule may go."""
+    import asyncio
+
+    async def poll() -> str:
+        loop = asyncio.get_running_loop()
+        for _ in range(3):
+            result = loop.create_future()
+
+            def arrive(result=result) -> None:
+                result.set_result(None)
+                loop.call_soon(task.cancel)  # the cancel lands while the result is on its way
+
+            loop.call_soon(arrive)
+            await asyncio.wait_for(result, 10)
+        return "ran on"
+
+    async def main() -> str:
+        nonlocal task
+        task = asyncio.ensure_future(poll())
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return "cancelled"
+
+    task = None
+    outcome = asyncio.run(main())
+    assert outcome == "ran on", "this Python's wait_for lets the cancel through: the rule above may go"

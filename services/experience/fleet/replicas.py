@@ -299,8 +299,7 @@ class ReplicaSet:
 
     async def _watch(self, replica: Replica) -> None:
         """Probe ``replica`` for as long as it is in the fleet; bring it to the fleet's version before it serves."""
-        settings = self.settings
-        attempt = 0
+        settings, attempt = self.settings, 0
         while True:
             try:
                 up = await self._probe(replica)
@@ -310,7 +309,8 @@ class ReplicaSet:
             if up:
                 attempt = 0
                 with contextlib.suppress(TimeoutError):  # or at once, when the fleet follows a new version
-                    await asyncio.wait_for(self._probe_now.wait(), settings.probe.interval_s)
+                    async with asyncio.timeout(settings.probe.interval_s):
+                        await self._probe_now.wait()
             else:
                 await asyncio.sleep(backoff_s(attempt, settings.probe))
                 attempt += 1

@@ -70,7 +70,8 @@ class VersionClock:
     async def _wait(self, ready: Callable[[], bool], deadline: Deadline, what: str) -> None:
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(ready), deadline.remaining())
+                async with asyncio.timeout(deadline.remaining()):
+                    await self._changed.wait_for(ready)
             except TimeoutError:
                 raise UpstreamTimeout(f"deadline exceeded waiting for {what}") from None
 

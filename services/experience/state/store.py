@@ -144,7 +144,8 @@ class StateStore:
         future = loop.run_in_executor(self._executor, self._run, what, work)
         try:
             # the statement and lock timeouts end the thread's work; this bounds the wait for a thread as well
-            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s * 3)
+            async with asyncio.timeout(self.timeout_s * 3):  # cancellable: wait_for may swallow a cancel
+                return await asyncio.shield(future)
         except TimeoutError:
             raise NotReady(f"state store {self.name}: {what} did not finish within {self.timeout_s * 3:.0f} s") from None
 

@@ -262,7 +262,8 @@ async def _collect(process: asyncio.subprocess.Process, limits: SandboxLimits,
     keep = limits.max_output_bytes + 1
     reads = asyncio.gather(_drain(process.stdout, keep), _drain(process.stderr, keep))
     try:
-        stopped = await asyncio.wait_for(_watch(process, limits, options), limits.timeout_s)
+        async with asyncio.timeout(limits.timeout_s):  # not wait_for: see tests/unit/test_architecture.py
+            stopped = await _watch(process, limits, options)
     except TimeoutError:
         stopped = "timeout"
     except BaseException:  # the caller gave up (cancelled, its deadline): the run ends here, before its slot is free
@@ -346,7 +347,8 @@ async def _bwrap_version(bwrap: str, timeout_s: float = 10.0) -> str:
     process = await asyncio.create_subprocess_exec(bwrap, "--version", stdout=subprocess.PIPE,
                                                    stderr=subprocess.DEVNULL)
     try:
-        out, _ = await asyncio.wait_for(process.communicate(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            out, _ = await process.communicate()
     except TimeoutError:
         process.kill()
         await process.wait()
