@@ -2,14 +2,21 @@
 
 ``create_server`` builds a ``grpc.aio`` server with the observing (metrics, request ids) and error-mapping
 interceptors, gRPC health checking and server reflection, bound to ``host:port`` (port 0 picks a free port, as tests do). ``serve_until_signalled``
-runs it until SIGTERM/SIGINT, then: health NOT_SERVING -> ``server.stop(grace)`` -> the service's own cleanup.
+runs it until SIGTERM/SIGINT, then: health NOT_SERVING -> ``server.stop(grace)`` -> the service's own cleanup. A
+stop that has not finished ``STOP_MARGIN_S`` after its grace period logs where every task and thread is and exits
+with status 1 (a call or a cleanup that does not end must not keep a stopped replica's process, and its port,
+forever; an orchestrator would kill it without saying where it hung). ``kill -USR1`` logs the same while serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
+import os
 import signal
+import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -21,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from fastexp.channels import SERVER_KEEPALIVE_OPTIONS, message_options
 from services.common.observing import ObservingInterceptor
 from services.common.security import AuthInterceptor, ServerTLS, check_exposure
+from services.common.stacks import log_on_signal, task_stacks, thread_stacks
 from services.common.status import ErrorMappingInterceptor
 
 logger = logging.getLogger(__name__)
@@ -186,31 +194,74 @@ def serving(build: Callable[[], R], start: Callable[[R], Awaitable[RunningServer
     return starter
 
 
-def run_service(start: Starter, grace_s: float) -> None:
-    """Start a service and serve it until SIGTERM/SIGINT, then stop in order (blocking; the CLI's entry)."""
+def run_service(start: Starter, grace_s: float, stop_margin_s: float | None = None) -> None:
+    """Start a service and serve it until SIGTERM/SIGINT, then stop in order (blocking; the CLI's entry).
+    ``stop_margin_s``: how long the stop may take beyond ``grace_s`` (default :data:`STOP_MARGIN_S`)."""
 
     async def main() -> None:
         running, cleanup = await start()
-        await serve_until_signalled(running, grace_s, cleanup=cleanup)
+        await serve_until_signalled(running, grace_s, cleanup=cleanup, stop_margin_s=stop_margin_s)
 
     asyncio.run(main())
 
 
 async def serve_until_signalled(
-    running: RunningServer, grace_s: float, cleanup: Callable[[], Awaitable[None]] | None = None
+    running: RunningServer, grace_s: float, cleanup: Callable[[], Awaitable[None]] | None = None,
+    stop_margin_s: float | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT or termination, then stop in order (see module docs)."""
+    """Serve until SIGTERM/SIGINT or termination, then stop in order (see module docs; the process's entry only:
+    a stop that overruns ``grace_s`` by ``stop_margin_s`` (default :data:`STOP_MARGIN_S`) exits the process)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    log_on_signal(loop)
     waiter = asyncio.create_task(running.server.wait_for_termination())
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     logger.info("stopping: draining in-flight calls for up to %.1f s", grace_s)
-    await running.stop(grace_s)
+    margin_s = STOP_MARGIN_S if stop_margin_s is None else stop_margin_s
+    limit_s = grace_s + margin_s
+    # the event loop itself may be what is stuck: a thread ends the process a little later still
+    backstop = threading.Timer(limit_s + BACKSTOP_S, _exit_stuck, (limit_s + BACKSTOP_S,))
+    backstop.daemon = True
+    backstop.start()
+    stopping = asyncio.create_task(_stop(running, grace_s, cleanup), name="stopping")
+    done, _ = await asyncio.wait({stopping}, timeout=limit_s)
+    if not done:
+        logger.error("stopping did not finish within %.1f s (grace period %.1f s + %.1f s): exiting with status 1; "
+                     "where it is stuck:\n%s\n%s", limit_s, grace_s, margin_s, task_stacks(), thread_stacks())
+        _flush_and_exit(1)
+    backstop.cancel()
     waiter.cancel()
     stopper.cancel()
+    stopping.result()
+    logger.info("stopped")
+
+
+#: seconds a stop may take beyond its grace period (the service's cleanup: closing channels, leaving the state
+#: store, each within its own deadline) before the process exits anyway
+STOP_MARGIN_S = 60.0
+BACKSTOP_S = 10.0  # then the thread's limit, should the event loop be blocked
+
+
+async def _stop(running: RunningServer, grace_s: float, cleanup: Callable[[], Awaitable[None]] | None) -> None:
+    await running.stop(grace_s)
     if cleanup is not None:
         await cleanup()
-    logger.info("stopped")
+
+
+def _exit_stuck(limit_s: float) -> None:
+    """The backstop thread: the event loop did not end the stop within ``limit_s``; every thread's stack to
+    stderr (the log), then exit 1."""
+    sys.stderr.write(f"stopping did not finish within {limit_s:.0f} s and the event loop does not answer: "
+                     "exiting with status 1; every thread's stack:\n")
+    faulthandler.dump_traceback(all_threads=True)
+    _flush_and_exit(1)
+
+
+def _flush_and_exit(code: int) -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(code)  # not sys.exit: the stuck tasks and threads would be waited for again on the way out

@@ -27,7 +27,7 @@ import torch
 
 from fastexp import ExperienceClient, Sampling
 from fastexp.resume import StreamRetry
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, log_tail
 from tests.e2e.test_experience_replicas import _assert_rows_are, _wait_for
 from tests.support.proxies import GateThread, TcpProxy
 from tests.support.resumes import groups_regenerated, serving_replica
@@ -151,11 +151,17 @@ def test_an_experience_replica_sigkilled_mid_stream(stage, base, record_property
 def test_an_experience_replica_drained_mid_stream(stage, base, record_property):
     cluster = stage[0]
 
+    drained: list[str] = []
+
     def drain(name: str) -> None:
         _sigterm(cluster, name)
+        drained.append(name)
 
     _assert_exactly_once(_faulted_stream(stage, [drain], record_property), base)
-    _wait_for(lambda: any(cluster.processes[n].poll() is not None for n in EXPERIENCE), "the drained replica exits")
+    process = cluster.processes[drained[0]]
+    # the stop has a limit (grace 4 s + STOP_MARGIN_S 60 s): past it, the replica logs where it was stuck and exits 1
+    _wait_for(lambda: process.poll() is not None, "the drained replica exits", timeout_s=120)
+    assert process.returncode == 0, log_tail(cluster.log_path(drained[0]), 200)
 
 
 def test_the_network_cut_between_trainer_and_replica(stage, base, record_property):

@@ -1,0 +1,60 @@
+"""A service process's stop has a limit, on a real process and real signals: a server whose cleanup never ends
+(a stuck call or close) exits with status 1 once its grace period and stop margin have passed, its log saying
+where it was stuck (the stuck coroutine, innermost); ``kill -USR1`` logs every task's and thread's stack while it
+serves. Events, not sleeps: the test waits for the process's own lines."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+SERVICE = textwrap.dedent("""
+    import asyncio, logging, sys
+    from services.common.server import create_server, run_service
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+    async def cleanup_that_never_ends():
+        await asyncio.Event().wait()
+
+    async def start():
+        running = await create_server(host="127.0.0.1", port=0, register=lambda server: None, service_names=(),
+                                      max_message_bytes=1 << 20)
+        print("listening", running.port, flush=True)
+        return running, cleanup_that_never_ends
+
+    run_service(start, grace_s=0.2, stop_margin_s=1.0)
+""")
+
+
+def _wait_for_line(path: Path, text: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_text(errors="replace"):
+        assert process.poll() is None or text in path.read_text(errors="replace"), path.read_text()
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout_s} s:\n{path.read_text()}"
+        time.sleep(0.05)
+
+
+def test_a_stop_that_never_ends_exits_saying_where_it_was_stuck(tmp_path):
+    log = tmp_path / "service.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-c", SERVICE], stdout=sink, stderr=subprocess.STDOUT,
+                                   cwd=Path(__file__).resolve().parents[2])
+    try:
+        _wait_for_line(log, "listening", process)
+        process.send_signal(signal.SIGUSR1)  # where it is, while it serves
+        _wait_for_line(log, "asyncio tasks:", process)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 1  # grace 0.2 s + margin 1 s, then out: not waiting forever
+    finally:
+        process.kill()
+        process.wait()
+    text = log.read_text()
+    assert "stacks (signal 10)" in text and "thread MainThread" in text
+    assert "stopping did not finish within 1.2 s" in text
+    stuck = text[text.index("stopping did not finish"):]
+    assert "cleanup_that_never_ends" in stuck  # the innermost await of the stuck task, by name
