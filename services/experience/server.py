@@ -274,10 +274,10 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     upstream.on_generator_info = _on_generator_reached(maker, policy)
     streams = StoredStreams(runs.store, settings.stream_ttl_s)
     servicer = ExperienceServicer(
-        maker, policy.tokenizer, settings.request_limits(), upstream.require_ready, runs,
+        maker, policy.tokenizer, settings.request_limits(), upstream, runs,
         settings.weights_staging_dir, settings.max_concurrent_streams, vision=policy.vision,
         media_limits=settings.media_limits(), checkpoint_roots=tuple(settings.checkpoint_roots),
-        streams=streams, drain_margin_s=settings.drain_margin_s,
+        streams=streams, drain_margin_s=settings.drain_margin_s, ready_wait_s=settings.ready_wait_s,
     )
     RUN_METRICS.add(servicer)
     running = await start_service(
@@ -305,9 +305,19 @@ def _watch(running: RunningServer, upstream: UpstreamMonitor, fleet: GeneratorFl
     return (
         asyncio.create_task(fleet.run(), name="generator-fleet"),
         asyncio.create_task(upstream.run(gate.setter("upstream")), name="upstream-monitor"),
+        asyncio.create_task(_probe_on_changes(fleet, upstream), name="fleet-changes"),
         asyncio.create_task(runs.run_heartbeats(gate.setter("state store")), name="state-heartbeat"),
         asyncio.create_task(_follow_ledger(maker, *state, settings), name="state-follower"),
     )
+
+
+async def _probe_on_changes(fleet: GeneratorFleet, upstream: UpstreamMonitor) -> None:
+    """While NOT_SERVING, readiness is probed at every change of the fleet's replicas (one serving again, a version
+    followed), not after its backoff: a stream waiting for it goes on at once."""
+    while True:
+        await fleet.members.changes.next().wait()
+        if not upstream.ready:
+            upstream.probe_soon()
 
 
 async def _follow_ledger(maker: ExperienceMaker, ledger: StoredLedger, streams: StoredStreams,

@@ -159,6 +159,11 @@ class ExperienceSettings(GenerationLimits):
                                                          "no longer holds its runs' stream slots")
     stream_ttl_s: float = Field(86400.0, gt=0, description="a resumable stream's record (stream_id) is kept this long "
                                                            "after its last open or batch; a resume after it starts afresh")
+    ready_wait_s: float = Field(
+        10.0, ge=0, description="a stream or weight update that arrives while the service is NOT_SERVING (e.g. for the "
+        "moment it follows an update made through another replica) waits this long, half its deadline at most, for "
+        "it to serve again before UNAVAILABLE",
+    )
     drain_margin_s: float = Field(
         5.0, ge=0, description="SIGTERM: streams still open this long before grace_period_s ends are handed over "
         "(UNAVAILABLE, trailer fastexp-drained) for their clients to resume on another replica",

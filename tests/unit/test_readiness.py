@@ -150,3 +150,24 @@ async def test_readiness_holds_only_while_every_condition_does():
     assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
     await gate.setter("state store")(True)
     assert await status() == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_call_waits_for_readiness_that_lags_its_dependency_not_for_the_backoff():
+    """A replica following another replica's update is NOT_SERVING for a moment; a stream arriving then waits for it
+    (``ready_info``), and the wait asks for a probe at once: with an hour of backoff, it is served all the same."""
+    generator, scorer = _Generator(), _Scorer()
+    scorer.reachable = True
+    slow = ProbeSettings(timeout_s=0.5, interval_s=3600.0, backoff_initial_s=3600.0, backoff_max_s=3600.0,
+                         backoff_jitter_s=0.0)
+    monitor = UpstreamMonitor(generator, scorer, generator_address="gen:1", scorer_address="sco:2", settings=slow)
+    task = asyncio.create_task(monitor.run())
+    try:
+        await _eventually(lambda: generator.calls >= 1)  # refused once: the next probe is an hour away
+        with pytest.raises(NotReady, match="the generator at gen:1"):
+            await monitor.ready_info(0.05)  # not ready within the wait: refused, naming what it waits for
+        generator.reachable = True
+        assert (await asyncio.wait_for(monitor.ready_info(30.0), 5)).max_model_len == 512
+        assert monitor.ready
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

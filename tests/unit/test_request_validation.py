@@ -202,7 +202,14 @@ async def test_streams_beyond_max_concurrent_streams_get_resource_exhausted(toke
     store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
     store.migrate()
     runs = RunRegistry(OperatorLimits(), store)
-    servicer = ExperienceServicer(maker, tokenizer, LIMITS, lambda: info, runs, max_concurrent_streams=2,
+    class Ready:  # the generator serves: what UpstreamMonitor answers once ready
+        def require_ready(self):
+            return info
+
+        async def ready_info(self, wait_s):
+            return info
+
+    servicer = ExperienceServicer(maker, tokenizer, LIMITS, Ready(), runs, max_concurrent_streams=2,
                                   streams=MemoryStreams())
     held = [asyncio.create_task(anext(servicer.MakeExperiences(_request(), _Context()), None)) for _ in range(2)]
     async with asyncio.timeout(30):  # both streams are being served (decoding runs in a thread: no fixed sleep)

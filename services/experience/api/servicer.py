@@ -8,9 +8,9 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -123,12 +123,26 @@ def _trailers(decoded: ExperienceRequest, stats: StreamStats, drained: bool) -> 
     return tuple(trailers)
 
 
+class Readiness(Protocol):
+    """What the generator serves, while the service is ready (:class:`~services.experience.fleet.readiness.UpstreamMonitor`)."""
+
+    def require_ready(self) -> GeneratorInfo:
+        """At once; raises NotReady (UNAVAILABLE, naming what the service waits for) while not ready."""
+        ...
+
+    async def ready_info(self, wait_s: float) -> GeneratorInfo:
+        """Within ``wait_s`` seconds of readiness; raises NotReady as :meth:`require_ready` after that."""
+        ...
+
+
 class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServicer):
     """``fastexp.v1.ExperienceService`` over an :class:`ExperienceMaker` and the service's ``runs``
     (:class:`RunRegistry`; the run RPCs are :class:`RunMethods`).
 
-    ``generator_info()`` returns what the generator serves, or raises NotReady (UNAVAILABLE, naming what the
-    service waits for) while the generator or scorer cannot be reached (``UpstreamMonitor.require_ready``).
+    A stream or weight update that arrives while the service is NOT_SERVING (``readiness``) waits up to
+    ``ready_wait_s`` (half its deadline at most) for it, then is refused UNAVAILABLE naming what the service waits
+    for: a replica is NOT_SERVING for the moment it follows an update made through another replica, and the
+    trainer that made it opens its next stream right away, on whichever replica its channel reaches.
     """
 
     def __init__(
@@ -136,7 +150,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         maker: ExperienceMaker,
         tokenizer: Any,
         limits: RequestLimits,
-        generator_info: Callable[[], GeneratorInfo],
+        readiness: Readiness,
         runs: RunRegistry,
         weights_staging_dir: str | None = None,
         max_concurrent_streams: int = 64,
@@ -146,6 +160,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         *,
         streams: StreamRecords,
         drain_margin_s: float = 5.0,
+        ready_wait_s: float = 10.0,
     ) -> None:
         self._maker = maker
         self._stream_records = streams
@@ -160,7 +175,8 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         self._streams = 0
         self._tokenizer = tokenizer
         self._limits = limits
-        self._generator_info = generator_info
+        self._readiness = readiness
+        self._ready_wait_s = ready_wait_s
         self._weights_staging_dir = weights_staging_dir
         # weight updates in progress (each LoRA run's id, "" for the base model) and deleted LoRA runs whose
         # adapter is being freed: one at a time per key
@@ -218,7 +234,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         """The validated request, within ``run``'s limits and with its share weight, window and adapter."""
         limits = self._limits if run is None else dataclasses.replace(
             self._limits, max_tokens_per_request=run.limits.max_tokens_per_request)
-        info = self._generator_info()  # NotReady (UNAVAILABLE) naming what the service waits for
+        info = await self._ready(context)  # NotReady (UNAVAILABLE) naming what the service waits for
         try:
             # images are decoded and patchified here: off the event loop, one request at a time (the tokenizer
             # and processor are not safe to share between threads)
@@ -276,7 +292,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         run_id = dict(context.invocation_metadata() or ()).get(RUN_ID_KEY)
         # its owner or an admin token, and an admin token for a base-model run's (shared) weights
         run = await self._runs.authorize_update(run_id, current_caller()) if run_id else None
-        self._generator_info()  # NotReady: the update could not reach the generator
+        await self._ready(context)  # NotReady: the update could not reach the generator
         key = run.run_id if run is not None and run.lora is not None else ""  # each LoRA run's, and the base's
         if key in self._updating:
             raise Overloaded(f"run_id: another update of run {key!r}'s adapter, or the deletion of a previous run "
@@ -299,6 +315,12 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
             policy_version=version, critic_version=self._maker.critic_version,
             num_tensors=len(update.entries), num_bytes=update.num_bytes,
         )
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> GeneratorInfo:
+        """What the generator serves, waiting while NOT_SERVING (class docs); NotReady after the wait."""
+        remaining = context.time_remaining()
+        wait_s = self._ready_wait_s if remaining is None else min(self._ready_wait_s, remaining / 2)
+        return await self._readiness.ready_info(wait_s)
 
     def _adapter_spec(self, config: AdapterConfig, target: str) -> dict[str, TensorSpec]:
         """What a LoRA run's update is checked against: its adapter's tensors (the policy's, never the critic's).
@@ -330,7 +352,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
     def _served_lora_rank(self) -> int:
         if not self._maker.serves_adapters:
             return 0
-        return min(self._generator_info().max_lora_rank, self._runs.limits.max_lora_rank)  # NotReady: no generator
+        return min(self._readiness.require_ready().max_lora_rank, self._runs.limits.max_lora_rank)  # NotReady
 
     async def _run_deleted(self, run: Run) -> None:
         if run.lora is not None:

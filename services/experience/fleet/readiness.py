@@ -10,6 +10,13 @@ SERVING; while no generator replica serves (the generator is the fleet of
 UNAVAILABLE naming what they wait for, and it turns SERVING as soon as one replica (the same process restarted,
 or a replacement) serves again.
 
+Readiness can lag the fleet by up to a probe interval (or a backoff while not ready): whoever learns that what it
+watches changed calls :meth:`UpstreamMonitor.probe_soon` (the service does on every change of the fleet's replicas
+while not ready: a replica that serves again, a version followed), and a call arriving while not ready may wait a
+bounded time for readiness (:meth:`UpstreamMonitor.ready_info`) instead of being refused at once: a replica
+following an update made through another experience replica is NOT_SERVING for the moment it loads the new
+version, and a trainer's stream opened right after its update must not be refused for that.
+
 The scorer gates readiness only until it was first reached: reward teams swap scorer containers while training
 runs, and a Score call that finds the scorer gone is retried by :class:`~services.experience.fleet.clients.ScorerClient`,
 so a swap does not take the experience service out of its Service's endpoints.
@@ -20,6 +27,7 @@ Nothing here imports grpc: the probes are the clients' methods, raising domain e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -124,6 +132,7 @@ class UpstreamMonitor:
         self._problems: dict[str, str] = {"generator": "not reached yet", "scorer": "not reached yet"}
         self._since = time.monotonic()  # when readiness last changed
         self._ready = asyncio.Event()
+        self._wake = asyncio.Event()  # set by probe_soon: the next probe runs now
 
     @property
     def ready(self) -> bool:
@@ -157,6 +166,31 @@ class UpstreamMonitor:
         ]
         return f"waiting {waited:.0f} s for " + " and ".join(parts)
 
+    async def ready_info(self, wait_s: float) -> GeneratorInfo:
+        """The generator's model info: at once when ready, else once ready within ``wait_s`` seconds (a probe is
+        asked for now: readiness may only lag what it watches).
+
+        Raises:
+            NotReady: still not ready after ``wait_s``, naming each dependency waited for (as :meth:`require_ready`).
+        """
+        if not self.ready and wait_s > 0:
+            self.probe_soon()
+            with contextlib.suppress(TimeoutError):  # refused below, naming what it waits for
+                async with asyncio.timeout(wait_s):
+                    await self._ready.wait()
+        return self.require_ready()
+
+    def probe_soon(self) -> None:
+        """Probe now rather than after the interval or backoff under way (what the monitor watches changed)."""
+        self._wake.set()
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less when :meth:`probe_soon` is called meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+        self._wake.clear()
+
     async def wait_ready(self, timeout_s: float | None = None) -> GeneratorInfo:
         """Return the generator's info once ready.
 
@@ -164,7 +198,8 @@ class UpstreamMonitor:
             TimeoutError: not ready within ``timeout_s``; the message says what it waits for.
         """
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._ready.wait()
         except TimeoutError:
             raise TimeoutError(self.waiting_for()) from None
         return self.require_ready()
@@ -178,13 +213,13 @@ class UpstreamMonitor:
             try:
                 await self._until_reachable()
                 while await self._probe():
-                    await asyncio.sleep(settings.interval_s)
+                    await self._pause(settings.interval_s)
                 await self._set_ready(False)
                 logger.warning("experience service NOT_SERVING: %s", self.waiting_for())
             except Exception:  # noqa: BLE001 - a bug must not freeze readiness: report it, NOT_SERVING, go on
                 logger.exception("readiness probe failed; NOT_SERVING until the next probe succeeds")
                 await self._set_ready(False)
-                await asyncio.sleep(settings.backoff_max_s)
+                await self._pause(settings.backoff_max_s)
 
     async def _until_reachable(self) -> None:
         """Probe with capped exponential backoff and jitter until both dependencies answer, then turn ready."""
@@ -196,7 +231,7 @@ class UpstreamMonitor:
             if time.monotonic() - logged_at >= WAITING_LOG_INTERVAL_S:  # what a log tail should say
                 logger.info("NOT_SERVING: %s", self.waiting_for())
                 logged_at = time.monotonic()
-            await asyncio.sleep(backoff_s(attempt, settings))
+            await self._pause(backoff_s(attempt, settings))
         await self._set_ready(True)
         assert self._info is not None
         logger.info("experience service SERVING: generator %s (%s, %s backend, policy version %d), scorer %s",
