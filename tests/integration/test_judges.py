@@ -133,6 +133,11 @@ async def test_cancelling_a_score_call_ends_the_judge_calls_in_flight(scorer, ju
     await wait(log, lambda s: s.disconnected - disconnected == 3)  # and the judge server saw each one end
     with pytest.raises(asyncio.CancelledError):
         await call
+    # each call counts itself cancelled as its cancellation unwinds, which may end after the judge server saw the
+    # connection close: waited for (the metric), not read at once
+    async with asyncio.timeout(60):
+        while metric("fastexp_reward_source_calls_total", source="hanging", outcome="cancelled") - cancelled < 3:
+            await asyncio.sleep(0.01)
     assert metric("fastexp_reward_source_calls_total", source="hanging", outcome="cancelled") - cancelled == 3
 
 

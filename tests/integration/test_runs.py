@@ -64,7 +64,7 @@ async def stack(tiny_model_path, tmp_path_factory):
         for service in (secured, open_service):
             await service.wait_ready(60)
         yield {"address": f"127.0.0.1:{secured.running.port}", "open": f"127.0.0.1:{open_service.running.port}",
-               "gate": gate}
+               "gate": gate, "services": (secured, open_service)}
         for service in (secured, open_service):
             await service.running.stop(1)
             await service.close()
@@ -136,6 +136,9 @@ async def test_a_trainer_creates_gets_lists_streams_and_deletes_its_run(stack):
     deleted = await _call(stack, ALICE, "delete_run", "alice-base")
     assert deleted.run_id == "alice-base"
     assert REGISTRY.get_sample_value("fastexp_run_samples_total", run_series) is None  # its series are gone
+    # the deleting replica reports the run no more; another replica of the store (the open service, in this
+    # process too) reports what its last heartbeat saw, and drops it at its next one: taken here, not waited for
+    await stack["services"][1].runs.heartbeat()
     assert REGISTRY.get_sample_value("fastexp_run_streams_open", run_series) is None
     with pytest.raises(NotFound) as missing:
         await _call(stack, ALICE, "get_run", "alice-base")
