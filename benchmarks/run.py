@@ -20,6 +20,7 @@ from rich.table import Table
 
 from benchmarks import (
     adapter_memory,
+    engine_spin,
     episodes,
     fleet,
     gae,
@@ -53,6 +54,8 @@ TARGETS = {
     "judge_cache_hit_rate": "informative (items answered from the cache)",
     "judge_cache_calls_saved": "informative (judge prompts not sent)",
     "runs_adapter_vs_full_update_s": "<= 0.05",
+    "engine_no_spin_vs_spin_tokens_per_s": "informative (a lone engine on an idle host: spinning takes a 2nd core)",
+    "engine_no_spin_vs_spin_cpu_s_per_token": "< 1 (the CPU the spin took, given back to the forwards)",
     "runs_adapter_vs_full_update_bytes": "informative (an adapter's bytes / the base model's)",
     "runs_adapter_qv_vs_full_update_s": "<= 0.05 (rank 16 on q_proj/v_proj, peft's default for Llama)",
     "runs_concurrent_vs_sequential_tokens_per_s": ">= 1.5",
@@ -124,6 +127,7 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
         if not small:  # two trainers and the services: minutes even at tiny sizes (tests/integration/test_trl.py
             # covers the integration itself)
             results.update(trl_step.run(model, trl_step.TrlStepWorkload(), out / "logs"))
+            results.update(engine_spin.run(out / "spin"))  # two engine starts, nothing else to smoke-test
     results.update(
         packing.run(model, rows=4, max_response=16, micro_batch_size=2, repeats=1) if small else packing.run(model)
     )

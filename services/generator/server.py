@@ -65,7 +65,8 @@ def build_engine(settings: GeneratorSettings) -> GenerationEngine:
     if backend == "vllm":
         # every keyword of engine_options but the model is a generator setting of the same name
         names = [name for name in inspect.signature(engine_options).parameters if name != "model"]
-        return VLLMEngine.start(model, **settings.model_dump(include=set(names)))
+        return VLLMEngine.start(model, busy_loop_s=settings.vllm_busy_loop_s,
+                                **settings.model_dump(include=set(names)))
     from services.generator.hf_engine import HFEngine
 
     return HFEngine.start(

@@ -29,6 +29,11 @@ class GeneratorSettings(GenerationLimits):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM memory fraction if no KV size")
     enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (faster start, slower steps)")
     max_num_seqs: int | None = Field(None, ge=1, description="vLLM: most sequences per scheduler step (None: vLLM's default)")
+    vllm_busy_loop_s: float | None = Field(
+        None, ge=0, description="vLLM: seconds its engine core and workers spin (sched_yield) after each message "
+        "before they sleep (services/generator/vllm_plugin.py). None: 0 on a CPU host, where the spin takes the "
+        "model's cores; vLLM's own (1 s) with CUDA",
+    )
     hf_max_batch_size: int = Field(32, ge=1, description="HF backend: sequences per generate() call")
     tensor_parallel_size: int = Field(
         1, ge=1, description="vLLM: GPUs one engine's weights are split over (Megatron-style tensor parallelism)"

@@ -132,14 +132,20 @@ class VLLMEngine(TokenizerEngine):
         self._workers = WorkerAdapters(engine, self.sleep_state)  # the loads in vLLM's workers
 
     @classmethod
-    def start(cls, model: str, **options: Any) -> VLLMEngine:
+    def start(cls, model: str, busy_loop_s: float | None = None, **options: Any) -> VLLMEngine:
         """Start the engine (spawns vLLM's engine-core process; call from a ``__main__``-guarded program).
 
-        ``options``: keyword arguments of :func:`engine_options` (dtype, max_model_len, seed, KV size, ...).
+        ``options``: keyword arguments of :func:`engine_options` (dtype, max_model_len, seed, KV size, ...);
+        ``busy_loop_s``: seconds vLLM's processes spin after each message before they sleep
+        (:mod:`services.generator.vllm_plugin`; None: 0 without CUDA, where the spin takes the model's cores,
+        vLLM's own with it).
         """
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from services.generator.vllm_plugin import set_busy_loop
+
+        set_busy_loop(busy_loop_s if busy_loop_s is not None or torch.cuda.is_available() else 0.0)
         args = AsyncEngineArgs(**engine_options(model, **options))
         engine = AsyncLLM.from_engine_args(args)
         tokenizer = engine.get_tokenizer()
