@@ -396,6 +396,55 @@ async def test_cpu_and_memory_are_limited_per_run_not_per_process(kind, stopped,
     assert observed in result.as_observation()
 
 
+_MAPPINGS = """
+    import ctypes, multiprocessing, time
+    def many_mappings():  # 64,000 mappings over untouched pages: ~10 MiB resident, ~15 MiB of kernel slab
+        libc = ctypes.CDLL(None)
+        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                 ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        base = libc.mmap(None, 64000 * 4096, 1, 0x22, -1, 0)  # PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS
+        for page in range(0, 64000, 2):
+            libc.mprotect(base + page * 4096, 4096, 0)  # every other page another protection: no merging
+        time.sleep(4)
+    workers = [multiprocessing.Process(target=many_mappings) for _ in range(14)]
+    for w in workers: w.start()
+    held = bytearray(300 * 1024**2)  # and resident memory well under the limit
+    held[::4096] = b'x' * len(held[::4096])
+    for w in workers: w.join()
+    print('all done', [w.exitcode for w in workers])
+"""
+
+
+async def test_the_kernel_memory_of_many_mappings_counts_against_the_runs_memory():
+    """An attack of the third review (2026-11-25): 14 processes with 64,000 mappings each held ~200 MiB of kernel
+    slab no resident set shows, next to ~450 MiB resident, against memory_bytes 512 MiB. Each mapping now counts
+    (MAPPING_BYTES), so the run is stopped; it ran to the end before."""
+    result = await BubblewrapSandbox().run(textwrap.dedent(_MAPPINGS), SandboxLimits(timeout_s=60.0, cpu_s=30))
+    assert result.stopped == "memory" and "all done" not in result.stdout, result
+
+
+def test_mappings_are_counted_from_a_real_process():
+    import subprocess
+    import sys
+
+    from services.scorer.sandbox.usage import MAPPING_BYTES, TreeUsage, mappings_of
+
+    # the attack's one process, holding its mappings until told to end
+    code = textwrap.dedent(_MAPPINGS).split("workers =")[0].replace(
+        "time.sleep(4)", "print('mapped', flush=True); __import__('sys').stdin.read()") + "many_mappings()\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        while child.stdout.readline().strip() != "mapped":
+            assert child.poll() is None
+        mappings = mappings_of([child.pid])
+        assert mappings.count >= 64000
+        assert TreeUsage(mappings=mappings.count).memory_bytes == mappings.count * MAPPING_BYTES
+    finally:
+        child.kill()
+        child.wait()
+
+
 async def test_empty_files_past_the_runs_file_limit_stop_it():
     """Empty files take no tmpfs bytes but ~1 KiB of kernel memory each: past max_files the run is stopped."""
     code = "import os\nfor i in range(1_000_000):\n    open(f'f{i}', 'w').close()\nprint('all created')"
@@ -635,6 +684,30 @@ async def test_the_system_call_filter_refuses_the_keyring_and_kernel_interfaces(
     """)
     result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=30.0))
     assert result.stdout.split("\n")[:4] == ["[]", "main.py", "forked", "threaded"], result
+
+
+async def test_a_call_can_neither_probe_nor_evict_the_shared_files_cached_pages():
+    """An attack of the third review (2026-11-25): call A evicted 64 files of the shared /usr from the page cache
+    (posix_fadvise DONTNEED) and read those whose bit was 1; call B, later, probed each with preadv2(RWF_NOWAIT)
+    and read all 64 bits. Both halves are refused now; plain reads and other advice still work."""
+    code = textwrap.dedent("""
+        import mmap, os
+        fd, buf = os.open(os.__file__, os.O_RDONLY), bytearray(4096)
+        def refused(action):
+            try:
+                action()
+            except PermissionError:
+                return True
+            return False
+        print(refused(lambda: os.preadv(fd, [buf], 0, os.RWF_NOWAIT)),
+              refused(lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)),
+              refused(lambda: mmap.mmap(fd, 0, prot=mmap.PROT_READ).madvise(21)),  # MADV_PAGEOUT
+              refused(lambda: mmap.mmap(fd, 0, prot=mmap.PROT_READ).madvise(20)))  # MADV_COLD
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        print(os.preadv(fd, [buf], 0) == 4096, os.preadv(fd, [buf], 0, os.RWF_HIPRI) >= 0)
+    """)
+    result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=30.0))
+    assert result.stdout.split("\n")[:2] == ["True True True True", "True True"], result
 
 
 def test_the_sandbox_containers_seccomp_profile_is_the_code_and_bwrap_builds_its_runs_under_it():

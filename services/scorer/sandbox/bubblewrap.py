@@ -22,8 +22,8 @@ Each run is ``bwrap`` with, for the tool's process tree:
 - **limits per process** set by a trusted launcher inside, before the tool's code starts (the code cannot raise
   them): ``RLIMIT_NPROC`` (``max_processes``), ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``
   and ``RLIMIT_CORE`` = 0;
-- **limits per run**: the whole tree's CPU seconds (``cpu_s``), memory (``memory_bytes``: resident bytes plus
-  writable shared mappings) and files in its
+- **limits per run**: the whole tree's CPU seconds (``cpu_s``), memory (``memory_bytes``: resident bytes,
+  writable shared mappings and the kernel's memory per mapping) and files in its
   tmpfs (``max_files``), sampled from ``/proc`` every ``usage_poll_s`` (:mod:`services.scorer.sandbox.usage`): past
   any, the whole tree is killed (``stopped``: ``"cpu"``, ``"memory"``, ``"files"``); a wall-clock timeout kills it; stdout and stderr are cut to
   ``max_output_bytes`` (the rest is read and dropped);
@@ -175,9 +175,11 @@ class BubblewrapSandbox:
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(source, status_write, rules), start_new_session=True, env={},
             )
-        except OSError as error:  # bwrap missing, or the uid/gid cannot be taken
+        except BaseException as error:  # bwrap missing, the uid/gid cannot be taken, or the caller gave up
             os.close(status_read)
-            raise SandboxError(f"cannot start {self._bwrap or self._options.bwrap}: {error}") from error
+            if isinstance(error, OSError):
+                raise SandboxError(f"cannot start {self._bwrap or self._options.bwrap}: {error}") from error
+            raise
         finally:
             os.close(source)
             os.close(rules)
@@ -278,8 +280,8 @@ async def _collect(process: asyncio.subprocess.Process, limits: SandboxLimits,
 
 async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, options: BubblewrapOptions) -> str:
     """Wait for ``process`` to end (``""``), sampling its tree's use every ``usage_poll_s``: ``"cpu"`` once it
-    passed ``cpu_s`` CPU seconds, ``"memory"`` once it holds more than ``memory_bytes`` (resident, plus writable
-    shared mappings: :attr:`TreeUsage.memory_bytes`), ``"files"`` once
+    passed ``cpu_s`` CPU seconds, ``"memory"`` once it holds more than ``memory_bytes`` (resident, writable shared
+    mappings and the kernel's per mapping: :attr:`TreeUsage.memory_bytes`), ``"files"`` once
     its tmpfs holds more than ``max_files`` (the caller kills it)."""
     ended = asyncio.ensure_future(process.wait())
     while not ended.done():

@@ -20,7 +20,10 @@ bwrap's monitor (``--die-with-parent``), which it must not undo; ``prctl(PR_SET_
 non-dumpable process hides the ``/proc`` entries the per-run limits read from a scorer of the same uid).
 Sockets of any address family but ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` and ``AF_NETLINK`` answer EAFNOSUPPORT: ``AF_VSOCK`` is not confined by the network namespace (a run would share the virtual machine's
 vsock ports with its host), and the others are kernel attack surface no tool needs (``AF_PACKET``, ``AF_ALG``,
-``AF_XDP``, ...). Everything else is allowed: the run's other limits (namespaces, rlimits, the read-only root, the
+``AF_XDP``, ...). The page cache of the files every run shares (the read-only ``/usr``) must not carry bits from one
+call to the next: probing whether a page is cached (``preadv2``/``pwritev2`` with ``RWF_NOWAIT``, ``cachestat``)
+and evicting a file's pages (``posix_fadvise(POSIX_FADV_DONTNEED)``, ``madvise(MADV_COLD | MADV_PAGEOUT)``) are
+EPERM (``mincore`` reports nothing of files a run cannot write). Everything else is allowed: the run's other limits (namespaces, rlimits, the read-only root, the
 per-run use) do the rest.
 """
 
@@ -44,6 +47,7 @@ DENIED_SYSCALLS = (
     "io_uring_setup", "io_uring_enter", "io_uring_register",
     "iopl", "ioperm", "vhangup",
     "shmget", "msgget", "semget", "memfd_create", "io_setup",
+    "cachestat",
 )
 #: Socket address families a run may use (unix, IPv4, IPv6, netlink); any other is EAFNOSUPPORT. As ranges of the
 #: families denied: ``socket``'s first argument in [low, high] (high None: and above).
@@ -59,6 +63,11 @@ PR_SET_DUMPABLE = 4
 #: a run's sockets can queue stays bounded by its descriptors × that default.
 SOL_SOCKET = 1
 BUFFER_OPTIONS = (7, 8, 32, 33)
+#: The page-cache probe (``RWF_NOWAIT`` in ``preadv2``/``pwritev2``'s flags, argument 5 after the two halves of the
+#: offset) and evictions (``fadvise64``'s advice, argument 3; ``madvise``'s, argument 2): EPERM.
+RWF_NOWAIT = 0x8
+POSIX_FADV_DONTNEED = 4
+MADV_COLD, MADV_PAGEOUT = 20, 21
 #: ``clone`` flags that make a namespace (any of them: EPERM).
 NAMESPACE_FLAGS = {
     "CLONE_NEWNS": 0x00020000, "CLONE_NEWCGROUP": 0x02000000, "CLONE_NEWUTS": 0x04000000,
@@ -121,6 +130,16 @@ def _arg(seccomp, condition: dict):
     return seccomp.Arg(condition["index"], seccomp.GE, condition["value"])
 
 
+def _page_cache_rules(seccomp, rules) -> None:
+    """EPERM for probing or evicting shared files' cached pages (module docs)."""
+    for name in ("preadv2", "pwritev2"):
+        rules.add_rule(seccomp.ERRNO(errno.EPERM), name, seccomp.Arg(5, seccomp.MASKED_EQ, RWF_NOWAIT, RWF_NOWAIT))
+    rules.add_rule(seccomp.ERRNO(errno.EPERM), "fadvise64",
+                   seccomp.Arg(3, seccomp.MASKED_EQ, INT_MASK, POSIX_FADV_DONTNEED))
+    for advice in (MADV_COLD, MADV_PAGEOUT):
+        rules.add_rule(seccomp.ERRNO(errno.EPERM), "madvise", seccomp.Arg(2, seccomp.MASKED_EQ, INT_MASK, advice))
+
+
 class SeccompUnavailable(RuntimeError):
     """The filter cannot be built here (libseccomp or its bindings are missing)."""
 
@@ -152,6 +171,7 @@ def filter_program() -> bytes:
     for option in BUFFER_OPTIONS:
         rules.add_rule(seccomp.ERRNO(errno.EPERM), "setsockopt", seccomp.Arg(1, seccomp.MASKED_EQ, INT_MASK, SOL_SOCKET),
                        seccomp.Arg(2, seccomp.MASKED_EQ, INT_MASK, option))
+    _page_cache_rules(seccomp, rules)
     with tempfile.TemporaryFile() as program:
         rules.export_bpf(program)
         program.seek(0)
