@@ -75,7 +75,8 @@ def run(out: Path) -> dict:
     for busy_loop_s in (1.0, 0.0):  # vLLM's own first, then none
         spec, result = out / f"spin-{busy_loop_s}.spec.json", out / f"spin-{busy_loop_s}.json"
         spec.write_text(json.dumps({"busy_loop_s": busy_loop_s}))
-        subprocess.run([sys.executable, "-m", "benchmarks.engine_spin", str(spec), str(result)], check=True, env=env)
+        subprocess.run([sys.executable, "-m", "benchmarks.engine_spin", str(spec), str(result)],
+                       check=True, env=env, timeout=1800)  # an engine start and 64 generations: minutes
         runs[busy_loop_s] = json.loads(result.read_text())
     spin, none = runs[1.0], runs[0.0]
     return {
