@@ -12,8 +12,9 @@ the same work. Runs, on one set of services, in this order:
 - ``stream_lean``: ``skip_actor_forward`` and ``kl_coef`` 0 (no reference): generation and scoring only.
 
 Figures (each a ratio of two times taken here, in this run): ``stream_vs_generation`` (target <= 1.3),
-``stream_skip_actor_vs_generation``, ``stream_lean_vs_generation``, and ``reference_free_vs_with_reference`` =
-``stream_lean`` / ``stream_skip_actor`` (what skipping the reference saves).
+``stream_skip_actor_vs_generation``, ``stream_lean_vs_generation``, ``reference_free_vs_with_reference`` =
+``stream_lean`` / ``stream_skip_actor`` (what skipping the reference saves), and ``first_batch_vs_generation`` (the
+stream's first batch against generation alone).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from benchmarks.pipeline import generate_once
 from fastexp import ExperienceClient, RequestOptions, Sampling
 from services.demo.datasets import task_problems
-from services.launcher import LocalCluster, fresh_state_dir
+from services.launcher import CoreSplit, LocalCluster, fresh_state_dir
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,20 @@ class DemoWorkload:
     seed: int = 0
 
 
-def run(model: str, workload: DemoWorkload, log_dir: Path) -> dict:
-    """Measure the four runs on ``model`` (a local folder); returns the figures, their inputs and the workload."""
+def run(model: str, workload: DemoWorkload, log_dir: Path, core_split: CoreSplit | None = None,
+        name: str = "stream_overhead") -> dict:
+    """Measure the four runs on ``model`` (a local folder); returns the figures, their inputs and the workload.
+    ``core_split``: the host's cores between the engine and the forwards (None: the launcher's default);
+    ``name``: the runs' log folder."""
     problems = task_problems(workload.task, workload.num_prompts, seed=workload.seed)
     sampling = Sampling(temperature=1.0, max_new_tokens=workload.max_new_tokens, seed=workload.seed)
     base = RequestOptions(n_samples_per_prompt=workload.n_samples_per_prompt, sampling=sampling,
                           advantage_estimator="group_norm", packing_samples=True)
     overrides = {"generator": {"model": model, "backend": "vllm"},
                  "experience": {"actor_model": model, "reference_model": model}}
-    with LocalCluster(overrides=overrides, log_dir=log_dir / "stream_overhead",
-                      state_dir=fresh_state_dir(log_dir / "stream_overhead-state")) as cluster:
+    split = {"core_split": core_split} if core_split is not None else {}
+    with LocalCluster(overrides=overrides, log_dir=log_dir / name, state_dir=fresh_state_dir(log_dir / f"{name}-state"),
+                      **split) as cluster:
         address = cluster.address("experience")
         prompt_ids = _prompt_ids(model, problems)
         generate_once(cluster.address("generator"), prompt_ids[:2], 1, Sampling(max_new_tokens=8))  # warm-up
@@ -62,6 +67,7 @@ def run(model: str, workload: DemoWorkload, log_dir: Path) -> dict:
         "stream_skip_actor_vs_generation": skip_actor["seconds"] / generation["seconds"],
         "stream_lean_vs_generation": lean["seconds"] / generation["seconds"],
         "reference_free_vs_with_reference": lean["seconds"] / skip_actor["seconds"],
+        "first_batch_vs_generation": stream["first_batch_s"] / generation["seconds"],
         "stream_overhead_inputs": {"generation": generation, "stream": stream, "stream_skip_actor": skip_actor,
                                    "stream_lean": lean},
         "stream_overhead_workload": {**asdict(workload), "model": model, "backend": "vllm"},

@@ -90,30 +90,43 @@ def log_tail(path: Path | None, lines: int = 20) -> str:
 @dataclass(frozen=True)
 class CoreSplit:
     """How a host without a GPU shares its cores between the generator's CPU engine and the experience service's
-    forward passes when both run on it: the engine's OpenMP threads are bound to ``engine_cores`` (vLLM's
-    ``VLLM_CPU_OMP_THREADS_BIND``; as many OpenMP threads for the HF backend) and the forwards get
-    ``forward_threads`` torch threads, so neither oversubscribes the other's cores (forwards overlap generation
-    instead of stealing its time slices); a forward pass that starts while none of the experience service's
-    samples are generating takes ``idle_forward_threads`` (every core, from :meth:`for_host`). ``pin_generators``: also confine each generator's whole process tree
-    (server, vLLM's scheduler and workers) to its cores with CPU affinity; otherwise only the model's threads are
-    bound and vLLM's scheduler process runs on any core (what a one-replica host wants: it keeps the model's core
-    for the model)."""
+    forward passes when both run on it.
+
+    The forwards get ``forward_threads`` torch threads while generation is in flight and ``idle_forward_threads``
+    (every core, from :meth:`for_host`) while none is. One generator replica's engine is bound to ``host_cores``
+    (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``: one OpenMP thread per core) and runs on all of them while no forward pass
+    waits, on as many threads as ``engine_cores`` while one does (the experience service sets them at run time:
+    :mod:`services.experience.fleet.cores`), so neither oversubscribes the other and neither idles cores the other
+    could use. Without ``host_cores``, or with several replicas, each engine is bound to its block of
+    ``engine_cores`` for good. ``pin_generators``: also confine each generator's whole process tree (server,
+    vLLM's scheduler and workers) to its cores with CPU affinity; otherwise only the model's threads are bound and
+    vLLM's scheduler process runs on any core (what a one-replica host wants: it keeps the model's cores for the
+    model). The HF backend gets ``len(engine_cores)`` OpenMP threads (its threads are not set at run time)."""
 
     engine_cores: tuple[int, ...]
     forward_threads: int
     pin_generators: bool = False
     idle_forward_threads: int | None = None  # the forwards' threads while no generation is in flight (None: same)
+    host_cores: tuple[int, ...] = ()  # the cores one engine may run on while no forward pass waits (): engine_cores
 
     @classmethod
     def for_host(cls, cores: int) -> CoreSplit:
-        """Half the cores (at least one) to the engine, the rest (at least one thread) to the forwards; every core
-        to a forward pass that starts while no generation is in flight."""
+        """Half the cores (at least one) to the engine while forwards run, the rest (at least one thread) to the
+        forwards; every core to the engine while no forward pass waits, and to a forward pass that starts while
+        no generation is in flight."""
         engine = max(1, cores // 2)
-        return cls(tuple(range(engine)), max(1, cores - engine), idle_forward_threads=max(1, cores))
+        return cls(tuple(range(engine)), max(1, cores - engine), idle_forward_threads=max(1, cores),
+                   host_cores=tuple(range(cores)) if cores > engine else ())
+
+    def shares_cores(self, replicas: int = 1) -> bool:
+        """Whether the engine's threads move with the forwards' work (one replica, ``host_cores`` given)."""
+        return replicas == 1 and not self.pin_generators and len(self.host_cores) > len(self.engine_cores)
 
     def generator_cores(self, replica: int = 0, replicas: int = 1) -> tuple[int, ...]:
         """Generator ``replica``'s cores: the engine cores split into equal blocks, one per replica (replicas share
-        blocks round-robin when there are fewer cores than replicas)."""
+        blocks round-robin when there are fewer cores than replicas); ``host_cores`` when :meth:`shares_cores`."""
+        if self.shares_cores(replicas):
+            return self.host_cores
         size = max(1, len(self.engine_cores) // replicas)
         start = replica * size % len(self.engine_cores)
         return self.engine_cores[start : start + size]
@@ -124,13 +137,23 @@ class CoreSplit:
         if service == "generator":
             mine = self.generator_cores(replica, replicas)
             # OMP_NUM_THREADS: the HF backend's torch threads (vLLM sets its own from the bind list)
-            return {"VLLM_CPU_OMP_THREADS_BIND": f"{mine[0]}-{mine[-1]}", "OMP_NUM_THREADS": str(len(mine))}
+            hf_threads = len(self.engine_cores) if self.shares_cores(replicas) else len(mine)
+            return {"VLLM_CPU_OMP_THREADS_BIND": _cpu_list(mine), "OMP_NUM_THREADS": str(hf_threads)}
         if service == "experience":
             threads = {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(self.forward_threads)}
             if self.idle_forward_threads is not None:
                 threads["FASTEXP_EXPERIENCE_TORCH_THREADS_IDLE"] = str(self.idle_forward_threads)
+            if self.shares_cores(replicas):
+                threads["FASTEXP_EXPERIENCE_GENERATOR_CPU_THREADS_SHARING"] = str(len(self.engine_cores))
             return threads
         return {}
+
+
+def _cpu_list(cores: tuple[int, ...]) -> str:
+    """vLLM's bind list for ``cores``: a range when they are consecutive ("0-3"), else each one ("0,2,5")."""
+    if list(cores) == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(str(core) for core in cores)
 
 
 def child_prefix(cores: set[int] | None) -> list[str]:

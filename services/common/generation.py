@@ -16,6 +16,8 @@ from fastexp.sampling import SamplingOptions
 from services.common.media import DecodedMedia, EncodedMedia
 
 FinishReason = Literal["stop", "length", "abort"]
+#: The feature a generator lists (``ModelInfo.features``) when ``SetCpuThreads`` adjusts its engine's threads.
+CPU_THREADS = "cpu-threads"
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,14 @@ GENERATED_TOKENS = Counter("fastexp_generated_tokens", "Response tokens sampled 
 GENERATION_REQUESTS_IN_FLIGHT = Gauge(
     "fastexp_generation_requests_in_flight", "Sequences submitted to the engine and not yet finished"
 )
+GENERATOR_CPU_THREADS = Gauge(
+    "fastexp_generator_cpu_threads", "Threads a CPU engine's model runs on (SetCpuThreads; 0: not adjustable)"
+)
+ENGINE_THREAD_CHANGES = Counter(
+    "fastexp_engine_thread_changes_total",
+    "SetCpuThreads calls the experience service made to a CPU engine sharing its host, by the threads set "
+    "(to: shared, while forward passes wait; all, once none does)", ["to"],
+)
 POLICY_VERSION = Gauge(
     "fastexp_policy_version", "Weights version now serving (generator) or live (experience: its actor replica)",
     ["service"],

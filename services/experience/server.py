@@ -16,6 +16,7 @@ from fastexp.security import ClientTLS
 from fastexp.v1 import experience_pb2, experience_pb2_grpc
 from services.common import metrics
 from services.common.channels import open_channel
+from services.common.dtypes import resolve_dtype
 from services.common.errors import NotReady
 from services.common.models import resolve_model
 from services.common.security import read_tokens
@@ -23,6 +24,7 @@ from services.common.server import RunningServer, ServingGate, run_service, star
 from services.common.weights import WeightsBlobs
 from services.experience.api.servicer import ExperienceServicer
 from services.experience.fleet.clients import EnvironmentClient, GeneratorClient, ScorerClient
+from services.experience.fleet.cores import CoreShare
 from services.experience.fleet.generator_fleet import GeneratorFleet
 from services.experience.fleet.readiness import GeneratorInfo, UpstreamMonitor
 from services.experience.gateway.agents import AgentRunner, AgentServer
@@ -63,6 +65,7 @@ class ExperienceService:
     runs: RunRegistry
     gateway: RunningGateway | None = None  # the OpenAI-compatible gateway, when gateway_port is set
     agents: AgentRunner | None = None  # agent episodes through the gateway, when agents are configured
+    cores: CoreShare | None = None  # the forwards' threads and those of engines sharing the host
 
     async def wait_ready(self, timeout_s: float | None = None) -> GeneratorInfo:
         """Return once the generator and scorer were reached (health SERVING).
@@ -80,6 +83,8 @@ class ExperienceService:
         for watcher in self.watchers:
             watcher.cancel()
         await asyncio.gather(*self.watchers, return_exceptions=True)
+        if self.cores is not None:
+            await self.cores.close()
         await self.fleet.close()
         for channel in self.channels:
             await channel.close()
@@ -109,7 +114,9 @@ def _load_policy(settings: ExperienceSettings) -> _Policy:
     from transformers import AutoTokenizer
 
     actor_path = resolve_model(settings.actor_model)
-    placement = {"dtype": settings.dtype, "device": settings.device, "device_map": settings.device_map}
+    dtype = resolve_dtype(settings.dtype, settings.device)
+    logger.info("forward passes in %s on %s (dtype setting %s)", dtype, settings.device, settings.dtype)
+    placement = {"dtype": dtype, "device": settings.device, "device_map": settings.device_map}
     actor = LogProbModel.load(actor_path, **placement)
     reference = LogProbModel.load(resolve_model(settings.reference_model), **placement)
     critic = None
@@ -209,15 +216,10 @@ def _gateway_tokens(settings: ExperienceSettings) -> tuple[bytes, ...]:
     return tuple(token for path, name in files if path is not None for token in read_tokens(path, name))
 
 
-def _forward_threads(settings: ExperienceSettings, fleet: GeneratorFleet) -> Callable[[], int | None] | None:
-    """CPU threads per forward pass: ``torch_threads_idle`` while none of this service's samples are generating
-    (a CPU engine sharing the host then idles), ``torch_threads`` otherwise; None without ``torch_threads_idle``."""
-    if settings.torch_threads_idle is None:
-        return None
-    import torch
-
-    busy, idle = settings.torch_threads or torch.get_num_threads(), settings.torch_threads_idle
-    return lambda: idle if fleet.samples_in_flight() == 0 else busy
+def _core_share(settings: ExperienceSettings, fleet: GeneratorFleet) -> CoreShare:
+    """The forward passes' CPU threads, and the engines' on a host they share (:mod:`services.experience.fleet.cores`)."""
+    return CoreShare(fleet, engine_threads_sharing=settings.generator_cpu_threads_sharing,
+                     forward_threads=settings.torch_threads, idle_forward_threads=settings.torch_threads_idle)
 
 
 def _connect_replica(settings: ExperienceSettings, tls: ClientTLS | None, token: str | None):
@@ -257,11 +259,12 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
     sessions = SessionRegistry()
     gateway = _serve_gateway(settings, policy, fleet, upstream, sessions)
     agents = _agent_runner(settings, policy, sessions, gateway)
+    cores = _core_share(settings, fleet)
     maker = ExperienceMaker(
         fleet, scorer, policy.models, pad_token_id=policy.pad_token_id, runs=StoredStatistics(runs.store, settings.max_runs),
         max_groups_ahead=settings.max_groups_ahead, sync_timeout_s=settings.update_weights_timeout_s,
         episodes=_episode_runner(settings, policy, fleet, environment_channel, upstream),
-        forward_threads=_forward_threads(settings, fleet), agents=agents,
+        cores=cores, agents=agents,
         max_samples_in_flight=settings.max_samples_in_flight, ledger=ledger,
     )
     maker.on_policy_live(fleet.members.follow)
@@ -293,7 +296,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         settings.host, running.port, generators, settings.scorer_address,
     )
     return ExperienceService(running, upstream, fleet, watchers, (scorer_channel, environment_channel), sessions,
-                             runs, gateway, agents)
+                             runs, gateway, agents, cores)
 
 
 def _watch(running: RunningServer, upstream: UpstreamMonitor, fleet: GeneratorFleet, runs: RunRegistry,

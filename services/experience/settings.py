@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import SettingsConfigDict
 
 from fastexp.security import ClientTLS
+from services.common.dtypes import DtypeSetting
 from services.common.models import SMOLLM2_ALIAS
 from services.common.security import AuthInterceptor, read_tokens
 from services.common.settings import GenerationLimits
@@ -80,7 +81,10 @@ class ExperienceSettings(GenerationLimits):
         description="modules a LoRA run may adapt (peft target_modules names; default the attention and MLP "
         "projections); JSON in the environment",
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: DtypeSetting = Field(
+        "auto", description="the forward passes' floating-point type on `device`; auto: bfloat16 where the device "
+        "computes it natively, float32 where it does not (services.common.dtypes), chosen at start and logged"
+    )
     device: str = Field("cpu", description="torch device for actor/reference forward passes")
     device_map: str | None = Field(
         None, description="accelerate device_map (auto, balanced, sequential) spreading the actor, reference and "
@@ -95,6 +99,12 @@ class ExperienceSettings(GenerationLimits):
         None, ge=1, description="CPU threads of a forward pass that starts while none of this service's generation "
         "is in flight (a CPU engine on this host then leaves its cores free: the launcher sets every core); None: "
         "torch_threads always",
+    )
+    generator_cpu_threads_sharing: int = Field(
+        0, ge=0, description="threads of a CPU engine on this host's cores (the generator lists the feature "
+        "cpu-threads) while forward passes wait or run; every core it is bound to otherwise, so generation gets "
+        "the host while the forwards have nothing to do (services.experience.fleet.cores). 0: engines keep their "
+        "threads (the launcher sets half the cores)",
     )
     forward_share_prompt: bool = Field(
         True, description="packed forwards (packing_samples) compute each prompt group's prompt once, not n times"

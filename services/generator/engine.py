@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from services.common.lora import AdapterConfig
     from services.generator.adapters import AdapterTable
+    from services.generator.cpu_threads import CpuThreads
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class ModelDescription:
     eos_token_id: int
     pad_token_id: int
     multimodal: bool = False  # accepts images/videos (a vision-language model with its processor)
+    dtype: str = ""  # the floating-point type the model runs in ("bfloat16", "float32", ...)
 
 
 @dataclass
@@ -80,6 +82,7 @@ class GenerationEngine(Protocol):
     max_lora_rank: int  # the highest adapter rank load_adapter takes; 0: none
     lora_modules: Mapping[str, tuple[int, int]]  # the base's linear layers adapters may target: (out, in) features
     adapters: AdapterTable  # each adapter's live version
+    cpu_threads: CpuThreads | None  # a CPU engine's model threads, set at run time (None: not adjustable)
 
     @property
     def policy_version(self) -> int:

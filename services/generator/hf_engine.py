@@ -105,6 +105,7 @@ class HFEngine(TokenizerEngine):
         self.max_lora_rank = max_lora_rank  # 0: no adapters
         self._peft = PeftAdapters(model)
         self.adapters = AdapterTable()
+        self.cpu_threads = None  # torch's threads are the process's, shared with the server: not adjustable here
         self._retired: list[AdapterSlot] = []  # superseded adapter loads no request runs on: removed under the lock
 
     @classmethod
@@ -127,7 +128,7 @@ class HFEngine(TokenizerEngine):
         limit = min(max_model_len, getattr(text_config, "max_position_embeddings", max_model_len))
         description = ModelDescription(
             model_name=model, tokenizer=model, max_model_len=limit, backend="hf", eos_token_id=int(eos),
-            pad_token_id=int(pad), multimodal=processor is not None,
+            pad_token_id=int(pad), multimodal=processor is not None, dtype=dtype,
         )
         return cls(network, tokenizer, description, max_batch_size, processor, max_lora_rank)
 

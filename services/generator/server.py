@@ -8,6 +8,7 @@ import os
 
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from services.common import metrics
+from services.common.dtypes import resolve_dtype
 from services.common.models import resolve_model
 from services.common.server import RunningServer, run_service, serving, start_service
 from services.generator.engine import GenerationEngine
@@ -61,16 +62,17 @@ def build_engine(settings: GeneratorSettings) -> GenerationEngine:
         backend = "vllm" if vllm_available() else "hf"
     check_parallelism(settings.tensor_parallel_size, settings.data_parallel_size, backend, _visible_gpus())
     model = resolve_model(settings.model)
-    logger.info("starting the %s engine on %s", backend, model)
+    dtype = resolve_dtype(settings.dtype, "cuda" if _visible_gpus() else "cpu")
+    logger.info("starting the %s engine on %s in %s (dtype setting %s)", backend, model, dtype, settings.dtype)
     if backend == "vllm":
         # every keyword of engine_options but the model is a generator setting of the same name
         names = [name for name in inspect.signature(engine_options).parameters if name != "model"]
         return VLLMEngine.start(model, busy_loop_s=settings.vllm_busy_loop_s,
-                                **settings.model_dump(include=set(names)))
+                                **{**settings.model_dump(include=set(names)), "dtype": dtype})
     from services.generator.hf_engine import HFEngine
 
     return HFEngine.start(
-        model, dtype=settings.dtype, max_model_len=settings.max_model_len, max_batch_size=settings.hf_max_batch_size,
+        model, dtype=dtype, max_model_len=settings.max_model_len, max_batch_size=settings.hf_max_batch_size,
         max_lora_rank=settings.max_lora_rank if settings.max_loras else 0,
     )
 
@@ -82,6 +84,8 @@ async def start_generator(settings: GeneratorSettings, engine: GenerationEngine)
         settings, SERVICE_NAME, lambda server: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     )
     await engine.check_health()
+    if engine.cpu_threads is not None:
+        await engine.cpu_threads.start()
     metrics.POLICY_VERSION.labels("generator").set_function(lambda: engine.policy_version)
     await running.set_serving(True)
     logger.info("generator serving on %s:%d (%s backend)", settings.host, running.port, engine.description.backend)

@@ -16,7 +16,7 @@ from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from fastexp.weights import TENSOR_BATCHES
 from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
-from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.generation import CPU_THREADS, CompletionRecord, GenerationRequest
 from services.common.lora import check_name
 from services.common.media import MediaLimits, check_pixel_budget, decode_media
 from services.common.media_wire import media_from_pb
@@ -143,7 +143,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def GetModelInfo(  # noqa: N802 - gRPC method name
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfo:
-        d = self._engine.description
+        d, threads = self._engine.description, self._engine.cpu_threads
         return generation_pb2.ModelInfo(
             model_name=d.model_name,
             tokenizer=d.tokenizer,
@@ -159,7 +159,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             adapters=[generation_pb2.AdapterVersion(name=name, version=slot.version,
                                                     weights_digest=self._adapter_digests.get(name, ""))
                       for name, slot in sorted(self._engine.adapters.live().items())],
-            features=[TENSOR_BATCHES],
+            features=[TENSOR_BATCHES, *([CPU_THREADS] if threads is not None else [])],
+            dtype=d.dtype,
+            cpu_threads=threads.threads if threads is not None else 0,
+            max_cpu_threads=threads.max_threads if threads is not None else 0,
         )
 
     async def UpdateWeights(  # noqa: N802 - gRPC method name
@@ -208,6 +211,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             unloaded = await self._engine.unload_adapter(request.name)
             self._adapter_digests.pop(request.name, None)
         return generation_pb2.UnloadAdapterResponse(name=request.name, unloaded=unloaded)
+
+    async def SetCpuThreads(  # noqa: N802 - gRPC method name
+        self, request: generation_pb2.SetCpuThreadsRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.SetCpuThreadsResponse:
+        """Set a CPU engine's model threads (:class:`~services.generator.cpu_threads.CpuThreads`)."""
+        threads = self._engine.cpu_threads
+        if threads is None:
+            raise FailedPrecondition(f"SetCpuThreads: this {self._engine.description.backend} engine's threads are "
+                                     "not adjustable (vLLM on CPU only)")
+        applied = await threads.set(request.threads)
+        return generation_pb2.SetCpuThreadsResponse(threads=applied, max_cpu_threads=threads.max_threads)
 
     def _update_spec(self, target: str) -> dict:
         """The served model's tensors, which a policy update is checked against as it arrives.

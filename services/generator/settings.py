@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.dtypes import DtypeSetting
 from services.common.models import SMOLLM2_ALIAS
 from services.common.settings import GenerationLimits
 
@@ -20,7 +21,10 @@ class GeneratorSettings(GenerationLimits):
     port: int = Field(50051, ge=0, le=65535)
     model: str = Field(SMOLLM2_ALIAS, description="model folder, hub id, or the embedded default's alias")
     backend: Literal["auto", "vllm", "hf"] = Field("auto", description="auto: vLLM when importable, else HF")
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: DtypeSetting = Field(
+        "auto", description="the model's floating-point type; auto: bfloat16 where the device computes it "
+        "natively, float32 where it does not (services.common.dtypes), chosen at start and logged"
+    )
     max_model_len: int = Field(2048, ge=16, description="most prompt + response tokens per sequence")
     seed: int = Field(0, description="engine seed")
     kv_cache_memory_bytes: int | None = Field(

@@ -6,7 +6,8 @@ and prefix caching shares the prompt's KV cache across the samples of a group.
 
 LoRA adapters (:mod:`services.generator.adapters`) load from memory into every worker
 (:mod:`services.generator.vllm_worker`) while requests run; each load is its own ``LoRARequest``
-(:mod:`services.generator.vllm_lora`), so a request finishes on the version it started with.
+(:mod:`services.generator.vllm_lora`), so a request finishes on the version it started with. On CPU its model's
+threads are set at run time (:mod:`services.generator.cpu_threads`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from services.common.media import DecodedMedia
 from services.common.models import is_vision_language
 from services.common.weights import model_spec
 from services.generator.adapters import AdapterSlot, AdapterTable
+from services.generator.cpu_threads import CpuThreads
 from services.generator.engine import ModelDescription, SleepState, TokenizerEngine
 from services.generator.vllm_lora import WorkerAdapters, lora_options, lora_request
 
@@ -130,6 +132,7 @@ class VLLMEngine(TokenizerEngine):
         self.sleep_state = SleepState()
         self.adapters = AdapterTable()
         self._workers = WorkerAdapters(engine, self.sleep_state)  # the loads in vLLM's workers
+        self.cpu_threads = CpuThreads(engine) if engine.vllm_config.device_config.device_type == "cpu" else None
 
     @classmethod
     def start(cls, model: str, busy_loop_s: float | None = None, **options: Any) -> VLLMEngine:
@@ -158,7 +161,7 @@ class VLLMEngine(TokenizerEngine):
             backend="vllm",
             eos_token_id=int(eos),
             pad_token_id=int(pad),
-            multimodal=is_vision_language(model),
+            multimodal=is_vision_language(model), dtype=str(engine.model_config.dtype).removeprefix("torch."),
         )
         return cls(engine, description, tokenizer, linear_modules(model_spec(model)))
 
@@ -334,8 +337,6 @@ class VLLMEngine(TokenizerEngine):
 
 def _free_accelerator_bytes() -> int:
     """The device's free memory (0 without CUDA)."""
-    import torch
-
     return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
 
 

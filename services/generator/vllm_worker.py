@@ -23,8 +23,8 @@ from typing import Any
 
 
 class WeightLoaderExtension:
-    """Adds :meth:`fastexp_load_weights`, :meth:`fastexp_load_adapter` and :meth:`fastexp_remove_adapter` to
-    vLLM's workers (reached as ``self`` of the worker)."""
+    """Adds :meth:`fastexp_load_weights`, :meth:`fastexp_load_adapter`, :meth:`fastexp_remove_adapter` and
+    :meth:`fastexp_cpu_threads` to vLLM's workers (reached as ``self`` of the worker)."""
 
     def fastexp_load_weights(self, kind: str, folder: str) -> int:
         """Load the update in ``folder`` (``kind``: "staged" or "checkpoint") into this worker's model.
@@ -64,6 +64,17 @@ class WeightLoaderExtension:
             kept.pop(slot_id, None)
             raise
         return len(tensors)
+
+    def fastexp_cpu_threads(self, threads: int = 0) -> int:
+        """Set the threads this worker's model runs on from its next step (``threads`` >= 1), or leave them (0);
+        returns the threads now. On CPU vLLM binds one OpenMP thread per core at start and replaces
+        ``torch.set_num_threads`` with a no-op; torch's own binding still sets the OpenMP team size, and the bound
+        threads stay on their cores (a smaller team uses the first ones)."""
+        import torch
+
+        if threads:
+            torch._C.set_num_threads(threads)
+        return torch.get_num_threads()
 
     def fastexp_remove_adapter(self, slot_id: int) -> None:
         """Forget the adapter load ``slot_id`` (a superseded or unloaded version no request runs on any more)."""

@@ -3,26 +3,34 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import grpc
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fastexp import ExperienceClient, Sampling
 from fastexp.v1 import generation_pb2, generation_pb2_grpc
 from fastexp.wire import sampling_to_pb
 from services.demo.datasets import reasoning_gym_problems
-from services.launcher import LocalCluster
+from services.launcher import LocalCluster, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm2]
 
 
 def test_smollm2_experiences_through_vllm(smollm2_path, tmp_path):
+    """The demo's path on the launcher's default core split: on a host of two cores or more the engine is lent
+    every core while no forward pass waits and gives half back while they run (SetCpuThreads, called by the
+    experience service; :mod:`services.experience.fleet.cores`)."""
     problems = reasoning_gym_problems("basic_arithmetic", 4, seed=0)
+    metrics_port = free_port()
     overrides = {
         "generator": {"model": smollm2_path, "backend": "vllm", "kv_cache_memory_bytes": 512 * 1024**2},
-        "experience": {"actor_model": smollm2_path, "reference_model": smollm2_path},
+        "experience": {"actor_model": smollm2_path, "reference_model": smollm2_path, "metrics_port": metrics_port},
     }
     with LocalCluster(overrides=overrides, log_dir=tmp_path / "logs") as cluster:
         with ExperienceClient(cluster.address("experience"), timeout_s=600) as client:
@@ -31,6 +39,8 @@ def test_smollm2_experiences_through_vllm(smollm2_path, tmp_path):
                 n_samples_per_prompt=2, sampling=Sampling(max_new_tokens=48),
             ))
         stopped, ignored = (_greedy(cluster.address("generator"), ignore_eos) for ignore_eos in (False, True))
+        if (os.cpu_count() or 1) > 1:
+            _check_the_engine_threads_followed_the_forwards(cluster.address("generator"), metrics_port)
     assert sum(e.sequences.shape[0] for e in batches) == 8
     for e in batches:
         mask = e.action_mask
@@ -46,6 +56,29 @@ def test_smollm2_experiences_through_vllm(smollm2_path, tmp_path):
     assert stopped.finish_reason == generation_pb2.FINISH_REASON_STOP and len(stopped.output_token_ids) < 40
     assert ignored.finish_reason == generation_pb2.FINISH_REASON_LENGTH and len(ignored.output_token_ids) == 40
     assert list(ignored.output_token_ids[: len(stopped.output_token_ids)]) == list(stopped.output_token_ids)
+
+
+def _check_the_engine_threads_followed_the_forwards(address: str, metrics_port: int) -> None:
+    """The engine was shrunk for the forwards and grown back after them (the growth runs in the background once
+    the last pass ends: waited for on the experience service's counter), and SetCpuThreads checks its field."""
+    cores = os.cpu_count() or 1
+    changes, deadline = {}, time.monotonic() + 60
+    while changes.get("all", 0) < 1 and time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        changes = {sample.labels["to"]: sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples if sample.name == "fastexp_engine_thread_changes_total"}
+        time.sleep(0.2)
+    assert changes["shared"] >= 1 and changes["all"] >= 1, changes
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=30)
+        assert "cpu-threads" in info.features and info.max_cpu_threads == cores == info.cpu_threads, info
+        assert stub.SetCpuThreads(generation_pb2.SetCpuThreadsRequest(threads=1), timeout=30).threads == 1
+        assert stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=30).cpu_threads == 1
+        assert stub.SetCpuThreads(generation_pb2.SetCpuThreadsRequest(threads=0), timeout=30).threads == cores
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.SetCpuThreads(generation_pb2.SetCpuThreadsRequest(threads=cores + 1), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "threads" in refused.value.details()
 
 
 def _greedy(address: str, ignore_eos: bool) -> generation_pb2.Completion:

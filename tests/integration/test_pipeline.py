@@ -4,6 +4,7 @@ backpressure and the normalization scope."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -271,15 +272,35 @@ class ThreadRecordingModel(CountingModel):
         return super().action_log_probs(parts, with_entropy)
 
 
+class AskedThreads:
+    """Hands out thread counts in order, and records how many passes were waiting at each ask."""
+
+    def __init__(self, counts) -> None:
+        self._counts, self.pending, self.seen = iter(counts), 0, []
+
+    @contextlib.contextmanager
+    def waiting(self):
+        self.pending += 1
+        try:
+            yield
+        finally:
+            self.pending -= 1
+
+    async def threads(self):
+        self.seen.append(self.pending)
+        return next(self._counts)
+
+
 async def test_each_forward_pass_runs_on_the_threads_asked_for_when_it_starts(engine, tiny_model_path):
     """The service asks before every pass how many CPU threads it may use (more while no generation is in flight,
-    :func:`services.experience.server._forward_threads`); the pass runs with that many, in its worker thread."""
+    :class:`services.experience.fleet.cores.CoreShare`), inside the span it counts as waiting; the pass runs with
+    that many, in its worker thread."""
     model = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
     actor = ThreadRecordingModel(model)
-    asked = iter([2, 1, 2, 1, 2, 1, 2, 1])
+    asked = AskedThreads([2, 1, 2, 1, 2, 1, 2, 1])
     maker = ExperienceMaker(InProcessGenerator(engine), InProcessRuleScorer(),
                             ForwardModels(actor, CountingModel(model), None, micro_batch_size=2), pad_token_id=2,
-                            forward_threads=lambda: next(asked))
+                            cores=asked)
     prompts = tuple(PromptSpec(f"p{i}", (100 + i, 101, 102), "1", "") for i in range(3))
     config = ExperienceConfig(2, get_estimator("rloo"), micro_rollout_batch_size=2)
     request = ExperienceRequest("threads", prompts, SamplingOptions(max_new_tokens=4), config)
@@ -290,6 +311,7 @@ async def test_each_forward_pass_runs_on_the_threads_asked_for_when_it_starts(en
         torch.set_num_threads(previous)
     assert len(batches) == 3 and len(actor.threads) >= 2
     assert actor.threads == [2, 1, 2, 1, 2, 1][: len(actor.threads)]
+    assert asked.seen and all(pending >= 1 for pending in asked.seen) and asked.pending == 0
 
 
 async def test_samples_are_forwarded_before_their_group_completes_and_never_twice(engine, tiny_model_path):

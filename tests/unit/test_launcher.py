@@ -8,14 +8,24 @@ from services.launcher import CoreSplit
 
 
 @pytest.mark.parametrize(("cores", "engine", "threads"), [(1, (0,), 1), (2, (0,), 1), (3, (0,), 2), (16, tuple(range(8)), 8)])
-def test_half_the_cores_go_to_the_engine_and_the_rest_to_the_forwards(cores, engine, threads):
+def test_the_engine_gets_every_core_and_half_of_them_while_forwards_run(cores, engine, threads):
     split = CoreSplit.for_host(cores)
     assert split.engine_cores == engine and split.forward_threads == threads
-    assert split.environment("generator") == {"VLLM_CPU_OMP_THREADS_BIND": f"0-{engine[-1]}",
+    shares = cores > 1
+    assert split.environment("generator") == {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1 if shares else 0}",
                                               "OMP_NUM_THREADS": str(len(engine))}
+    sharing = {"FASTEXP_EXPERIENCE_GENERATOR_CPU_THREADS_SHARING": str(len(engine))} if shares else {}
     assert split.environment("experience") == {"FASTEXP_EXPERIENCE_TORCH_THREADS": str(threads),
-                                               "FASTEXP_EXPERIENCE_TORCH_THREADS_IDLE": str(cores)}
+                                               "FASTEXP_EXPERIENCE_TORCH_THREADS_IDLE": str(cores), **sharing}
     assert split.environment("scorer") == {}
+
+
+def test_several_replicas_keep_their_blocks_and_the_engines_their_threads():
+    """Replicas on one host each keep a block of the engine cores (an engine lent every core would run on its
+    neighbours'), and the experience service is not told to move threads."""
+    split = CoreSplit.for_host(4)
+    assert [split.environment("generator", i, 2)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(2)] == ["0-0", "1-1"]
+    assert "FASTEXP_EXPERIENCE_GENERATOR_CPU_THREADS_SHARING" not in split.environment("experience", 0, 2)
 
 
 @pytest.mark.parametrize(

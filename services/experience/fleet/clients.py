@@ -31,7 +31,7 @@ from fastexp.weights import TENSOR_BATCHES, weight_chunks
 from fastexp.wire import sampling_to_pb
 from services.common.deadlines import Deadline
 from services.common.errors import EpisodeFailed, FastexpError, NotReady, RewardFailed, UpstreamTimeout
-from services.common.generation import CompletionRecord, GenerationRequest
+from services.common.generation import CPU_THREADS, CompletionRecord, GenerationRequest
 from services.common.lora import AdapterConfig
 from services.common.media_wire import media_to_pb
 from services.common.weights import ReceivedUpdate
@@ -167,7 +167,23 @@ class GeneratorClient:
             policy_version=info.policy_version, multimodal=info.multimodal, max_lora_rank=info.max_lora_rank,
             adapters={adapter.name: adapter.version for adapter in info.adapters},
             adapter_digests={adapter.name: adapter.weights_digest for adapter in info.adapters},
+            max_cpu_threads=info.max_cpu_threads if CPU_THREADS in info.features else 0,
         )
+
+    async def set_cpu_threads(self, threads: int, timeout_s: float) -> int:
+        """Run the generator's CPU engine on ``threads`` of its bound cores (0: all) from its next step; returns
+        the threads it runs on.
+
+        Raises:
+            FailedPrecondition: the engine's threads are not adjustable. NotReady, UpstreamTimeout: as
+                :meth:`model_info`.
+        """
+        request = generation_pb2.SetCpuThreadsRequest(threads=threads)
+        try:
+            response = await self._stub.SetCpuThreads(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise translate_rpc_error(self._service, error) from error
+        return response.threads
 
     async def generate(self, request: GenerationRequest, deadline: Deadline) -> AsyncIterator[CompletionRecord]:
         message = generation_pb2.GenerateRequest(

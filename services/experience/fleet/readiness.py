@@ -54,7 +54,8 @@ class GeneratorInfo:
     ``max_model_len``: most prompt + response tokens per sequence; ``policy_version``: the version of the
     weights it samples with now; ``max_lora_rank``: the highest LoRA rank it takes (0: no adapters);
     ``adapters``: the adapters it holds, name → live version; ``adapter_digests``: name → the digest their load
-    named ("": none).
+    named ("": none); ``max_cpu_threads``: the cores a CPU engine's threads may be set to (``SetCpuThreads``; 0:
+    not adjustable).
     """
 
     model_name: str
@@ -65,6 +66,7 @@ class GeneratorInfo:
     max_lora_rank: int = 0
     adapters: Mapping[str, int] = field(default_factory=dict)
     adapter_digests: Mapping[str, str] = field(default_factory=dict)
+    max_cpu_threads: int = 0
 
 
 class GeneratorProbe(Protocol):

@@ -10,9 +10,11 @@ response width (:func:`~services.experience.pipeline.assembly.split_forward`) an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -59,15 +61,27 @@ class Assembled:
     forward: ForwardOutputs
 
 
+class ForwardCores(Protocol):
+    """The CPU threads of forward passes on cores shared with an engine
+    (:class:`~services.experience.fleet.cores.CoreShare`)."""
+
+    def waiting(self) -> contextlib.AbstractContextManager[None]:
+        """Held from before a pass waits for the models until it ends."""
+        ...
+
+    async def threads(self) -> int | None:
+        """The threads of the pass about to start (None: leave torch's setting)."""
+        ...
+
+
 class Forwarder:
     """Runs :class:`ForwardModels` (module docs). ``actor_version``: the policy version of the actor replica's
     weights, changed only together with them, under the lock."""
 
     def __init__(self, models: ForwardModels, pad_token_id: int, actor_version: int = 0,
-                 threads: Callable[[], int | None] | None = None) -> None:
-        """``threads``: asked before each forward pass, the CPU threads it may use (None: leave torch's setting);
-        e.g. more while no generation is in flight on the cores a CPU engine shares with it."""
-        self._threads = threads
+                 cores: ForwardCores | None = None) -> None:
+        """``cores``: the threads of each forward pass, and the engine's beside them (None: torch's setting)."""
+        self._cores = cores
         self._weights_epoch = 0  # +1 per actor or critic update: early rows of older weights are not reused
         self._models = models
         self._pad_token_id = pad_token_id
@@ -147,13 +161,14 @@ class Forwarder:
         """Each group with its forward outputs (n, a_g), computed in a worker thread under the lock. Rows that
         :meth:`forward_samples` already computed (same prompt and sampled tokens, with the same actor and critic
         weights) are taken from ``early`` instead of being computed again."""
-        async with self._lock:
-            self._offloader.require_loaded("MakeExperiences")
-            threads = self._threads() if self._threads is not None else None
-            adapter = request.adapter
-            actor_version = self.actor_version if adapter is None else self.adapter_versions()[adapter]
-            done = {} if early is None else early.usable(self._weights_epoch)
-            forwards = await asyncio.to_thread(self._forward_groups, groups, request, threads, done)
+        with self._waiting():
+            async with self._lock:
+                self._offloader.require_loaded("MakeExperiences")
+                threads = await self._cores.threads() if self._cores is not None else None
+                adapter = request.adapter
+                actor_version = self.actor_version if adapter is None else self.adapter_versions()[adapter]
+                done = {} if early is None else early.usable(self._weights_epoch)
+                forwards = await asyncio.to_thread(self._forward_groups, groups, request, threads, done)
         if request.config.skip_actor_forward:  # the generator computed them, at each group's sampling version
             return tuple(ForwardedGroup(g, f, g.policy_version) for g, f in zip(groups, forwards, strict=True))
         return tuple(ForwardedGroup(g, f, actor_version) for g, f in zip(groups, forwards, strict=True))
@@ -163,11 +178,15 @@ class Forwarder:
     ) -> None:
         """Run the forward passes of finished samples whose groups are still generating, into ``early`` (at the
         current weights), so that their groups need only their remaining rows once complete."""
-        async with self._lock:
-            self._offloader.require_loaded("MakeExperiences")
-            threads = self._threads() if self._threads is not None else None
-            rows = await asyncio.to_thread(self._forward_rows, list(samples), request, threads)
-            early.add(samples, rows, self._weights_epoch)
+        with self._waiting():
+            async with self._lock:
+                self._offloader.require_loaded("MakeExperiences")
+                threads = await self._cores.threads() if self._cores is not None else None
+                rows = await asyncio.to_thread(self._forward_rows, list(samples), request, threads)
+                early.add(samples, rows, self._weights_epoch)
+
+    def _waiting(self) -> contextlib.AbstractContextManager[None]:
+        return self._cores.waiting() if self._cores is not None else contextlib.nullcontext()
 
     async def offload(self) -> tuple[int, tuple[str, ...]]:
         """Move the models to host memory between forward passes (:class:`~services.experience.workers.offload.Offloader`);

@@ -57,7 +57,7 @@ from services.experience.pipeline.events import (
     StreamStats,
 )
 from services.experience.pipeline.fair_share import FairShare
-from services.experience.pipeline.forwarder import EarlyForwards, Forwarder, ForwardModels
+from services.experience.pipeline.forwarder import EarlyForwards, ForwardCores, Forwarder, ForwardModels
 from services.experience.pipeline.ledger import VersionLedger
 from services.experience.pipeline.producer import Producer, ProducerRun
 from services.experience.pipeline.rollouts import RolloutParts
@@ -92,7 +92,7 @@ class ExperienceMaker:
         max_groups_ahead: int = 64,
         sync_timeout_s: float = 600.0,
         episodes: EpisodeRunner | None = None,
-        forward_threads: Callable[[], int | None] | None = None,
+        cores: ForwardCores | None = None,
         agents: Agents | None = None,
         max_samples_in_flight: int | None = None,
         ledger: VersionLedger | None = None,
@@ -100,7 +100,7 @@ class ExperienceMaker:
         self.policy = policy if policy is not None else VersionClock()
         self.clocks = PolicyClocks(self.policy)  # the base policy's, and each LoRA run's adapter's
         self._generator = generator
-        self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version, threads=forward_threads)
+        self._forwarder = Forwarder(models, pad_token_id, actor_version=self.policy.version, cores=cores)
         self._share = FairShare(max_samples_in_flight)  # the generator's capacity, shared by the runs
         self._weights = WeightSync(generator, self._forwarder, self.clocks, sync_timeout_s, ledger)
         self._stages = _Stages(
