@@ -114,8 +114,9 @@ def _load_policy(settings: ExperienceSettings) -> _Policy:
     from transformers import AutoTokenizer
 
     actor_path = resolve_model(settings.actor_model)
-    dtype = resolve_dtype(settings.dtype, settings.device)
-    logger.info("forward passes in %s on %s (dtype setting %s)", dtype, settings.device, settings.dtype)
+    device = "cuda" if settings.device_map else settings.device  # a device_map spreads the models over the GPUs
+    dtype = resolve_dtype(settings.dtype, device)
+    logger.info("forward passes in %s on %s (dtype setting %s)", dtype, device, settings.dtype)
     placement = {"dtype": dtype, "device": settings.device, "device_map": settings.device_map}
     actor = LogProbModel.load(actor_path, **placement)
     reference = LogProbModel.load(resolve_model(settings.reference_model), **placement)
