@@ -20,6 +20,7 @@ from rich.table import Table
 
 from benchmarks import (
     adapter_memory,
+    core_share,
     engine_spin,
     episodes,
     fleet,
@@ -32,8 +33,10 @@ from benchmarks import (
     runs,
     state,
     stream_overhead,
+    trl_experience,
     trl_step,
 )
+from services.common.dtypes import native_bfloat16
 from services.common.models import SMOLLM2_ALIAS, resolve_model
 
 #: The issue's targets; a figure without one is informative (a seed's claim, or a precision).
@@ -49,12 +52,19 @@ TARGETS = {
     "stream_vs_generation": "<= 1.3",
     "fleet_two_vs_one_replica": ">= 1.8",
     "episodes_async_vs_turn_synchronous": ">= 1.5",
-    "trl_fastexp_step_vs_trl_alone": "informative (< 1: faster through fastexp)",
+    "trl_fastexp_step_vs_trl_alone": "<= 1.0 (a GRPO step through fastexp, a LoRA run on vLLM, vs TRL alone)",
     "judge_batched_vs_per_response": ">= 3",
     "judge_cache_hit_rate": "informative (items answered from the cache)",
     "judge_cache_calls_saved": "informative (judge prompts not sent)",
     "runs_adapter_vs_full_update_s": "<= 0.05",
     "engine_no_spin_vs_spin_tokens_per_s": "informative (a lone engine on an idle host: spinning takes a 2nd core)",
+    "core_share_stream_vs_fixed_split_tokens_per_s": "> 1 (the engine lent every core while no forward waits)",
+    "core_share_stream_skip_actor_vs_fixed_split_tokens_per_s": "> 1",
+    "core_share_generation_vs_fixed_split_tokens_per_s": "> 1 (generation alone on every core, not half)",
+    "core_share_first_batch_vs_fixed_split_s": "informative (< 1: sooner)",
+    "first_batch_vs_generation": "informative (the stream's first batch / generation alone)",
+    "fastexp_vs_trl_tokens_per_s_full": ">= 1.5 (TRL: vLLM colocate, old and reference log-probs)",
+    "fastexp_vs_trl_tokens_per_s_reference": ">= 1.5 (TRL without its importance-sampling correction)",
     "engine_no_spin_vs_spin_cpu_s_per_token": "< 1 (the CPU the spin took, given back to the forwards)",
     "runs_adapter_vs_full_update_bytes": "informative (an adapter's bytes / the base model's)",
     "runs_adapter_qv_vs_full_update_s": "<= 0.05 (rank 16 on q_proj/v_proj, peft's default for Llama)",
@@ -128,6 +138,8 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
             # covers the integration itself)
             results.update(trl_step.run(model, trl_step.TrlStepWorkload(), out / "logs"))
             results.update(engine_spin.run(out / "spin"))  # two engine starts, nothing else to smoke-test
+            results.update(core_share.run(model, demo, out / "logs", shared=results))  # the fixed split's runs
+            results.update(trl_experience.run(model, demo, out / "logs", fastexp=results))  # TRL's, same prompts
     results.update(
         packing.run(model, rows=4, max_response=16, micro_batch_size=2, repeats=1) if small else packing.run(model)
     )
@@ -139,10 +151,20 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
     return results
 
 
+def _cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` ("" where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+
+
 def machine(model: str) -> dict:
     """Where the figures were taken: cores, CPU, accelerator, torch, the model and the generator backend."""
     return {
-        "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "cores": os.cpu_count(), "cpu": _cpu_model() or platform.processor() or platform.machine(),
+        "native_bfloat16": native_bfloat16("cpu"), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "model": Path(model).name, "backend": "vllm (services), hf (baseline of vllm_vs_hf)",

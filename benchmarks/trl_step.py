@@ -8,8 +8,10 @@ attention projections, ``beta`` 0) with reasoning-gym ``basic_arithmetic`` chat 
 - ``trl_alone``: TRL's own generation (``model.generate`` in the trainer's process, ``use_vllm=False``) and a
   math-verify reward function in process.
 - ``through_fastexp``: the same trainer with ``rollout_func=FastexpRollout(...)`` and
-  ``reward_funcs=[fastexp_reward]`` against the three services (``LocalCluster``, the generator on ``backend``);
-  each step also pushes the adapter's merged weights (``UpdateWeights``) before its rollout.
+  ``reward_funcs=[fastexp_reward]`` against the three services (``LocalCluster`` with the launcher's default core
+  split, the generator on ``backend``: vLLM); with ``lora_run`` (the default) the trainer's adapter trains as a
+  LoRA run (``run_id``), so each step pushes the adapter (``UpdateWeights(run_id=...)``, 4 projections x rank 16:
+  7.4 MB of float32) before its rollout, otherwise the merged weights of the whole model (538 MB).
 
 A step's time is the wall time from TRL's ``on_step_begin`` to ``on_step_end`` (rollout, rewards, log-probs,
 backward, optimizer); the first ``warmup_steps`` are left out. Figure: ``trl_fastexp_step_vs_trl_alone`` = median
@@ -39,7 +41,8 @@ class TrlStepWorkload:
     steps: int = 6
     warmup_steps: int = 1
     lora_rank: int = 16
-    backend: str = "hf"
+    backend: str = "vllm"
+    lora_run: bool = True
     seed: int = 0
 
 
@@ -54,7 +57,8 @@ def run(model: str, workload: TrlStepWorkload, log_dir: Path) -> dict:
                  "experience": {"actor_model": model, "reference_model": model}}
     with LocalCluster(overrides=overrides, log_dir=log_dir / "trl_fastexp",
                       state_dir=fresh_state_dir(log_dir / "trl_fastexp-state")) as cluster, \
-            FastexpRollout(cluster.address("experience"), dataset=_dataset(workload)) as rollout:
+            FastexpRollout(cluster.address("experience"), dataset=_dataset(workload),
+                           run_id="trl-step" if workload.lora_run else None) as rollout:
         through = _train(model, workload, log_dir / "trl_fastexp", reward_funcs=[fastexp_reward],
                          rollout_func=rollout)
         through["rollout_s"] = [round(call.rollout_s, 3) for call in rollout.calls]
