@@ -44,8 +44,12 @@ class CpuThreads:
         """
         if threads > self.max_threads:
             raise InvalidRequest("threads", f"{threads} is more than the engine's {self.max_threads} bound cores")
+        # a caller that gives up does not stop a change the workers may already apply: what is reported stays true
+        return await asyncio.shield(self._apply(threads or self.max_threads))
+
+    async def _apply(self, threads: int) -> int:
         async with self._setting:
-            applied = await self._engine.collective_rpc("fastexp_cpu_threads", args=(threads or self.max_threads,))
+            applied = await self._engine.collective_rpc("fastexp_cpu_threads", args=(threads,))
             self.threads = min(applied)
-        metrics.GENERATOR_CPU_THREADS.set(self.threads)
-        return self.threads
+            metrics.GENERATOR_CPU_THREADS.set(self.threads)
+            return self.threads
