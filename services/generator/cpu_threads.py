@@ -31,8 +31,9 @@ class CpuThreads:
         self._setting = asyncio.Lock()  # one change at a time: the reply's count is the one applied
 
     async def start(self) -> None:
-        """Read the threads the workers started with (the most :meth:`set` allows)."""
-        self.max_threads = self.threads = min(await self._engine.collective_rpc("fastexp_cpu_threads", args=(0,)))
+        """Prepare the CPU workers (:meth:`~services.generator.vllm_worker.WeightLoaderExtension.fastexp_setup_cpu`)
+        and read the threads they started with (the most :meth:`set` allows)."""
+        self.max_threads = self.threads = min(await self._engine.collective_rpc("fastexp_setup_cpu"))
         metrics.GENERATOR_CPU_THREADS.set(self.threads)
 
     async def set(self, threads: int) -> int:

@@ -133,3 +133,31 @@ def test_cpu_lora_ops_apply_each_rows_adapter_and_none_to_rows_without():
         delta = torch.zeros(4) if slot < 0 else b[slot, 0] @ shrunk[row]
         torch.testing.assert_close(out[row], torch.cat([1 + delta, torch.ones(2)]))
         torch.testing.assert_close(sliced[row], torch.cat([torch.ones(2), 1 + delta]))
+
+
+@pytest.mark.parametrize("slot", [1, -1, 2])
+def test_cpu_lora_ops_on_a_batch_of_one_adapter_or_none_match_the_per_row_result(slot):
+    """A batch whose rows all share one adapter takes one matmul; none where no row has an adapter (the base
+    model's batch) or where the adapter's matrix is zero (slot 2 here: a module it does not target). The same
+    deltas, row by row, and the buffers written as the per-row ops write them."""
+    from services.generator.vllm_cpu_lora import bgmv_expand, bgmv_expand_slice, bgmv_shrink
+
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(3, 1, 2, 5, generator=g), torch.randn(3, 1, 4, 2, generator=g)
+    a[2], b[2] = 0.0, 0.0
+    x = torch.randn(6, 5, generator=g)
+    indices = torch.full((6,), slot)
+    shrunk, out, sliced = torch.full((6, 2), 7.0), torch.ones(6, 4), torch.ones(6, 6)
+    bgmv_shrink(x, a, shrunk, indices, scaling=0.5)
+    bgmv_expand(shrunk, b, out, indices, add_inputs=True)
+    bgmv_expand_slice(shrunk, b, sliced, indices, 2, 4, add_inputs=True)
+    for row in range(6):
+        h = torch.zeros(2) if slot < 0 else 0.5 * a[slot, 0] @ x[row]
+        delta = torch.zeros(4) if slot < 0 else b[slot, 0] @ h
+        torch.testing.assert_close(shrunk[row], h)
+        torch.testing.assert_close(out[row], 1 + delta)
+        torch.testing.assert_close(sliced[row], torch.cat([torch.ones(2), 1 + delta]))
+    replaced = torch.full((6, 4), 9.0)
+    bgmv_expand(shrunk, b, replaced, indices, add_inputs=False)  # no add: the columns are the delta, zeros included
+    torch.testing.assert_close(replaced, torch.stack([b[slot, 0] @ shrunk[r] if slot >= 0 else torch.zeros(4)
+                                                      for r in range(6)]))
