@@ -19,6 +19,7 @@ Alone: ``python -m benchmarks.core_share [out]``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,8 +37,6 @@ def run(model: str, workload: stream_overhead.DemoWorkload, log_dir: Path, share
         cores: int | None = None) -> dict:
     """The fixed split's runs, and the shared split's unless ``shared`` (``stream_overhead.run``'s result from
     the same invocation) is given; returns the figures."""
-    import os
-
     if shared is None:
         shared = stream_overhead.run(model, workload, log_dir)
     fixed = stream_overhead.run(model, workload, log_dir, core_split=fixed_split(cores or os.cpu_count() or 1),

@@ -18,6 +18,9 @@ from typing import Any
 from services.common import metrics
 from services.common.errors import InvalidRequest
 
+#: How long the workers may take to answer a change: one engine step (a long prefill on a CPU: seconds) and the call.
+RPC_TIMEOUT_S = 60.0
+
 
 class CpuThreads:
     """Owner of one vLLM CPU engine's model threads (all its workers alike). ``max_threads``: the threads it
@@ -33,7 +36,7 @@ class CpuThreads:
     async def start(self) -> None:
         """Prepare the CPU workers (:meth:`~services.generator.vllm_worker.WeightLoaderExtension.fastexp_setup_cpu`)
         and read the threads they started with (the most :meth:`set` allows)."""
-        self.max_threads = self.threads = min(await self._engine.collective_rpc("fastexp_setup_cpu"))
+        self.max_threads = self.threads = min(await self._engine.collective_rpc("fastexp_setup_cpu", timeout=RPC_TIMEOUT_S))
         metrics.GENERATOR_CPU_THREADS.set(self.threads)
 
     async def set(self, threads: int) -> int:
@@ -41,7 +44,8 @@ class CpuThreads:
         threads now.
 
         Raises:
-            InvalidRequest: ``threads`` beyond :attr:`max_threads`.
+            InvalidRequest: ``threads`` beyond :attr:`max_threads`. What vLLM raises when its workers do not answer
+                within :data:`RPC_TIMEOUT_S` (the change may still apply; the count reported stays the last known).
         """
         if threads > self.max_threads:
             raise InvalidRequest("threads", f"{threads} is more than the engine's {self.max_threads} bound cores")
@@ -50,7 +54,8 @@ class CpuThreads:
 
     async def _apply(self, threads: int) -> int:
         async with self._setting:
-            applied = await self._engine.collective_rpc("fastexp_cpu_threads", args=(threads,))
+            applied = await self._engine.collective_rpc("fastexp_cpu_threads", timeout=RPC_TIMEOUT_S,
+                                                          args=(threads,))
             self.threads = min(applied)
             metrics.GENERATOR_CPU_THREADS.set(self.threads)
             return self.threads

@@ -406,7 +406,7 @@ _MAPPINGS = """
         base = libc.mmap(None, 64000 * 4096, 1, 0x22, -1, 0)  # PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS
         for page in range(0, 64000, 2):
             libc.mprotect(base + page * 4096, 4096, 0)  # every other page another protection: no merging
-        time.sleep(4)
+        time.sleep(3600)  # held until the run is stopped: the limit, not a timer, ends it
     workers = [multiprocessing.Process(target=many_mappings) for _ in range(14)]
     for w in workers: w.start()
     held = bytearray(300 * 1024**2)  # and resident memory well under the limit
@@ -432,7 +432,7 @@ def test_mappings_are_counted_from_a_real_process():
 
     # the attack's one process, holding its mappings until told to end
     code = textwrap.dedent(_MAPPINGS).split("workers =")[0].replace(
-        "time.sleep(4)", "print('mapped', flush=True); __import__('sys').stdin.read()") + "many_mappings()\n"
+        "time.sleep(3600)", "print('mapped', flush=True); __import__('sys').stdin.read()") + "many_mappings()\n"
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         while child.stdout.readline().strip() != "mapped":
