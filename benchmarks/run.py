@@ -63,6 +63,8 @@ TARGETS = {
     "core_share_generation_vs_fixed_split_tokens_per_s": "> 1 (generation alone on every core, not half)",
     "core_share_first_batch_vs_fixed_split_s": "informative (< 1: sooner)",
     "first_batch_vs_generation": "informative (the stream's first batch / generation alone)",
+    "stream_vs_compute_floor": ">= 0.9 (generation and both forwards alone, each on every core, / the stream)",
+    "stream_skip_actor_vs_compute_floor": ">= 0.9 (generation and the reference's forward alone / the stream)",
     "fastexp_vs_trl_tokens_per_s_full": ">= 1.5 (TRL: vLLM colocate, old and reference log-probs)",
     "fastexp_vs_trl_tokens_per_s_reference": ">= 1.5 (TRL without its importance-sampling correction)",
     "engine_no_spin_vs_spin_cpu_s_per_token": "< 1 (the CPU the spin took, given back to the forwards)",

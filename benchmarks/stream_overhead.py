@@ -11,10 +11,18 @@ the same work. Runs, on one set of services, in this order:
 - ``stream_skip_actor``: the same with ``skip_actor_forward`` (the reference still runs: ``kl_coef`` 0.01).
 - ``stream_lean``: ``skip_actor_forward`` and ``kl_coef`` 0 (no reference): generation and scoring only.
 
+Then, with the services stopped, the **compute floor**: the forwards the streams ran, alone in this process on every
+core (the service's dtype, packed shared-prompt chunks of ``forward_micro_batch_size`` rows, the same model for actor
+and reference) over the samples the ``generation`` run drew. The floor of a stream is the time its work takes when
+each part has the whole machine and nothing overlaps: generation alone + the actor's and the reference's forwards
+(``stream``), + the reference's (``stream_skip_actor``).
+
 Figures (each a ratio of two times taken here, in this run): ``stream_vs_generation`` (target <= 1.3),
 ``stream_skip_actor_vs_generation``, ``stream_lean_vs_generation``, ``reference_free_vs_with_reference`` =
-``stream_lean`` / ``stream_skip_actor`` (what skipping the reference saves), and ``first_batch_vs_generation`` (the
-stream's first batch against generation alone).
+``stream_lean`` / ``stream_skip_actor`` (what skipping the reference saves), ``first_batch_vs_generation`` (the
+stream's first batch against generation alone), and ``stream_vs_compute_floor`` /
+``stream_skip_actor_vs_compute_floor``: the floor's seconds over the stream's (target >= 0.9; above 1 where sharing
+the cores beats running the parts one after another).
 """
 
 from __future__ import annotations
@@ -24,9 +32,23 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.pipeline import generate_once
+import grpc
+import numpy as np
+import torch
+
+from benchmarks.pipeline import MAX_MESSAGE_BYTES
 from fastexp import ExperienceClient, RequestOptions, Sampling
+from fastexp.channels import message_options
+from fastexp.v1 import generation_pb2, generation_pb2_grpc
+from fastexp.wire import sampling_to_pb
+from services.common.dtypes import resolve_dtype
+from services.common.generation import CompletionRecord
 from services.demo.datasets import task_problems
+from services.experience.config import PromptSpec
+from services.experience.settings import ExperienceSettings
+from services.experience.workers.inputs import chunks
+from services.experience.workers.logprobs import LogProbModel
+from services.experience.workers.sequences import build_rollout
 from services.launcher import CoreSplit, LocalCluster, fresh_state_dir
 
 
@@ -57,19 +79,26 @@ def run(model: str, workload: DemoWorkload, log_dir: Path, core_split: CoreSplit
                       **split) as cluster:
         address = cluster.address("experience")
         prompt_ids = _prompt_ids(model, problems)
-        generate_once(cluster.address("generator"), prompt_ids[:2], 1, Sampling(max_new_tokens=8))  # warm-up
-        generation = generate_once(cluster.address("generator"), prompt_ids, workload.n_samples_per_prompt, sampling)
+        _generate(cluster.address("generator"), prompt_ids[:2], 1, Sampling(max_new_tokens=8))  # warm-up
+        generation, records = _generate(cluster.address("generator"), prompt_ids, workload.n_samples_per_prompt,
+                                        sampling)
         stream = _stream(address, problems, base)
         skip_actor = _stream(address, problems, dataclasses.replace(base, skip_actor_forward=True))
         lean = _stream(address, problems, dataclasses.replace(base, skip_actor_forward=True, kl_coef=0.0))
+    forwards = forwards_alone(model, records, prompt_ids)
+    floor = generation["seconds"] + 2 * forwards["seconds_per_model"]
+    floor_skip_actor = generation["seconds"] + forwards["seconds_per_model"]
     return {
         "stream_vs_generation": stream["seconds"] / generation["seconds"],
         "stream_skip_actor_vs_generation": skip_actor["seconds"] / generation["seconds"],
         "stream_lean_vs_generation": lean["seconds"] / generation["seconds"],
         "reference_free_vs_with_reference": lean["seconds"] / skip_actor["seconds"],
         "first_batch_vs_generation": stream["first_batch_s"] / generation["seconds"],
+        "stream_vs_compute_floor": floor / stream["seconds"],
+        "stream_skip_actor_vs_compute_floor": floor_skip_actor / skip_actor["seconds"],
         "stream_overhead_inputs": {"generation": generation, "stream": stream, "stream_skip_actor": skip_actor,
-                                   "stream_lean": lean},
+                                   "stream_lean": lean, "forwards_alone": forwards,
+                                   "compute_floor_s": {"stream": floor, "stream_skip_actor": floor_skip_actor}},
         "stream_overhead_workload": {**asdict(workload), "model": model, "backend": "vllm"},
     }
 
@@ -84,6 +113,45 @@ def _prompt_ids(model: str, problems) -> list[list[int]]:
                   add_special_tokens=False)["input_ids"]
         for p in problems
     ]
+
+
+def _generate(address: str, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> tuple[dict, list]:
+    """One ``Generate`` stream read to the end: its tokens and wall seconds, and the samples it drew."""
+    request = generation_pb2.GenerateRequest(
+        prompts=[generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=ids)) for ids in prompt_ids],
+        sampling=sampling_to_pb(sampling), n_samples_per_prompt=n,
+    )
+    with grpc.insecure_channel(address, options=message_options(MAX_MESSAGE_BYTES)) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        started = time.perf_counter()
+        completions = [c for response in stub.Generate(request, timeout=3600) for c in response.completions]
+        seconds = time.perf_counter() - started
+    records = [CompletionRecord(prompt_index=c.prompt_index, sample_index=c.sample_index,
+                                prompt_token_ids=tuple(c.prompt_token_ids), output_token_ids=tuple(c.output_token_ids),
+                                output_log_probs=np.zeros(len(c.output_token_ids), np.float32), finish_reason="stop",
+                                text="", policy_version=0) for c in completions]
+    tokens = sum(len(r.output_token_ids) for r in records)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}, records
+
+
+def forwards_alone(model: str, records: list[CompletionRecord], prompt_ids: list[list[int]]) -> dict:
+    """One model's forward over ``records`` as the experience service runs it (its default dtype and micro-batch,
+    packed shared-prompt chunks, rows in prompt order), on every core of this process: wall seconds of the best of two
+    passes (the first also warms the allocator), the figure a stream's actor and reference forwards each cost."""
+    settings = ExperienceSettings()
+    dtype = resolve_dtype(settings.dtype, "cpu")
+    logprobs = LogProbModel.load(model, dtype=dtype, device="cpu")
+    prompts = [PromptSpec(text="", token_ids=tuple(ids), reference="", label="") for ids in prompt_ids]
+    ordered = sorted(records, key=lambda r: (r.prompt_index, r.sample_index))
+    rollout = build_rollout(ordered, prompts, pad_token_id=0)
+    parts = chunks(rollout, settings.forward_micro_batch_size, packed=True, share_prompt=True)
+    passes = []
+    for _ in range(2):
+        started = time.perf_counter()
+        logprobs.action_log_probs(parts)
+        passes.append(time.perf_counter() - started)
+    return {"seconds_per_model": min(passes), "passes_s": passes, "dtype": dtype, "threads": torch.get_num_threads(),
+            "micro_batch_size": settings.forward_micro_batch_size, "rows": len(ordered)}
 
 
 def _stream(address: str, problems, options: RequestOptions) -> dict:

@@ -15,7 +15,7 @@ FIGURES = {
     "generator_service_vs_inprocess_vllm", "first_batch_vs_last", "experience_overhead_vs_generation",
     "stream_vs_raw_bytes", "vllm_vs_hf", "packed_vs_padded", "gae_vectorized_speedup", "gae_max_abs_error",
     "stream_vs_generation", "stream_skip_actor_vs_generation", "stream_lean_vs_generation",
-    "reference_free_vs_with_reference", "fleet_two_vs_one_replica", "episodes_async_vs_turn_synchronous",
+    "reference_free_vs_with_reference", "stream_vs_compute_floor", "stream_skip_actor_vs_compute_floor", "fleet_two_vs_one_replica", "episodes_async_vs_turn_synchronous",
     "judge_batched_vs_per_response", "runs_concurrent_vs_sequential_tokens_per_s", "runs_adapter_vs_full_update_s",
     "runs_adapter_qv_vs_full_update_s", "state_store_vs_stream_s_sqlite", "state_store_vs_stream_s_postgresql",
     "state_store_vs_update_s_sqlite", "state_store_vs_update_s_postgresql", "catch_up_vs_update_s_sqlite",
