@@ -92,7 +92,7 @@ class RemoteConfig(_SourceConfig):
     max_response_bytes: int = Field(
         16 * 1024 * 1024, ge=1, description="largest answer body read; a longer one fails its batch unread"
     )
-    max_attempts: int = Field(4, ge=1, description="tries per batch on timeouts, connection errors and 5xx")
+    max_attempts: int = Field(4, ge=1, description="tries per batch on timeouts, connection errors, 5xx and 429")
     backoff_initial_s: float = Field(0.5, gt=0, description="first retry wait; doubles per retry, with jitter")
     backoff_max_s: float = Field(8.0, gt=0, description="cap of one retry wait")
     max_concurrency: int = Field(4, ge=1, description="requests in flight to this endpoint at once")

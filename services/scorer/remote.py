@@ -12,9 +12,13 @@ Bounds, per HTTP request: ``timeout_s`` is the total time for connecting, sendin
 server that trickles bytes is cut off, not just one that stalls a read), and the answer body is read as a stream
 and dropped past ``max_response_bytes``.
 
-Faults, per batch: timeouts, connection errors and HTTP 5xx are retried with capped exponential backoff and jitter
-(stamina) up to ``max_attempts`` tries; HTTP 4xx is not retried; a body that is not JSON, has no ``rewards``
-list, the wrong number of rewards, or more than ``max_response_bytes`` fails the batch's items; a reward that is null, NaN or ±inf fails that item.
+Faults, per batch: timeouts, connection errors, HTTP 5xx and 429 are retried with capped exponential backoff and
+jitter (stamina) up to ``max_attempts`` tries, and a batch whose last try failed so (or timed out at the caller's
+deadline, leaving no time for another) is one failed call to the breaker; any other HTTP 4xx, and an answer over
+``max_response_bytes``, is not retried and is not an outage (``rejected``); a body that is not JSON, has no
+``rewards`` list or the wrong number of rewards fails the batch's items; a reward that is null, NaN or ±inf fails
+that item. Retries, breaker and budget are the judges' (:class:`~services.scorer.outbound.guard.CallGuard`), so
+docs/reward-teams/judges.md holds for both.
 Every error names the source and the URL. At most ``max_concurrency`` requests are in flight per endpoint, at most
 ``requests_per_minute`` start per minute (more wait within the caller's deadline), and a circuit breaker
 (``breaker``) refuses requests while the endpoint is down, failing the items at once with the breaker named
@@ -33,7 +37,6 @@ from dataclasses import dataclass
 
 import httpx
 import numpy as np
-import stamina
 
 from services.common.deadlines import Deadline
 from services.common.errors import UpstreamTimeout
@@ -42,7 +45,7 @@ from services.scorer.config import RemoteConfig
 from services.scorer.outbound.bodies import ReplyTooLarge, read_capped
 from services.scorer.outbound.breaker import Breaker, BreakerOpen
 from services.scorer.outbound.config import BudgetConfig
-from services.scorer.outbound.guard import CallGuard
+from services.scorer.outbound.guard import CallGuard, SourceRejected, SourceUnavailable
 from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked_rewards
 
 logger = logging.getLogger(__name__)
@@ -51,10 +54,6 @@ logger = logging.getLogger(__name__)
 def _base64(data: bytes) -> str:
     """One encoded image as a standard (RFC 4648, padded) base64 string."""
     return base64.b64encode(data).decode("ascii")
-
-
-class _ServerError(Exception):
-    """HTTP 5xx: worth another try."""
 
 
 class _TotalTimeout(httpx.TimeoutException):
@@ -67,14 +66,6 @@ class _Reply:
 
     status_code: int
     content: bytes
-
-    @property
-    def is_client_error(self) -> bool:
-        return 400 <= self.status_code < 500
-
-    @property
-    def is_server_error(self) -> bool:
-        return self.status_code >= 500
 
     @property
     def is_error(self) -> bool:
@@ -98,7 +89,7 @@ class RemoteScorer:
         self._where = f"{config.name} ({config.url})"
         self._client: httpx.AsyncClient | None = None
         budget = BudgetConfig(max_concurrency=config.max_concurrency, requests_per_minute=config.requests_per_minute)
-        self._gateway = CallGuard(config.name, budget, config.breaker, failures=(httpx.TransportError, _ServerError))
+        self._gateway = CallGuard(config.name, budget, config.breaker)
 
     @property
     def breaker(self) -> Breaker:
@@ -123,18 +114,10 @@ class RemoteScorer:
         parts = await asyncio.gather(
             *(self._score_batch(items[i : i + size], deadline) for i in range(0, len(items), size))
         )
-        names = sorted({name for part in parts for name in part.metrics})
         failed = sum(1 for part in parts for error in part.errors if error)
         if failed:
             REMOTE_REWARD_FAILURES.labels(self._config.name).inc(failed)
-        return SourceScores(
-            rewards=np.concatenate([p.rewards for p in parts]) if parts else np.zeros(0, np.float32),
-            metrics={
-                name: np.concatenate([p.metrics.get(name, np.full(len(p.errors), np.nan, np.float32)) for p in parts])
-                for name in names
-            },
-            errors=tuple(error for part in parts for error in part.errors),
-        )
+        return SourceScores.joined(parts)
 
     async def _score_batch(self, items: Sequence[ScoreItem], deadline: Deadline) -> SourceScores:
         n = len(items)
@@ -152,16 +135,13 @@ class RemoteScorer:
             response = await self._post(payload, deadline)
         except BreakerOpen as error:
             return SourceScores.all_failed(n, f"{self._where}: {error}")
-        except UpstreamTimeout as error:
+        except UpstreamTimeout as error:  # queued for the budget, or no time to send a try
             return SourceScores.all_failed(n, f"{self._where}: the caller's deadline passed before an answer ({error})")
-        except (httpx.TransportError, _ServerError) as error:
-            reason = str(error) or type(error).__name__
-            return SourceScores.all_failed(n, f"{self._where}: {reason} (after {self._config.max_attempts} "
+        except SourceUnavailable as error:
+            return SourceScores.all_failed(n, f"{self._where}: {error} (after up to {self._config.max_attempts} "
                                               f"tries; {self._gateway.describe()})")
-        except ReplyTooLarge as error:
+        except SourceRejected as error:
             return SourceScores.all_failed(n, f"{self._where}: {error}")
-        if response.is_client_error:
-            return SourceScores.all_failed(n, f"{self._where}: HTTP {response.status_code}: {response.text[:200]}")
         try:
             body = response.json()
         except ValueError:
@@ -175,39 +155,52 @@ class RemoteScorer:
         return SourceScores(rewards, self._metrics(body, n), tuple(errors))
 
     async def _post(self, payload: dict, deadline: Deadline) -> _Reply:
-        assert self._client is not None, "start() first"
-        config = self._config
-        retries = stamina.retry_context(
-            on=(httpx.TransportError, _ServerError),
-            attempts=config.max_attempts,
-            timeout=deadline.remaining(),
-            wait_initial=config.backoff_initial_s,
-            wait_max=config.backoff_max_s,
-        )
-        async with self._gateway.guarded():  # the breaker counts the call once, after its retries
-            async for attempt in retries:
-                with attempt:
-                    if attempt.num > 1:
-                        REMOTE_REWARD_RETRIES.labels(config.name).inc()
-                    async with self._gateway.attempt(0, deadline):
-                        response = await self._try(payload, deadline, attempt.num)
-        return response
+        """The batch's call: up to ``max_attempts`` tries within ``deadline``, through the breaker and budget.
 
-    async def _try(self, payload: dict, deadline: Deadline, number: int) -> _Reply:
-        """One POST, counted. Raises: httpx.TransportError, _ServerError (5xx), ReplyTooLarge, UpstreamTimeout."""
+        Raises:
+            SourceUnavailable: the last try failed (or the deadline left no time for another). SourceRejected: 4xx
+                other than 429, or an answer over ``max_response_bytes``. BreakerOpen, UpstreamTimeout: nothing sent.
+        """
+        config = self._config
+        tries = 0
+
+        async def send(timeout_s: float) -> _Reply:
+            nonlocal tries
+            tries += 1
+            if tries > 1:
+                REMOTE_REWARD_RETRIES.labels(config.name).inc()
+            return await self._try(payload, timeout_s, tries)
+
+        return await self._gateway.call(
+            send, tokens=0, deadline=deadline, timeout_s=config.timeout_s, max_attempts=config.max_attempts,
+            backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s,
+        )
+
+    async def _try(self, payload: dict, timeout_s: float, number: int) -> _Reply:
+        """One POST within ``timeout_s`` seconds, counted in ``fastexp_remote_reward_requests_total``.
+
+        Raises:
+            SourceUnavailable: timeout, connection error, HTTP 5xx or 429. SourceRejected: another 4xx, or an
+                answer over ``max_response_bytes``.
+        """
         config, requests = self._config, REMOTE_REWARD_REQUESTS
         try:
-            response = await self._exchange(payload, deadline.timeout(config.timeout_s))
-        except httpx.TimeoutException:
+            response = await self._exchange(payload, timeout_s)
+        except httpx.TimeoutException as error:
             requests.labels(config.name, "timeout").inc()
-            raise
-        except httpx.TransportError:
+            raise SourceUnavailable(str(error) or type(error).__name__, timeout=True) from None
+        except httpx.TransportError as error:
             requests.labels(config.name, "error").inc()
-            raise
+            raise SourceUnavailable(f"{type(error).__name__}: {error}") from None
+        except ReplyTooLarge as error:  # it answered, with more than a batch of rewards can be: not an outage
+            requests.labels(config.name, "error").inc()
+            raise SourceRejected(str(error)) from None
         requests.labels(config.name, "error" if response.is_error else "ok").inc()
-        if response.is_server_error:
+        if response.status_code >= 500 or response.status_code == 429:
             logger.warning("%s: HTTP %d (try %d)", self._where, response.status_code, number)
-            raise _ServerError(f"HTTP {response.status_code}: {response.text[:200]}")
+            raise SourceUnavailable(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.is_error:
+            raise SourceRejected(f"HTTP {response.status_code}: {response.text[:200]}")
         return response
 
     async def _exchange(self, payload: dict, timeout_s: float) -> _Reply:

@@ -56,6 +56,20 @@ class SourceScores:
         """N items that all failed with ``error``."""
         return SourceScores(np.full(n, np.nan, np.float32), {}, (error,) * n)
 
+    @staticmethod
+    def joined(parts: Sequence[SourceScores]) -> SourceScores:
+        """The parts' items in order, as one; a metric some part lacks (a failed call's) is NaN on its items."""
+        names = sorted({name for part in parts for name in part.metrics})
+        return SourceScores(
+            np.concatenate([part.rewards for part in parts]) if parts else np.zeros(0, np.float32),
+            {
+                name: np.concatenate([part.metrics.get(name, np.full(len(part.errors), np.nan, np.float32))
+                                      for part in parts])
+                for name in names
+            },
+            tuple(error for part in parts for error in part.errors),
+        )
+
 
 class RewardSource(Protocol):
     """A reward model, remote endpoint or rule: ``start`` once, ``score`` many times, ``close`` once."""

@@ -60,7 +60,8 @@ async def scorer(judge_server):
         judge("yes", f"{url}/ok/v1", score_range=[0, 1], verdict={"kind": "yes_no"}, cache={"enabled": False}),
         judge("budgeted", f"{url}/ok/v1", budget={"max_concurrency": 2}, cache={"enabled": False}),
         judge("hanging", f"{url}/hang/v1", budget={"max_concurrency": 8}, cache={"enabled": False}),
-    ], recipes={name: [("model", name, 1.0)] for name in ("cached", "yes", "budgeted", "hanging")})
+        judge("mixed", f"{url}/faulty/v1", cache={"enabled": False}),
+    ], recipes={name: [("model", name, 1.0)] for name in ("cached", "yes", "budgeted", "hanging", "mixed")})
     composer = build_composer(settings)
     running = await start_scorer(settings, composer)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
@@ -105,6 +106,17 @@ async def test_judge_over_an_openai_server_parses_verdicts_names_garbage_and_cac
     assert np.array_equal(to_numpy(again.rewards)[[0, 1, 2, 4]], rewards[[0, 1, 2, 4]])
     assert metric("fastexp_reward_source_cache_lookups_total", source="cached", result="hit") - hits == 4
     assert metric("fastexp_reward_source_tokens_total", source="cached", kind="completion") >= 15
+
+
+async def test_a_request_whose_judge_calls_partly_fail_scores_the_rest_and_names_the_failures(scorer):
+    # one item's call gets HTTP 500, the other's a verdict: the RPC answers, the failed item is NaN with its error
+    # and NaN metrics, the other keeps its reward and metrics (a failed call's part has no metrics to join)
+    reply = await scorer.Score(request("mixed", "7", "fail here", "seven"), timeout=60)
+    rewards, errors = to_numpy(reply.rewards), list(reply.errors)
+    assert rewards[0] == pytest.approx(1 / 9) and rewards[2] == pytest.approx(5 / 9) and errors[0] == errors[2] == ""
+    assert math.isnan(rewards[1]) and errors[1].startswith("mixed (openai http") and "HTTP 500" in errors[1]
+    scores = to_numpy(reply.metrics["mixed/score"])
+    assert scores[0] == 1 and scores[2] == 5 and math.isnan(scores[1])
 
 
 async def test_yes_no_verdicts_read_the_first_tokens_log_probs(scorer):

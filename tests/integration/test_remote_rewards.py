@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import REGISTRY
 
 from services.common.deadlines import Deadline
 from services.scorer.composition import build_composer
 from services.scorer.config import RemoteConfig
 from services.scorer.http_server import create_app
+from services.scorer.outbound.breaker import BreakerStatus
 from services.scorer.remote import RemoteScorer
 from services.scorer.scorer import ScoreItem
 from services.scorer.settings import ScorerSettings
@@ -81,6 +83,10 @@ def misbehaving_app() -> FastAPI:
     async def down():
         return JSONResponse({"detail": "broken"}, status_code=500)
 
+    @app.post("/too_many")
+    async def too_many():
+        return JSONResponse({"detail": "slow down"}, status_code=429)
+
     @app.post("/hang")
     async def hang():
         await asyncio.sleep(30)
@@ -125,9 +131,9 @@ def endpoint():
         yield url, app.state
 
 
-async def remote(url: str, **options) -> RemoteScorer:
+async def remote(url: str, name: str = "rm", **options) -> RemoteScorer:
     options = {"timeout_s": 2.0, "backoff_initial_s": 0.05, "backoff_max_s": 0.1, **options}
-    scorer = RemoteScorer(RemoteConfig(name="rm", url=url, **options))
+    scorer = RemoteScorer(RemoteConfig(name=name, url=url, **options))
     await scorer.start()
     return scorer
 
@@ -210,7 +216,7 @@ async def test_persistent_5xx_fails_after_max_attempts(endpoint):
     finally:
         await scorer.close()
     assert state.calls["/down"] - before == 3
-    assert "HTTP 500" in result.errors[0] and "after 3 tries" in result.errors[0] and f"{base}/down" in result.errors[0]
+    assert "HTTP 500" in result.errors[0] and "after up to 3 tries" in result.errors[0] and f"{base}/down" in result.errors[0]
 
 
 async def test_a_hanging_endpoint_times_out_per_request(endpoint):
@@ -220,7 +226,7 @@ async def test_a_hanging_endpoint_times_out_per_request(endpoint):
         result = await scorer.score(items("a"))
     finally:
         await scorer.close()
-    assert "Timeout" in result.errors[0] and "after 2 tries" in result.errors[0]
+    assert "Timeout" in result.errors[0] and "after up to 2 tries" in result.errors[0]
 
 
 async def test_an_endpoint_trickling_bytes_is_cut_off_at_the_total_timeout(endpoint):
@@ -231,7 +237,7 @@ async def test_an_endpoint_trickling_bytes_is_cut_off_at_the_total_timeout(endpo
         result = await scorer.score(items("a"))  # (an endless trickle: without the total timeout, never returns)
     finally:
         await scorer.close()
-    assert "no whole answer within 1.00 s" in result.errors[0] and "after 2 tries" in result.errors[0]
+    assert "no whole answer within 1.00 s" in result.errors[0] and "after up to 2 tries" in result.errors[0]
 
 
 async def test_an_endless_answer_is_dropped_past_max_response_bytes_without_retry(endpoint):
@@ -254,6 +260,57 @@ async def test_the_callers_deadline_caps_timeouts_and_retries(endpoint):
     finally:
         await scorer.close()
     assert math.isnan(result.rewards[0]) and f"rm ({base}/hang)" in result.errors[0]
+
+
+def calls(source: str, outcome: str) -> float:
+    return REGISTRY.get_sample_value("fastexp_reward_source_calls_total", {"source": source, "outcome": outcome}) or 0.0
+
+
+async def test_guide_429_is_retried_and_a_call_that_ends_on_it_is_one_failure(endpoint):
+    # docs/reward-teams/judges.md: "timeouts, connection errors, 5xx and 429 are retried"; failed calls (HTTP 5xx/429,
+    # each counted once, after its retries) open the breaker
+    base, state = endpoint
+    before = state.calls.get("/too_many", 0)
+    scorer = await remote(f"{base}/too_many", name="rm-429", max_attempts=2,
+                          breaker={"failure_threshold": 2, "open_s": 60})
+    try:
+        first = await scorer.score(items("a"))
+        assert state.calls["/too_many"] - before == 2 and scorer.breaker.state.failures == 1
+        await scorer.score(items("a"))
+        third = await scorer.score(items("a"))
+    finally:
+        await scorer.close()
+    assert "HTTP 429" in first.errors[0] and "after up to 2 tries" in first.errors[0]
+    assert scorer.breaker.state.status is BreakerStatus.OPEN and "circuit breaker open" in third.errors[0]
+    assert state.calls["/too_many"] - before == 4 and calls("rm-429", "error") == 4  # the third call sent nothing
+
+
+async def test_guide_a_4xx_is_an_answer_counted_rejected_not_a_failure(endpoint):
+    # "A 4xx answer ... is not an outage and does not count as a failure"; calls_total's outcome `rejected` (4xx)
+    base, _ = endpoint
+    scorer = await remote(f"{base}/bad_request", name="rm-4xx", breaker={"failure_threshold": 1})
+    try:
+        for _ in range(2):
+            await scorer.score(items("a"))
+    finally:
+        await scorer.close()
+    assert calls("rm-4xx", "rejected") == 2 and calls("rm-4xx", "ok") == 0
+    assert scorer.breaker.state.status is BreakerStatus.CLOSED
+
+
+async def test_guide_a_try_that_times_out_at_the_deadline_is_a_failed_call_and_an_unsent_retry_no_try(endpoint):
+    # "a try that timed out at the Score request's deadline, leaving no time for the next, is a failed call too";
+    # calls_total counts "outbound tries": the retry the deadline left no time for was never sent
+    base, state = endpoint
+    before = state.calls.get("/hang", 0)
+    scorer = await remote(f"{base}/hang", name="rm-deadline", timeout_s=30, max_attempts=2,
+                          breaker={"failure_threshold": 1, "open_s": 60})
+    try:
+        result = await scorer.score(items("a"), Deadline.from_remaining(1.5))
+    finally:
+        await scorer.close()
+    assert "Timeout" in result.errors[0] and scorer.breaker.state.status is BreakerStatus.OPEN
+    assert state.calls["/hang"] - before == 1 and calls("rm-deadline", "timeout") == 1
 
 
 async def test_an_unreachable_endpoint_fails_items_not_the_scorer():

@@ -6,6 +6,7 @@
 - ``ok``: ``\\boxed{len(answer) % 10}``; an answer starting with ``garbage`` gets a reply without a verdict; with
   ``logprobs`` asked, the first token's candidates are ``Yes`` (0.8) and ``No`` (0.2);
 - ``flaky``: HTTP 503 while ``state.down``, else as ``ok``;
+- ``faulty``: HTTP 500 for an answer starting with ``fail``, else as ``ok``;
 - ``hang``: never answers; waits until the client closes the connection.
 
 :class:`JudgeLog` (``app.state.log``) counts requests started, answered and ended, the peak in flight, and the
@@ -79,6 +80,8 @@ def judge_app() -> FastAPI:
                 return JSONResponse({}, status_code=499)
             if mode == "flaky" and app.state.down:
                 return JSONResponse({"error": "judge warming up"}, status_code=503)
+            if mode == "faulty" and _answer(body["messages"][-1]["content"]).startswith("fail"):
+                return JSONResponse({"error": "judge crashed on this one"}, status_code=500)
             log.update(lambda s: setattr(s, "answered", s.answered + 1))
             return _completion(body)
         finally:

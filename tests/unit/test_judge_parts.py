@@ -142,16 +142,16 @@ async def test_gateway_fails_fast_with_the_breaker_named_once_open():
     gateway = CallGuard("judge", BudgetConfig(), BreakerConfig(failure_threshold=2, open_s=60))
     calls = []
 
-    async def down() -> None:
+    async def down(timeout_s: float) -> None:
         calls.append(1)
         raise SourceUnavailable("connection refused")
 
     for _ in range(2):
         with pytest.raises(SourceUnavailable):
-            await gateway.call(down, tokens=1, deadline=Deadline(), max_attempts=1, backoff_initial_s=0.01,
+            await gateway.call(down, tokens=1, deadline=Deadline(), timeout_s=5.0, max_attempts=1, backoff_initial_s=0.01,
                                backoff_max_s=0.01)
     with pytest.raises(BreakerOpen, match="circuit breaker open .2 consecutive failures.*connection refused"):
-        await gateway.call(down, tokens=1, deadline=Deadline(), max_attempts=3, backoff_initial_s=0.01,
+        await gateway.call(down, tokens=1, deadline=Deadline(), timeout_s=5.0, max_attempts=3, backoff_initial_s=0.01,
                            backoff_max_s=0.01)
     assert len(calls) == 2  # the refused call never reached the endpoint
 
@@ -160,13 +160,13 @@ async def _fail_calls(gateway: CallGuard, count: int, max_attempts: int) -> list
     """``count`` calls to an endpoint that is down, each retried ``max_attempts`` times; the tries sent."""
     tries: list[int] = []
 
-    async def down() -> None:
+    async def down(timeout_s: float) -> None:
         tries.append(1)
         raise SourceUnavailable("HTTP 503")
 
     for _ in range(count):
         with pytest.raises(SourceUnavailable):
-            await gateway.call(down, tokens=1, deadline=Deadline(), max_attempts=max_attempts,
+            await gateway.call(down, tokens=1, deadline=Deadline(), timeout_s=5.0, max_attempts=max_attempts,
                                backoff_initial_s=0.001, backoff_max_s=0.001)
     return tries
 
@@ -225,14 +225,13 @@ async def test_guide_a_hung_judge_counts_even_when_the_deadline_leaves_no_time_f
     gateway = CallGuard("judge-hung", BudgetConfig(), BreakerConfig(failure_threshold=1, open_s=60))
     deadline, tries = Deadline.from_remaining(0.6), []
 
-    async def hung() -> None:
-        timeout = deadline.timeout(60.0)  # the try's own timeout, capped by the deadline
+    async def hung(timeout: float) -> None:  # the try's own timeout: timeout_s capped by the deadline
         tries.append(timeout)
         await asyncio.sleep(timeout)  # the judge never answers within it
         raise SourceUnavailable(f"no answer within {timeout:.2f} s")
 
     with pytest.raises(SourceUnavailable, match="no answer within"):
-        await gateway.call(hung, tokens=1, deadline=deadline, max_attempts=2, backoff_initial_s=0.001,
+        await gateway.call(hung, tokens=1, deadline=deadline, timeout_s=60.0, max_attempts=2, backoff_initial_s=0.001,
                            backoff_max_s=0.001)
     assert len(tries) == 1 and gateway.breaker.state.status is BreakerStatus.OPEN
 

@@ -107,7 +107,7 @@ class JudgeConfig(BaseModel):
         1024 * 1024, ge=1024, description="largest answer of one call (openai backend); a bigger one is refused, "
         "unread past the cap, and its items fail naming it",
     )
-    max_attempts: int = Field(2, ge=1, description="tries per call on timeouts, connection errors and 5xx")
+    max_attempts: int = Field(2, ge=1, description="tries per call on timeouts, connection errors, 5xx and 429")
     backoff_initial_s: float = Field(0.5, gt=0, description="first retry wait; doubles per retry, with jitter")
     backoff_max_s: float = Field(8.0, gt=0, description="cap of one retry wait")
     budget: BudgetConfig = Field(default_factory=BudgetConfig)

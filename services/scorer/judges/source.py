@@ -71,14 +71,7 @@ class JudgeScorer:
         parts = await asyncio.gather(
             *(self._score_call(items[i : i + size], deadline) for i in range(0, len(items), size))
         )
-        if not parts:
-            return SourceScores(np.zeros(0, np.float32), {}, ())
-        names = sorted({name for part in parts for name in part.metrics})
-        return SourceScores(
-            np.concatenate([part.rewards for part in parts]),
-            {name: np.concatenate([part.metrics[name] for part in parts]) for name in names},
-            tuple(error for part in parts for error in part.errors),
-        )
+        return SourceScores.joined(parts)
 
     async def _score_call(self, items: Sequence[ScoreItem], deadline: Deadline) -> SourceScores:
         config, backend = self._config, self._backend
@@ -87,12 +80,10 @@ class JudgeScorer:
         tokens += config.answer_tokens * len(chats)
         where = f"{self.name} ({backend.where})"
 
-        async def send() -> list[JudgeReply]:
-            return await backend.complete(chats, deadline.timeout(config.timeout_s))
-
         try:
             replies = await self._gateway.call(
-                send, tokens=tokens, deadline=deadline, max_attempts=config.max_attempts,
+                lambda timeout_s: backend.complete(chats, timeout_s), tokens=tokens, deadline=deadline,
+                timeout_s=config.timeout_s, max_attempts=config.max_attempts,
                 backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s,
             )
         except BreakerOpen as error:

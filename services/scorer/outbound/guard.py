@@ -3,8 +3,8 @@
 :class:`CallGuard` is owned by one source. ``async with guard.attempt(tokens, deadline):`` wraps one try: it is
 refused at once while the breaker is open (:class:`~.breaker.BreakerOpen`), queues for the budget within the
 deadline (:class:`~.budgets.BudgetTimeout`), and records what the block's end says: a normal exit is a success, an
-exception of the source's ``failures`` kinds a failure (the breaker counts it), a cancellation or anything else no
-outcome. :meth:`CallGuard.call` adds retries (stamina, capped exponential backoff with jitter) within the deadline.
+exception of the source's ``failures`` kinds (:class:`SourceUnavailable` and any the source adds) a failure (the
+breaker counts it), a cancellation or anything else no outcome. :meth:`CallGuard.call` adds retries (stamina, capped exponential backoff with jitter) within the deadline.
 """
 
 from __future__ import annotations
@@ -85,24 +85,32 @@ class CallGuard:
         self.breaker.succeeded()
 
     @contextlib.asynccontextmanager
-    async def attempt(self, tokens: int, deadline: Deadline) -> AsyncIterator[None]:
-        """One try of a call (inside :meth:`guarded`): the budget's slot and the try's metrics.
+    async def attempt(self, tokens: int, deadline: Deadline, timeout_s: float) -> AsyncIterator[float]:
+        """One try of a call (inside :meth:`guarded`): the budget's slot and the try's metrics. Yields the try's
+        timeout in seconds: ``timeout_s`` capped by ``deadline`` (:meth:`Deadline.timeout`), taken once the slot is
+        held. A try the deadline leaves no time to send is not a try: it counts in no outcome.
 
         Raises:
-            BudgetTimeout: the deadline passed in the queue.
+            BudgetTimeout: the deadline passed in the queue. UpstreamTimeout: no time left to send the try.
         """
         calls = SOURCE_CALLS
+        sent = False
         try:
             async with self.budget.slot(tokens, deadline):
+                timeout = deadline.timeout(timeout_s)
+                sent = True
                 started = time.perf_counter()
                 SOURCE_IN_FLIGHT.labels(self.name).inc()
                 try:
-                    yield
+                    yield timeout
                 finally:
                     SOURCE_IN_FLIGHT.labels(self.name).dec()
                     SOURCE_CALL_SECONDS.labels(self.name).observe(time.perf_counter() - started)
-        except UpstreamTimeout as error:  # before sending: queued past the deadline, or too little of it left
-            calls.labels(self.name, "budget_timeout" if isinstance(error, BudgetTimeout) else "timeout").inc()
+        except UpstreamTimeout as error:
+            if isinstance(error, BudgetTimeout):
+                calls.labels(self.name, "budget_timeout").inc()
+            elif sent:
+                calls.labels(self.name, "timeout").inc()
             raise
         except asyncio.CancelledError:
             calls.labels(self.name, "cancelled").inc()
@@ -119,11 +127,11 @@ class CallGuard:
             raise
         calls.labels(self.name, "ok").inc()
 
-    async def call(self, send: Callable[[], Awaitable[T]], *, tokens: int, deadline: Deadline, max_attempts: int,
-                   backoff_initial_s: float, backoff_max_s: float) -> T:
-        """``await send()`` as one :meth:`guarded` call, each try an :meth:`attempt`, retried on
-        :class:`SourceUnavailable` up to ``max_attempts`` tries while the deadline allows (``send`` takes its own
-        timeout from the deadline).
+    async def call(self, send: Callable[[float], Awaitable[T]], *, tokens: int, deadline: Deadline, timeout_s: float,
+                   max_attempts: int, backoff_initial_s: float, backoff_max_s: float) -> T:
+        """``await send(timeout)`` as one :meth:`guarded` call, each try an :meth:`attempt` (``timeout``: the try's
+        seconds, ``timeout_s`` capped by the deadline), retried on :class:`SourceUnavailable` up to ``max_attempts``
+        tries while the deadline allows.
 
         Raises:
             SourceUnavailable: the last try failed, also where the deadline left no time for the next one (the
@@ -140,8 +148,8 @@ class CallGuard:
                 async for attempt in retries:
                     with attempt:
                         try:
-                            async with self.attempt(tokens, deadline):
-                                result = await send()
+                            async with self.attempt(tokens, deadline, timeout_s) as timeout:
+                                result = await send(timeout)
                         except SourceUnavailable as error:
                             last = error
                             raise
