@@ -135,29 +135,47 @@ def test_cpu_lora_ops_apply_each_rows_adapter_and_none_to_rows_without():
         torch.testing.assert_close(sliced[row], torch.cat([torch.ones(2), 1 + delta]))
 
 
+@pytest.mark.parametrize("rows", [6, 40])  # a decode batch (float32 products), a prefill's (the output's dtype)
 @pytest.mark.parametrize("slot", [1, -1, 2])
-def test_cpu_lora_ops_on_a_batch_of_one_adapter_or_none_match_the_per_row_result(slot):
+def test_cpu_lora_ops_on_a_batch_of_one_adapter_or_none_match_the_per_row_result(slot, rows):
     """A batch whose rows all share one adapter takes one matmul; none where no row has an adapter (the base
-    model's batch) or where the adapter's matrix is zero (slot 2 here: a module it does not target). The same
-    deltas, row by row, and the buffers written as the per-row ops write them."""
+    model's batch) or, past SMALL_BATCH_ROWS rows, where the adapter's matrix is zero (slot 2 here: a module it does
+    not target). The same deltas, row by row, and the buffers written as the per-row ops write them."""
     from services.generator.vllm_cpu_lora import bgmv_expand, bgmv_expand_slice, bgmv_shrink
 
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(3, 1, 2, 5, generator=g), torch.randn(3, 1, 4, 2, generator=g)
     a[2], b[2] = 0.0, 0.0
-    x = torch.randn(6, 5, generator=g)
-    indices = torch.full((6,), slot)
-    shrunk, out, sliced = torch.full((6, 2), 7.0), torch.ones(6, 4), torch.ones(6, 6)
+    x = torch.randn(rows, 5, generator=g)
+    indices = torch.full((rows,), slot)
+    shrunk, out, sliced = torch.full((rows, 2), 7.0), torch.ones(rows, 4), torch.ones(rows, 6)
     bgmv_shrink(x, a, shrunk, indices, scaling=0.5)
     bgmv_expand(shrunk, b, out, indices, add_inputs=True)
     bgmv_expand_slice(shrunk, b, sliced, indices, 2, 4, add_inputs=True)
-    for row in range(6):
+    for row in range(rows):
         h = torch.zeros(2) if slot < 0 else 0.5 * a[slot, 0] @ x[row]
         delta = torch.zeros(4) if slot < 0 else b[slot, 0] @ h
         torch.testing.assert_close(shrunk[row], h)
         torch.testing.assert_close(out[row], 1 + delta)
         torch.testing.assert_close(sliced[row], torch.cat([torch.ones(2), 1 + delta]))
-    replaced = torch.full((6, 4), 9.0)
+    replaced = torch.full((rows, 4), 9.0)
     bgmv_expand(shrunk, b, replaced, indices, add_inputs=False)  # no add: the columns are the delta, zeros included
     torch.testing.assert_close(replaced, torch.stack([b[slot, 0] @ shrunk[r] if slot >= 0 else torch.zeros(4)
-                                                      for r in range(6)]))
+                                                      for r in range(rows)]))
+
+
+@pytest.mark.parametrize(("rows", "dtype"), [(8, torch.float32), (64, torch.bfloat16)])
+def test_cpu_lora_ops_multiply_decode_batches_in_float32_and_larger_ones_in_the_outputs_dtype(rows, dtype):
+    """bfloat16 activations and adapters: a decode-sized batch's products come back in float32 (as exact as the
+    inputs allow), a prefill's in bfloat16, both within bfloat16's rounding of the float32 product."""
+    from services.generator.vllm_cpu_lora import per_adapter
+
+    g = torch.Generator().manual_seed(2)
+    weights = torch.randn(2, 1, 16, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    product = per_adapter(x, weights, torch.full((rows,), 1), torch.bfloat16)
+    assert product is not None and product.dtype == dtype
+    exact = x.float() @ weights[1, 0].float().T
+    torch.testing.assert_close(product.float(), exact, rtol=1.6e-2, atol=1e-2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(product, exact)
