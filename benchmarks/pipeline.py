@@ -138,8 +138,10 @@ def _offline_vllm(
         return json.loads(out.read_text())
 
 
-def generate_once(address: str, prompt_ids: Sequence[Sequence[int]], n: int, sampling: Sampling) -> dict:
-    """One ``Generate`` stream read to the end: tokens sampled, wall seconds from the call to the last message."""
+def generate_completions(address: str, prompt_ids: Sequence[Sequence[int]], n: int,
+                         sampling: Sampling) -> tuple[float, list]:
+    """One ``Generate`` stream read to the end: wall seconds from the call to the last message, and its completions
+    (``fastexp.v1.Completion`` messages, in arrival order)."""
     request = generation_pb2.GenerateRequest(
         prompts=[generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=ids)) for ids in prompt_ids],
         sampling=sampling_to_pb(sampling), n_samples_per_prompt=n,
@@ -147,8 +149,15 @@ def generate_once(address: str, prompt_ids: Sequence[Sequence[int]], n: int, sam
     with grpc.insecure_channel(address, options=message_options(MAX_MESSAGE_BYTES)) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         started = time.perf_counter()
-        tokens = sum(len(c.output_token_ids) for r in stub.Generate(request, timeout=3600) for c in r.completions)
+        completions = [c for response in stub.Generate(request, timeout=3600) for c in response.completions]
         seconds = time.perf_counter() - started
+    return seconds, completions
+
+
+def generate_once(address: str, prompt_ids: Sequence[Sequence[int]], n: int, sampling: Sampling) -> dict:
+    """One ``Generate`` stream read to the end: tokens sampled, wall seconds from the call to the last message."""
+    seconds, completions = generate_completions(address, prompt_ids, n, sampling)
+    tokens = sum(len(c.output_token_ids) for c in completions)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 

@@ -32,15 +32,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import grpc
 import numpy as np
 import torch
 
-from benchmarks.pipeline import MAX_MESSAGE_BYTES
+from benchmarks.pipeline import generate_completions
 from fastexp import ExperienceClient, RequestOptions, Sampling
-from fastexp.channels import message_options
-from fastexp.v1 import generation_pb2, generation_pb2_grpc
-from fastexp.wire import sampling_to_pb
 from services.common.dtypes import resolve_dtype
 from services.common.generation import CompletionRecord
 from services.demo.datasets import task_problems
@@ -117,15 +113,7 @@ def _prompt_ids(model: str, problems) -> list[list[int]]:
 
 def _generate(address: str, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> tuple[dict, list]:
     """One ``Generate`` stream read to the end: its tokens and wall seconds, and the samples it drew."""
-    request = generation_pb2.GenerateRequest(
-        prompts=[generation_pb2.GenerationPrompt(token_ids=generation_pb2.TokenIds(ids=ids)) for ids in prompt_ids],
-        sampling=sampling_to_pb(sampling), n_samples_per_prompt=n,
-    )
-    with grpc.insecure_channel(address, options=message_options(MAX_MESSAGE_BYTES)) as channel:
-        stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        started = time.perf_counter()
-        completions = [c for response in stub.Generate(request, timeout=3600) for c in response.completions]
-        seconds = time.perf_counter() - started
+    seconds, completions = generate_completions(address, prompt_ids, n, sampling)
     records = [CompletionRecord(prompt_index=c.prompt_index, sample_index=c.sample_index,
                                 prompt_token_ids=tuple(c.prompt_token_ids), output_token_ids=tuple(c.output_token_ids),
                                 output_log_probs=np.zeros(len(c.output_token_ids), np.float32), finish_reason="stop",
