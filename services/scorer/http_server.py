@@ -1,7 +1,9 @@
 """The reference remote reward server: any scorer configuration served over OpenRLHF's HTTP reward protocol.
 
 Reward teams deploy their model (or rule, or composition) behind this and point trainers, or a fastexp scorer's
-``remote`` source, at it. FastAPI + uvicorn.
+``remote`` source, at it. FastAPI + uvicorn, on the HTTP edges' configuration (:mod:`services.common.http_edge`:
+TLS when ``tls_cert_file`` is set, headers bounded, at most ``MAX_CONNECTIONS`` at once); the tokens of
+``auth_tokens_file`` and ``admin_tokens_file`` may call.
 
 ``POST /get_reward`` with ``{"query": [...], "prompts": [...]?, "labels": [...]?, "references": [...]?}``
 answers ``{"rewards": [...], "scores": [...], "extra_logs": {metric: [...]}, "errors": [...]?}``. A query the
@@ -18,15 +20,17 @@ import asyncio
 import contextlib
 import logging
 import math
-import signal
 from collections.abc import AsyncIterator, Sequence
 
+import uvicorn
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
 from services.common.errors import InvalidRequest
+from services.common.http_edge import run_edge, service_edge_config
 from services.common.http_limits import BoundedBody, bearer_check
-from services.common.security import check_exposure, read_tokens
+from services.common.http_tokens import edge_tokens
+from services.common.security import check_exposure
 from services.scorer.composition import RewardComposer, build_composer
 from services.scorer.scorer import make_items
 from services.scorer.settings import RewardServerSettings
@@ -101,35 +105,35 @@ def create_app(composer: RewardComposer, max_queries_per_request: int = 65536, m
     return app
 
 
+def server_config(composer: RewardComposer, settings: RewardServerSettings) -> uvicorn.Config:
+    """How :func:`serve` serves ``composer`` (started): :func:`create_app` with the tokens of both token files, on
+    the HTTP edges' uvicorn configuration (TLS when ``tls_cert_file`` is set).
+
+    Raises:
+        SecurityConfigError: a token file that is set is unreadable or holds no token.
+    """
+    app = create_app(composer, settings.max_queries_per_request, manage_sources=False, tokens=edge_tokens(settings),
+                     max_body_bytes=settings.max_body_bytes)
+    return service_edge_config(app, settings)
+
+
 def serve(settings: RewardServerSettings) -> None:
-    """Start the sources, then serve until SIGTERM/SIGINT (blocking; uvicorn handles the signals and drains).
+    """Start the sources, then serve until SIGTERM/SIGINT (blocking; uvicorn drains, then the sources close and
+    the process exits 0, as the gRPC services do).
 
     Raises:
         ConfigError: a source could not be built or started (before the port is opened).
         SecurityConfigError: bound beyond loopback without TLS or tokens and not ``insecure`` (the gRPC services'
             rule); a token file is unreadable.
     """
-    import uvicorn
-
     check_exposure(settings.host, secured=settings.secured(), insecure=settings.insecure, service="reward-server")
-    tokens = [*(read_tokens(settings.auth_tokens_file, "auth_tokens_file") if settings.auth_tokens_file else ()),
-              *(read_tokens(settings.admin_tokens_file, "admin_tokens_file") if settings.admin_tokens_file else ())]
+    edge_tokens(settings)  # an unreadable token file fails before the sources start
     composer = build_composer(settings)
 
     async def main() -> None:
         await composer.start()
         try:
-            app = create_app(composer, settings.max_queries_per_request, manage_sources=False, tokens=tokens,
-                             max_body_bytes=settings.max_body_bytes)
-            config = uvicorn.Config(
-                app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=int(settings.grace_period_s),
-            )
-            # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found: make that a
-            # no-op so the sources are closed below and the process exits 0, as the gRPC services do.
-            for stop_signal in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(stop_signal, lambda *_: None)
-            await uvicorn.Server(config).serve()
+            await run_edge(server_config(composer, settings))
         finally:
             await composer.close()
 

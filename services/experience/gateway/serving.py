@@ -11,6 +11,8 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from services.common.http_edge import MAX_CONNECTIONS, edge_config
+
 
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn without its signal handlers: the experience service owns SIGTERM and stops the gateway itself."""
@@ -39,22 +41,25 @@ class RunningGateway:
 
 
 def start_gateway(app: FastAPI, host: str, port: int, grace_s: float, cert_file: Path | None = None,
-                  key_file: Path | None = None) -> RunningGateway:
-    """Bind ``host:port`` (0: any free port) now and serve ``app`` there in a task of the running loop.
+                  key_file: Path | None = None, max_connections: int = MAX_CONNECTIONS) -> RunningGateway:
+    """Bind ``host:port`` (0: any free port) now and serve ``app`` there in a task of the running loop, on the HTTP
+    edges' uvicorn configuration (:func:`services.common.http_edge.edge_config`: headers bounded, at most
+    ``max_connections`` connections + requests at once, ``grace_s`` seconds for calls in flight at shutdown).
 
     The socket listens before this returns, so a client may connect at once (its connection waits in the backlog
     until uvicorn accepts it).
 
     Raises:
         OSError: the address cannot be bound.
+        ValueError: ``max_connections`` is below 1.
     """
+    config = edge_config(app, host, port, grace_s=grace_s, cert_file=cert_file, key_file=key_file,
+                         max_connections=max_connections, lifespan="off")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=max(1, int(grace_s)),
-                            ssl_certfile=cert_file, ssl_keyfile=key_file, lifespan="off")
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="gateway")
     return RunningGateway(sock.getsockname()[1], server, task)

@@ -9,8 +9,10 @@ uvicorn.
 ``Success`` / ``Failed`` / ``SandboxError``, ``run_result`` with ``status`` ``Finished`` / ``TimeLimitExceeded`` /
 ``Error``, ``return_code``, ``stdout``, ``stderr``, ``execution_time`` seconds). A request's limits are capped by
 the server's (``max_timeout_s``, ``max_memory_bytes``); bad input is HTTP 400 naming the field; a missing or
-unknown bearer token (when ``auth_tokens_file`` is set) is 401. ``GET /health`` is 200 once the probe ran.
-The server refuses to start where the probe fails (the cause and the fix named).
+unknown bearer token (when ``auth_tokens_file`` or ``admin_tokens_file`` is set: either file's tokens may call)
+is 401, checked before the body is read. ``GET /health`` is 200 once the probe ran. The server refuses to start
+where the probe fails (the cause and the fix named). It runs on :func:`services.common.http_edge.edge_config`
+(headers bounded, at most ``max_connections`` at once).
 
 A caller that hangs up (its deadline, a cancelled episode: the scorer's ``RemoteSandbox`` closes its connection)
 ends its run: the server checks the connection every :data:`DISCONNECT_POLL_S` seconds while the run goes on, and
@@ -22,19 +24,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
-import signal
 import time
 from collections.abc import Coroutine
 from typing import ClassVar
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.http_edge import MAX_CONNECTIONS, run_edge, service_edge_config
 from services.common.http_limits import BoundedBody, bearer_check
-from services.common.security import check_exposure, read_tokens
+from services.common.http_tokens import edge_tokens
+from services.common.security import check_exposure
 from services.common.settings import ServiceSettings
 from services.scorer.sandbox.base import MIB, Sandbox, SandboxError, SandboxLimits, SandboxResult
 from services.scorer.sandbox.settings import SandboxSettings, build_sandbox
@@ -61,6 +64,8 @@ class SandboxServerSettings(ServiceSettings):
     max_code_bytes: int = Field(1 * MIB, ge=1024, description="largest program accepted")
     max_body_bytes: int = Field(8 * MIB, ge=1024, description="largest request body (the program JSON-encoded); "
                                                              "bigger ones are 413, unread, after the token check")
+    max_connections: int = Field(MAX_CONNECTIONS, ge=1, description="connections + requests held at once; "
+                                                                    "past it a request is answered 503")
 
 
 class RunCodeRequest(BaseModel):
@@ -109,16 +114,13 @@ def run_code_response(result: SandboxResult, seconds: float) -> dict[str, object
 
 
 def create_app(sandbox: Sandbox, settings: SandboxServerSettings) -> FastAPI:
-    """The FastAPI app over ``sandbox`` (already probed)."""
-    tokens = read_tokens(settings.auth_tokens_file, "auth_tokens_file") if settings.auth_tokens_file else ()
+    """The FastAPI app over ``sandbox`` (already probed): every route but ``/health`` takes a token of
+    ``auth_tokens_file`` or ``admin_tokens_file`` when either is set (open only when neither is).
 
-    def authorize(authorization: str | None = Header(None)) -> None:
-        if not tokens:
-            return
-        presented = (authorization or "").removeprefix("Bearer ").strip().encode()
-        if not any(hmac.compare_digest(presented, token) for token in tokens):
-            raise HTTPException(401, "authorization: a valid bearer token is required")
-
+    Raises:
+        SecurityConfigError: a token file that is set is unreadable or holds no token.
+    """
+    tokens = edge_tokens(settings)  # never empty where a token file is set
     app = FastAPI(title="fastexp sandbox")
     # the token, then the body's size, before a byte of the body is read (FastAPI parses it before any dependency)
     app.add_middleware(BoundedBody, max_bytes=settings.max_body_bytes, authorized=bearer_check(tokens))
@@ -127,7 +129,7 @@ def create_app(sandbox: Sandbox, settings: SandboxServerSettings) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok", "sandbox": sandbox.description}
 
-    @app.post("/run_code", dependencies=[Depends(authorize)])
+    @app.post("/run_code")
     async def run_code(request: RunCodeRequest, http: Request) -> dict[str, object]:
         try:
             limits = limits_for(request, settings)
@@ -168,6 +170,15 @@ async def while_connected(run: Coroutine[object, object, SandboxResult], http: R
                 await task
 
 
+def server_config(sandbox: Sandbox, settings: SandboxServerSettings) -> uvicorn.Config:
+    """How :func:`serve` serves ``sandbox``: :func:`create_app` on the HTTP edges' uvicorn configuration.
+
+    Raises:
+        SecurityConfigError: a token file that is set is unreadable or holds no token.
+    """
+    return service_edge_config(create_app(sandbox, settings), settings, settings.max_connections)
+
+
 def serve(settings: SandboxServerSettings) -> None:
     """Probe the sandbox, then serve until SIGTERM/SIGINT (blocking).
 
@@ -176,22 +187,12 @@ def serve(settings: SandboxServerSettings) -> None:
         SecurityConfigError: bound beyond loopback without TLS or tokens and not ``insecure``; a token file is
             unreadable.
     """
-    import uvicorn
-
     check_exposure(settings.host, secured=settings.secured(), insecure=settings.insecure, service="sandbox")
 
     async def main() -> None:
         sandbox = build_sandbox(settings.sandbox)
         await sandbox.check()
         logger.info("sandbox server: %s, on %s:%d", sandbox.description, settings.host, settings.port)
-        config = uvicorn.Config(
-            create_app(sandbox, settings), host=settings.host, port=settings.port,
-            log_level=settings.log_level.lower(), timeout_graceful_shutdown=int(settings.grace_period_s),
-            ssl_certfile=settings.tls_cert_file, ssl_keyfile=settings.tls_key_file,
-        )
-        for stop_signal in (signal.SIGTERM, signal.SIGINT):  # uvicorn drains, then re-raises: exit 0 instead
-            signal.signal(stop_signal, lambda *_: None)
-        with contextlib.suppress(asyncio.CancelledError):
-            await uvicorn.Server(config).serve()
+        await run_edge(server_config(sandbox, settings))
 
     asyncio.run(main())

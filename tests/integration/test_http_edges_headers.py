@@ -1,0 +1,174 @@
+"""The three HTTP edges bound what they read before any check runs, on real uvicorn servers configured the way
+their ``serve`` configures them (``server_config`` / ``start_gateway``, i.e. :mod:`services.common.http_edge`):
+
+- a request whose headers pass the bound (64 KiB) is refused (400) or its connection closed as soon as they do,
+  without a token: the caller could not get the 64 MiB header it tries to send into the server (had the server
+  read it all, as uvicorn's default httptools parser does, the whole of it would go out and no answer would come);
+- a chunked body's trailers are bounded the same way, with a valid token;
+- past ``max_connections`` a request is answered 503;
+- the sandbox server with an admin token file alone takes that token and refuses calls without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+import uvicorn
+
+from services.common.http_edge import MAX_HEAD_BYTES
+from services.common.security import SecurityConfigError
+from services.experience.gateway.app import create_app as gateway_app
+from services.experience.gateway.serving import start_gateway
+from services.experience.gateway.sessions import SessionRegistry
+from services.scorer.composition import build_composer
+from services.scorer.http_server import server_config as reward_config
+from services.scorer.sandbox.bubblewrap import BubblewrapSandbox
+from services.scorer.sandbox.server import SandboxServerSettings
+from services.scorer.sandbox.server import server_config as sandbox_config
+from services.scorer.settings import RewardServerSettings
+
+TOKEN = b"edge-token-7c2e"  # noqa: S105 - test credential
+ADMIN = b"edge-admin-93b1"  # noqa: S105 - test credential
+MIB = 1024 * 1024
+ATTEMPT_MIB = 64  # what the caller tries to send
+RULES = [{"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}]
+
+
+@contextlib.contextmanager
+def _running(config: uvicorn.Config) -> Iterator[int]:
+    """Serve ``config`` in a thread of its own until the block ends; yields the bound port."""
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.05)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _flood(port: int, head: bytes, line: bytes, lines: int) -> tuple[int, bytes]:
+    """Send ``head`` then ``line`` ``lines`` times, as long as the server takes them, then read its answer
+    (within 10 s). Returns the bytes sent and the status line (b"" where the server closed the connection)."""
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        try:
+            connection.sendall(head)
+            for _ in range(lines):
+                connection.sendall(line)
+                sent += len(line)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server gave up on the request and closed the connection
+        try:
+            answer = connection.recv(4096)
+        except ConnectionResetError:
+            answer = b""
+    return sent, answer.split(b"\r\n", 1)[0]
+
+
+def _check_refused_early(port: int, head: bytes, line: bytes) -> None:
+    """The server answers 400 or closes the connection long before ``ATTEMPT_MIB`` MiB went out, and its process
+    (this one) does not grow by that much."""
+    process = psutil.Process()
+    before = process.memory_info().rss
+    sent, status = _flood(port, head, line, ATTEMPT_MIB * MIB // len(line))
+    grown = process.memory_info().rss - before
+    assert status == b"" or status.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), status
+    # what went out fits in the kernel's socket buffers; the server itself kept at most MAX_HEAD_BYTES of it
+    assert sent < ATTEMPT_MIB * MIB // 2, f"{sent} bytes went out before the server gave up"
+    assert grown < ATTEMPT_MIB * MIB // 2, f"the server grew by {grown} bytes"
+
+
+def _big_header(path: str) -> tuple[bytes, bytes]:
+    """A POST's head without a token, whose one header value goes on in 1 MiB lines of ``a`` (no line ends)."""
+    return f"POST {path} HTTP/1.1\r\nHost: test\r\nX-Big: ".encode(), b"a" * MIB
+
+
+def _big_trailers(path: str) -> tuple[bytes, bytes]:
+    """A POST with a valid token and a small chunked body, then 1 MiB trailer lines."""
+    body = b'{"code": "print(2)"}'
+    head = (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {TOKEN.decode()}\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+    return head + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n", b"X-Trailer: " + b"t" * (MIB - 13) + b"\r\n"
+
+
+def _sandbox_settings(tmp_path, **overrides) -> SandboxServerSettings:
+    (tmp_path / "tokens").write_bytes(TOKEN + b"\n")
+    return SandboxServerSettings(port=0, auth_tokens_file=tmp_path / "tokens", **overrides)
+
+
+@pytest.mark.parametrize("flood", [_big_header, _big_trailers], ids=["header", "trailers"])
+def test_the_sandbox_server_bounds_headers_and_trailers(tmp_path, flood):
+    with _running(sandbox_config(BubblewrapSandbox(), _sandbox_settings(tmp_path))) as port:
+        _check_refused_early(port, *flood("/run_code"))
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200  # still serving
+
+
+@pytest.mark.parametrize("flood", [_big_header, _big_trailers], ids=["header", "trailers"])
+def test_the_reward_server_bounds_headers_and_trailers(tmp_path, flood):
+    (tmp_path / "tokens").write_bytes(TOKEN + b"\n")
+    settings = RewardServerSettings(port=0, sources=RULES, auth_tokens_file=tmp_path / "tokens")
+    with _running(reward_config(build_composer(settings), settings)) as port:
+        _check_refused_early(port, *flood("/get_reward"))
+
+
+@pytest.mark.parametrize("flood", [_big_header, _big_trailers], ids=["header", "trailers"])
+async def test_the_gateway_bounds_headers_and_trailers(flood):
+    running = start_gateway(gateway_app(None, SessionRegistry(), [TOKEN]), "127.0.0.1", 0, grace_s=1)
+    try:
+        await asyncio.to_thread(_check_refused_early, running.port, *flood("/v1/chat/completions"))
+    finally:
+        await running.stop()
+
+
+def test_a_head_within_the_bound_is_read(tmp_path):
+    with _running(sandbox_config(BubblewrapSandbox(), _sandbox_settings(tmp_path))) as port:
+        answered = httpx.get(f"http://127.0.0.1:{port}/health", headers={"X-Big": "a" * (MAX_HEAD_BYTES // 2)},
+                             timeout=10)
+        assert answered.status_code == 200
+
+
+def test_past_max_connections_a_request_is_answered_503(tmp_path):
+    with _running(sandbox_config(BubblewrapSandbox(), _sandbox_settings(tmp_path, max_connections=2))) as port:
+        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        try:
+            for connection in held:  # a slow caller's partial request
+                connection.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n")
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 503
+        finally:
+            for connection in held:
+                connection.close()
+
+
+async def test_the_sandbox_server_takes_an_admin_token_file_alone(tmp_path):
+    (tmp_path / "admin").write_bytes(ADMIN + b"\n")
+    sandbox = BubblewrapSandbox()
+    await sandbox.check()
+    settings = SandboxServerSettings(port=0, admin_tokens_file=tmp_path / "admin")
+    with _running(sandbox_config(sandbox, settings)) as port:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            program = {"code": "print(1 + 1)"}
+            assert (await client.post("/run_code", json=program)).status_code == 401
+            wrong = await client.post("/run_code", json=program, headers={"Authorization": "Bearer wrong"})
+            assert wrong.status_code == 401
+            ran = await client.post("/run_code", json=program, headers={"Authorization": f"Bearer {ADMIN.decode()}"})
+            assert ran.status_code == 200 and ran.json()["run_result"]["stdout"].strip() == "2", ran.text
+
+
+def test_a_sandbox_server_with_an_empty_token_file_does_not_start_open(tmp_path):
+    (tmp_path / "admin").write_bytes(b"# no token yet\n")
+    with pytest.raises(SecurityConfigError, match="admin_tokens_file"):
+        sandbox_config(BubblewrapSandbox(), SandboxServerSettings(port=0, admin_tokens_file=tmp_path / "admin"))
