@@ -437,7 +437,7 @@ def test_mappings_are_counted_from_a_real_process():
     try:
         while child.stdout.readline().strip() != "mapped":
             assert child.poll() is None
-        mappings = mappings_of([child.pid])
+        mappings = mappings_of([Path(f"/proc/{child.pid}")])
         assert mappings.count >= 64000
         assert TreeUsage(mappings=mappings.count).memory_bytes == mappings.count * MAPPING_BYTES
     finally:

@@ -45,7 +45,8 @@ class SandboxLimits:
 class SandboxResult:
     """What a run printed (each stream cut to ``max_output_bytes``), its exit code (non-zero: it failed or was
     stopped), and why it was stopped: ``"timeout"`` (wall clock), ``"cpu"`` (CPU time), ``"memory"`` (the run's
-    resident memory), ``"files"`` (files in its writable folder), ``""`` otherwise."""
+    resident memory), ``"files"`` (files in its writable folder), ``"output"`` (stdout or stderr past
+    ``max_output_bytes``), ``""`` otherwise."""
 
     stdout: str
     stderr: str
@@ -65,6 +66,8 @@ class SandboxResult:
             parts.append("(stopped: memory limit)")
         elif self.stopped == "files":
             parts.append("(stopped: file count limit)")
+        elif self.stopped == "output":
+            parts.append("(stopped: output limit)")
         elif self.exit_code != 0 and not self.stderr.strip():
             parts.append(f"(exit code {self.exit_code})")
         return "\n".join(parts) if parts else "(no output)"

@@ -7,7 +7,9 @@ Each run is ``bwrap`` with, for the tool's process tree:
   down loopback, and holds no capability on the host;
 - **a minimal read-only root**: ``/usr`` (the interpreter, its standard library, the C library) and the
   interpreter's own prefix when it lies elsewhere; nothing of ``/etc``, ``/home``, ``/root``, the project tree, the
-  scorer's mounts or its secrets; a private ``/proc`` (its own processes only) and a minimal ``/dev``;
+  scorer's mounts or its secrets; a private ``/proc`` (its own processes only; the files in it that count for the
+  whole host, :data:`~services.scorer.sandbox.bwrap_args.HOST_WIDE_PROC`, read empty: a counter one call moves and the next reads would carry bits
+  between them) and a minimal ``/dev``;
 - **one writable place**, a fresh tmpfs at ``/tmp`` of ``tmpfs_bytes``, which is also its working directory and
   vanishes with the run; the sandbox's root and its ``/dev`` are remounted read-only (bwrap makes both as tmpfs
   without a size limit: writable, they would let a run fill the host's memory), so ``/dev/shm`` is not writable;
@@ -25,11 +27,14 @@ Each run is ``bwrap`` with, for the tool's process tree:
 - **limits per run**: the whole tree's CPU seconds (``cpu_s``), memory (``memory_bytes``: resident bytes,
   writable shared mappings and the kernel's memory per mapping) and files in its
   tmpfs (``max_files``), sampled from ``/proc`` every ``usage_poll_s`` (:mod:`services.scorer.sandbox.usage`): past
-  any, the whole tree is killed (``stopped``: ``"cpu"``, ``"memory"``, ``"files"``); a wall-clock timeout kills it; stdout and stderr are cut to
-  ``max_output_bytes`` (the rest is read and dropped);
+  any, the whole tree is killed (``stopped``: ``"cpu"``, ``"memory"``, ``"files"``); a wall-clock timeout kills it, and
+  so does stdout or stderr passing ``max_output_bytes`` (``"output"``: reading and dropping an endless stream would
+  cost the scorer CPU that no limit of the run counts);
 - **one unit that ends once**: however the call ends (its result, the timeout, the caller's cancellation: a
   cancelled Step or stream, a step timeout, the scorer stopping), the run's whole tree is killed and reaped before
-  the call returns or its cancellation completes, and only then is its ``max_concurrent`` slot free.
+  the call returns or its cancellation completes, and only then is its ``max_concurrent`` slot free: bwrap's
+  monitor reaps the sandbox's init, which reaps the rest, so no zombie is left for the host's init (or a scorer
+  that is PID 1 of its container) to collect.
 
 A scorer running as root starts ``bwrap`` as an unprivileged uid (``uid``, default 65534) through util-linux's
 ``setpriv``: the kernel does not enforce ``RLIMIT_NPROC`` for processes that are root on the host, and a kernel
@@ -41,15 +46,12 @@ no host file or directory is made for a run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from services.scorer.sandbox.base import (
     MIB,
@@ -61,22 +63,22 @@ from services.scorer.sandbox.base import (
     SandboxUnavailable,
     cut,
 )
-from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
-from services.scorer.sandbox.usage import TreeUsage, files_used, process_stats, tree_of, tree_usage
-
-#: Runs inside the sandbox first: sets the limits (argv: cpu_s, memory_bytes, max_file_bytes, max_processes), then
-#: replaces itself with the tool's program so that the tool runs as a clean ``__main__``.
-_LAUNCHER = (
-    "import os, resource as r, sys\n"
-    "cpu, memory, fsize, nproc = map(int, sys.argv[1:5])\n"
-    "for which, value in ((r.RLIMIT_CPU, (cpu, cpu + 1)), (r.RLIMIT_AS, (memory, memory)),\n"
-    "                     (r.RLIMIT_FSIZE, (fsize, fsize)), (r.RLIMIT_NPROC, (nproc, nproc)),\n"
-    "                     (r.RLIMIT_NOFILE, (64, 64)), (r.RLIMIT_CORE, (0, 0))):\n"
-    "    r.setrlimit(which, value)\n"
-    "os.execv(sys.executable, [sys.executable, '-I', '-B', 'main.py'])\n"
+from services.scorer.sandbox.bwrap_args import (
+    LAUNCHER,
+    WORKDIR,
+    host_wide_proc_files,
+    memory_file,
+    parse_status,
+    prefix_bind,
+    private_proc,
+    root_links,
 )
-_WORKDIR = "/tmp"
+from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
+from services.scorer.sandbox.tree import RunTree
+from services.scorer.sandbox.usage import TreeUsage, files_used, tree_usage
+
 _NOBODY = 65534
+
 #: Exit statuses ``bwrap`` passes on for a child ended by a signal (128 + signal number).
 _CPU_SIGNALS = {128 + signal.SIGXCPU, 128 + signal.SIGKILL, -signal.SIGXCPU, -signal.SIGKILL}
 
@@ -166,14 +168,16 @@ class BubblewrapSandbox:
             program = filter_program()
         except SeccompUnavailable as error:  # fail closed: no run without its system-call filter
             raise SandboxError(str(error)) from None
-        source = _memory_file("tool-code", code.encode())
-        rules = _memory_file("tool-seccomp", program)
+        source = memory_file("tool-code", code.encode())
+        rules = memory_file("tool-seccomp", program)
+        masked = host_wide_proc_files() if self._options.mount_proc else ()
+        empties = [os.open(os.devnull, os.O_RDONLY) for _ in masked]  # what the host-wide /proc files read as
         status_read, status_write = os.pipe()
         try:
             process = await asyncio.create_subprocess_exec(
-                *self._command(limits, source, status_write, rules),
+                *self._command(limits, source, status_write, rules, empties),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(source, status_write, rules), start_new_session=True, env={},
+                pass_fds=(source, status_write, rules, *empties), start_new_session=True, env={},
             )
         except BaseException as error:  # bwrap missing, the uid/gid cannot be taken, or the caller gave up
             os.close(status_read)
@@ -181,12 +185,11 @@ class BubblewrapSandbox:
                 raise SandboxError(f"cannot start {self._bwrap or self._options.bwrap}: {error}") from error
             raise
         finally:
-            os.close(source)
-            os.close(rules)
-            os.close(status_write)
-        with open(status_read, "rb") as status:
-            stopped, stdout, stderr = await _collect(process, limits, self._options)
-            started, exit_code = _parse_status(status.read())
+            for fd in (source, rules, status_write, *empties):
+                os.close(fd)
+        with open(status_read, "rb") as status, RunTree(process) as tree:
+            stopped, stdout, stderr = await _collect(process, tree, limits, self._options)
+            started, exit_code = parse_status(status.read())
         if not started:
             raise SandboxError(stderr.decode(errors="replace").strip() or f"bwrap exited {process.returncode}")
         exit_code = process.returncode if exit_code is None else exit_code
@@ -195,24 +198,24 @@ class BubblewrapSandbox:
         return SandboxResult(cut(stdout, limits.max_output_bytes), cut(stderr, limits.max_output_bytes),
                              exit_code, stopped)
 
-    def _command(self, limits: SandboxLimits, source: int, status: int, rules: int) -> list[str]:
+    def _command(self, limits: SandboxLimits, source: int, status: int, rules: int, empties: list[int]) -> list[str]:
         o = self._options
         command = [
             self._bwrap or o.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--as-pid-1",
             "--clearenv", "--hostname", "sandbox", "--json-status-fd", str(status),
-            "--ro-bind", "/usr", "/usr", *_root_links(), *_prefix_bind(self._python),
-            "--dev", "/dev", "--remount-ro", "/dev", *(["--proc", "/proc"] if o.mount_proc else []),
-            "--size", str(o.tmpfs_bytes), "--tmpfs", _WORKDIR,
-            "--ro-bind-data", str(source), f"{_WORKDIR}/main.py", "--remount-ro", "/", "--chdir", _WORKDIR,
+            "--ro-bind", "/usr", "/usr", *root_links(), *prefix_bind(self._python),
+            "--dev", "/dev", "--remount-ro", "/dev", *(private_proc(empties) if o.mount_proc else []),
+            "--size", str(o.tmpfs_bytes), "--tmpfs", WORKDIR,
+            "--ro-bind-data", str(source), f"{WORKDIR}/main.py", "--remount-ro", "/", "--chdir", WORKDIR,
             "--seccomp", str(rules),
-            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", _WORKDIR,
+            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", WORKDIR,
             "--setenv", "LANG", "C.UTF-8",
         ]
         # The tool's processes: the launcher is the pid namespace's init (--as-pid-1: no bwrap process of the host's
         # runs in the sandbox, whose memory a run could write through /proc/1/mem, outside every limit)
         nproc = o.max_processes
-        return [*self._drop_privileges(), *command, self._python, "-I", "-B", "-c", _LAUNCHER,
+        return [*self._drop_privileges(), *command, self._python, "-I", "-B", "-c", LAUNCHER,
                 str(limits.cpu_s), str(limits.memory_bytes), str(limits.max_file_bytes), str(nproc)]
 
     def _drop_privileges(self) -> list[str]:
@@ -227,68 +230,53 @@ def _default_python() -> str:
     return own if own.startswith("/usr/") else "/usr/bin/python3"
 
 
-def _root_links() -> list[str]:
-    """``/bin``, ``/lib``, ``/lib64``, ``/sbin`` as the host has them: links into ``/usr`` (merged /usr) or
-    read-only binds."""
-    arguments = []
-    for name in ("bin", "lib", "lib64", "sbin"):
-        path = Path("/") / name
-        if path.is_symlink():
-            arguments += ["--symlink", os.readlink(path), str(path)]
-        elif path.is_dir():
-            arguments += ["--ro-bind", str(path), str(path)]
-    return arguments
-
-
-def _prefix_bind(python: str) -> list[str]:
-    """A read-only bind of the interpreter's installation when it is not under ``/usr`` (e.g. pyenv's)."""
-    prefix = Path(os.path.realpath(python)).parent.parent
-    if prefix == Path("/usr") or Path("/usr") in prefix.parents:
-        return []
-    return ["--ro-bind", str(prefix), str(prefix)]
-
-
-def _memory_file(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-async def _collect(process: asyncio.subprocess.Process, limits: SandboxLimits,
+async def _collect(process: asyncio.subprocess.Process, tree: RunTree, limits: SandboxLimits,
                    options: BubblewrapOptions) -> tuple[str, bytes, bytes]:
     """Wait for ``process`` while reading both streams, each kept up to one byte past ``max_output_bytes``, and
-    kill its whole tree at ``timeout_s`` or once it passes a per-run limit (:func:`_watch`)."""
+    kill its whole tree at ``timeout_s``, once it passes a per-run limit (:func:`_watch`) or once a stream passes
+    ``max_output_bytes``."""
     keep = limits.max_output_bytes + 1
-    reads = asyncio.gather(_drain(process.stdout, keep), _drain(process.stderr, keep))
+    overflow = asyncio.Event()
+    reads = asyncio.gather(_drain(process.stdout, keep, overflow), _drain(process.stderr, keep, overflow))
     try:
         async with asyncio.timeout(limits.timeout_s):  # not wait_for: see tests/unit/test_architecture.py
-            stopped = await _watch(process, limits, options)
+            stopped = await _watch(process, limits, options, overflow)
     except TimeoutError:
         stopped = "timeout"
     except BaseException:  # the caller gave up (cancelled, its deadline): the run ends here, before its slot is free
-        await _end(process)
+        await tree.end()
         reads.cancel()
         raise
     if stopped:
-        await _end(process)
+        await tree.end()
     stdout, stderr = await reads
     return stopped, stdout, stderr
 
 
-async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, options: BubblewrapOptions) -> str:
+async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, options: BubblewrapOptions,
+                 overflow: asyncio.Event) -> str:
     """Wait for ``process`` to end (``""``), sampling its tree's use every ``usage_poll_s``: ``"cpu"`` once it
     passed ``cpu_s`` CPU seconds, ``"memory"`` once it holds more than ``memory_bytes`` (resident, writable shared
     mappings and the kernel's per mapping: :attr:`TreeUsage.memory_bytes`), ``"files"`` once
-    its tmpfs holds more than ``max_files`` (the caller kills it)."""
+    its tmpfs holds more than ``max_files``, ``"output"`` once ``overflow`` is set (the caller kills it)."""
     ended = asyncio.ensure_future(process.wait())
+    overflowed = asyncio.ensure_future(overflow.wait())
+    try:
+        return await _sample_until(process.pid, ended, overflowed, limits, options)
+    finally:
+        overflowed.cancel()
+
+
+async def _sample_until(root: int, ended: asyncio.Future, overflowed: asyncio.Future, limits: SandboxLimits,
+                        options: BubblewrapOptions) -> str:
+    """:func:`_watch`'s loop: why the run is to be stopped, or ``""`` once ``ended``."""
     while not ended.done():
-        await asyncio.wait({ended}, timeout=options.usage_poll_s)
+        await asyncio.wait({ended, overflowed}, timeout=options.usage_poll_s, return_when=asyncio.FIRST_COMPLETED)
         if ended.done():
             break
-        usage, files = await asyncio.to_thread(_sample, process.pid)
+        if overflowed.done():
+            return "output"
+        usage, files = await asyncio.to_thread(_sample, root)
         if usage.cpu_s > limits.cpu_s:
             return "cpu"
         if usage.memory_bytes > limits.memory_bytes:
@@ -301,47 +289,19 @@ async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, opt
 def _sample(root: int) -> tuple[TreeUsage, int | None]:
     """The run's tree's use and the files in its tmpfs (None: not readable yet)."""
     usage = tree_usage(root)
-    return usage, files_used(usage.inner, _WORKDIR) if usage.inner is not None else None
+    return usage, files_used(usage.inner, WORKDIR) if usage.inner is not None else None
 
 
-async def _end(process: asyncio.subprocess.Process) -> None:
-    """Kill the run's whole tree and reap it, even while the caller is being cancelled: SIGKILL to every process
-    of the tree (from ``/proc``: the sandbox's init among them, and the kernel kills every process of a pid
-    namespace whose init died) and to bwrap's process group (the init also dies with its parent), then the wait is
-    shielded and taken up again after each cancel."""
-    for stat in tree_of(process_stats(), process.pid):  # the walk takes ~1 ms
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(stat.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    reaped = asyncio.ensure_future(process.wait())
-    cancelled = False
-    while not reaped.done():
-        try:
-            await asyncio.shield(reaped)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-
-
-async def _drain(stream: asyncio.StreamReader | None, keep: int) -> bytes:
+async def _drain(stream: asyncio.StreamReader | None, keep: int, overflow: asyncio.Event) -> bytes:
+    """Read ``stream`` to its end, keeping its first ``keep`` bytes; ``overflow`` is set once it has more (the run
+    is then stopped, and what comes before its end is dropped)."""
     kept = bytearray()
     while stream is not None and (chunk := await stream.read(65536)):
         if len(kept) < keep:
             kept += chunk[: keep - len(kept)]
+        if len(kept) >= keep:
+            overflow.set()
     return bytes(kept)
-
-
-def _parse_status(data: bytes) -> tuple[bool, int | None]:
-    """``bwrap --json-status-fd``'s records: whether the tool's process started, and its exit code if reported."""
-    started, exit_code = False, None
-    for line in data.decode(errors="replace").splitlines():
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            started = started or "child-pid" in record
-            exit_code = record.get("exit-code", exit_code)
-    return started, exit_code
 
 
 async def _bwrap_version(bwrap: str, timeout_s: float = 10.0) -> str:

@@ -18,8 +18,12 @@ the run's pid namespace, so an orphan (a daemon, a double fork) is re-parented t
 - **files** in its writable tmpfs (:func:`files_used`: the inodes in use, seen through ``/proc/<pid>/root``): the
   tmpfs is bounded in bytes, but each empty file still costs the kernel about 1 KiB that no byte limit counts.
 
-Memory no process's resident set shows (System V shared memory and message queues, unmapped memory files) is
-refused by the run's system-call filter instead (:mod:`services.scorer.sandbox.seccomp`).
+A process whose main thread has exited while its other threads run (``SYS_exit`` on the main thread: the process
+shows state ``Z``) keeps its memory, mappings and root, but the kernel no longer shows them at ``/proc/<pid>``
+(resident set 0, no mappings, no root); they are read from one of its live threads (``/proc/<pid>/task/<tid>``),
+which share them. Memory no process's resident set shows (System V shared memory and message queues, unmapped
+memory files, secret memory) is refused by the run's system-call filter instead
+(:mod:`services.scorer.sandbox.seccomp`).
 
 The supervisor (:func:`services.scorer.sandbox.bubblewrap`'s ``_collect``) samples it every ``poll_s``: between two
 samples a run's total may pass its limit, by at most what its processes can each reach under their own rlimits
@@ -29,7 +33,7 @@ samples a run's total may pass its limit, by at most what its processes can each
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 #: Kernel memory charged per mapping of a run's processes (a ``vm_area_struct`` with its anon-vma links: ~230 B
@@ -65,8 +69,9 @@ class ProcessStat:
 
     pid: int
     ppid: int
-    cpu_ticks: int  # utime + stime + cutime + cstime
+    cpu_ticks: int  # utime + stime + cutime + cstime (the whole thread group's)
     rss_pages: int
+    state: str = "R"  # proc(5)'s state letter: Z for a zombie, or a process whose main thread has exited
 
 
 def parse_stat(line: str) -> ProcessStat:
@@ -82,7 +87,7 @@ def parse_stat(line: str) -> ProcessStat:
         raise ValueError(f"not a /proc/<pid>/stat line: {line[:80]!r}")
     pid = int(head.split("(", 1)[0])
     # fields[0] is field 3 (state): ppid is field 4, utime..cstime 14..17, rss 24
-    return ProcessStat(pid, int(fields[1]), sum(int(value) for value in fields[11:15]), int(fields[21]))
+    return ProcessStat(pid, int(fields[1]), sum(int(value) for value in fields[11:15]), int(fields[21]), fields[0])
 
 
 def tree_of(stats: list[ProcessStat], root: int) -> list[ProcessStat]:
@@ -114,21 +119,41 @@ def _usage(tree: list[ProcessStat], root: int, mappings: Mappings) -> TreeUsage:
 
 def process_stats(proc: Path = Path("/proc")) -> list[ProcessStat]:
     """Every process's stat now, from ``proc`` (blocking: call it off the event loop where it matters). A process
-    that ends during the walk is skipped (its time is in its parent's once reaped)."""
+    that ends during the walk is skipped (its time is in its parent's once reaped); one whose main thread has exited
+    while others run has its resident set read from a live thread (module docs)."""
     stats = []
     for entry in os.scandir(proc):
         if entry.name.isdigit():
             try:
-                stats.append(parse_stat((proc / entry.name / "stat").read_text()))
+                stat = parse_stat((proc / entry.name / "stat").read_text())
+                if stat.state == "Z" and (thread := live_thread(stat.pid, proc)) is not None:
+                    stat = replace(stat, rss_pages=parse_stat((thread / "stat").read_text()).rss_pages)
+                stats.append(stat)
             except (OSError, ValueError):
                 continue
     return stats
 
 
+def live_thread(pid: int, proc: Path = Path("/proc")) -> Path | None:
+    """``/proc/<pid>/task/<tid>`` of a thread of ``pid`` other than its main one, or None where it has none (a
+    process whose main thread exited shows its memory, mappings and root only there)."""
+    try:
+        tids = [entry.name for entry in os.scandir(proc / str(pid) / "task") if entry.name != str(pid)]
+    except OSError:
+        return None
+    return proc / str(pid) / "task" / tids[0] if tids else None
+
+
+def _process_dir(stat: ProcessStat, proc: Path) -> Path:
+    """Where ``stat``'s process shows its mappings and root (module docs)."""
+    thread = live_thread(stat.pid, proc) if stat.state == "Z" else None
+    return thread or proc / str(stat.pid)
+
+
 def tree_usage(root: int, proc: Path = Path("/proc")) -> TreeUsage:
     """The use of process ``root``'s tree now, shared mappings included (blocking)."""
     tree = tree_of(process_stats(proc), root)
-    return _usage(tree, root, mappings_of([s.pid for s in tree], proc))
+    return _usage(tree, root, mappings_of([_process_dir(s, proc) for s in tree]))
 
 
 @dataclass(frozen=True)
@@ -140,14 +165,15 @@ class Mappings:
     count: int = 0
 
 
-def mappings_of(pids: list[int], proc: Path = Path("/proc")) -> Mappings:
-    """The mappings of ``pids`` (``/proc/<pid>/maps``): all of them counted, and the bytes of the writable shared
-    ones (permissions ``rw?s``), each mapped object (device, inode) once at its largest mapping."""
+def mappings_of(processes: list[Path]) -> Mappings:
+    """The mappings of ``processes`` (their ``/proc/<pid>`` or a live thread's folder, whose ``maps`` is read): all
+    of them counted, and the bytes of the writable shared ones (permissions ``rw?s``), each mapped object (device,
+    inode) once at its largest mapping."""
     objects: dict[tuple[str, str], int] = {}
     count = 0
-    for pid in pids:
+    for folder in processes:
         try:
-            maps = (proc / str(pid) / "maps").read_text()
+            maps = (folder / "maps").read_text()
         except OSError:
             continue
         lines = maps.splitlines()
@@ -163,10 +189,15 @@ def mappings_of(pids: list[int], proc: Path = Path("/proc")) -> Mappings:
 
 
 def files_used(pid: int, folder: str, proc: Path = Path("/proc")) -> int | None:
-    """Inodes in use in the filesystem at ``folder`` as process ``pid`` sees it (its mount namespace), or None
-    where that cannot be read (the process ended, or no access)."""
-    try:
-        stats = os.statvfs(proc / str(pid) / "root" / folder.lstrip("/"))
-    except OSError:
-        return None
-    return stats.f_files - stats.f_ffree
+    """Inodes in use in the filesystem at ``folder`` as process ``pid`` sees it (its mount namespace; through a live
+    thread where its main thread has exited), or None where that cannot be read (the process ended, or no
+    access)."""
+    for base in (proc / str(pid), live_thread(pid, proc)):
+        if base is None:
+            continue
+        try:
+            stats = os.statvfs(base / "root" / folder.lstrip("/"))
+        except OSError:
+            continue
+        return stats.f_files - stats.f_ffree
+    return None
