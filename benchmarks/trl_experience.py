@@ -15,7 +15,7 @@ fastexp side: :mod:`benchmarks.stream_overhead`'s ``stream`` (actor and referenc
 Figures (fastexp's tokens per second / TRL's, each path against its match; target >= 1.5):
 ``fastexp_vs_trl_tokens_per_s_full``, ``fastexp_vs_trl_tokens_per_s_reference``; ``trl_experience_inputs`` has
 TRL's times (the call's, and its generation's within it) and tokens. The two sample different tokens (different samplers and seeds), hence per token.
-Alone: ``python -m benchmarks.trl_experience [out]`` (runs stream_overhead too).
+Alone: ``python -m benchmarks.trl_experience [out]`` (runs stream_overhead too, and writes its figures with these).
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ if __name__ == "__main__":
         from services.common.models import SMOLLM2_ALIAS, resolve_model
 
         out = Path(sys.argv[1] if len(sys.argv) > 1 else "out/bench/trl_experience")
-        figures = run(resolve_model(SMOLLM2_ALIAS), stream_overhead.DemoWorkload(), out / "logs")
+        model, workload = resolve_model(SMOLLM2_ALIAS), stream_overhead.DemoWorkload()
+        ours = stream_overhead.run(model, workload, out / "logs")  # its figures too (the compute floor among them)
+        figures = {**ours, **run(model, workload, out / "logs", fastexp=ours)}
         (out / "results.json").write_text(json.dumps(figures, indent=2) + "\n")
         print(json.dumps(figures, indent=2))
