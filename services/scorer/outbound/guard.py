@@ -1,10 +1,13 @@
 """The path of every outbound call of a networked source: breaker -> budget -> the call -> outcome recorded.
 
-:class:`CallGuard` is owned by one source. ``async with guard.attempt(tokens, deadline):`` wraps one try: it is
-refused at once while the breaker is open (:class:`~.breaker.BreakerOpen`), queues for the budget within the
-deadline (:class:`~.budgets.BudgetTimeout`), and records what the block's end says: a normal exit is a success, an
-exception of the source's ``failures`` kinds (:class:`SourceUnavailable` and any the source adds) a failure (the
-breaker counts it), a cancellation or anything else no outcome. :meth:`CallGuard.call` adds retries (stamina, capped exponential backoff with jitter) within the deadline.
+:class:`CallGuard` is owned by one source. ``async with guard.attempt(tokens, deadline, timeout_s) as timeout:``
+wraps one try: it queues for the budget within the deadline (:class:`~.budgets.BudgetTimeout`), yields the try's
+timeout (``timeout_s`` capped by the deadline), and records what the block's end says: a normal exit is a success,
+an exception of the source's ``failures`` kinds (:class:`SourceUnavailable` and any the source adds) a failure, a
+cancellation or anything else no outcome. :meth:`CallGuard.guarded` admits a whole call through the breaker (refused
+at once while it is open: :class:`~.breaker.BreakerOpen`) and records its outcome once, after its tries;
+:meth:`CallGuard.call` puts both together with retries (stamina, capped exponential backoff with jitter) within the
+deadline.
 """
 
 from __future__ import annotations
