@@ -236,6 +236,24 @@ async def test_guide_a_hung_judge_counts_even_when_the_deadline_leaves_no_time_f
     assert len(tries) == 1 and gateway.breaker.state.status is BreakerStatus.OPEN
 
 
+async def test_guide_a_call_whose_backoff_would_outlast_the_deadline_fails_in_time_and_counts():
+    # "the Score request's deadline is the limit" and a failed call counts once, after its retries: a backoff drawn
+    # after a failed try that would end past the deadline is cut, and the call fails as its last try did, before the
+    # deadline (the caller got DEADLINE_EXCEEDED, with no items named, and the breaker never counted it)
+    gateway = CallGuard("judge-backoff", BudgetConfig(), BreakerConfig(failure_threshold=1, open_s=60))
+    deadline, tries = Deadline.from_remaining(1.0), []
+
+    async def down(timeout_s: float) -> None:
+        tries.append(timeout_s)
+        raise SourceUnavailable("HTTP 500")
+
+    with pytest.raises(SourceUnavailable, match="HTTP 500"):
+        await gateway.call(down, tokens=1, deadline=deadline, timeout_s=60.0, max_attempts=2, backoff_initial_s=5.0,
+                           backoff_max_s=5.0)
+    assert len(tries) == 1 and deadline.remaining() > 0
+    assert gateway.breaker.state.status is BreakerStatus.OPEN
+
+
 def test_guide_open_items_fail_at_once_for_open_s_whatever_an_earlier_call_answers():
     # "for `open_s` seconds the source's items fail at once": a call admitted before the breaker opened and
     # answering after does not close it

@@ -29,6 +29,11 @@ from services.scorer.outbound.config import BreakerConfig, BudgetConfig
 
 T = TypeVar("T")
 
+#: Seconds before the request's deadline at which a call stops waiting for its next try. Each try ends 0.25 s before
+#: it (:meth:`Deadline.timeout`'s margin), but a backoff drawn after a failed try may end past it: the wait is cut
+#: here, and the call fails as its last try did while the answer can still reach the caller.
+RETRY_STOP_MARGIN_S = 0.125
+
 
 class SourceUnavailable(Exception):
     """The endpoint did not answer usefully: timeout, connection error, 5xx (retried; counts against the breaker).
@@ -137,28 +142,32 @@ class CallGuard:
         tries while the deadline allows.
 
         Raises:
-            SourceUnavailable: the last try failed, also where the deadline left no time for the next one (the
-                call failed: the breaker counts it). BreakerOpen, BudgetTimeout: see :meth:`guarded`,
+            SourceUnavailable: the last try failed, also where the deadline left no time for the next one, or its
+                backoff would have ended past the deadline (the call failed: the breaker counts it). BreakerOpen, BudgetTimeout: see :meth:`guarded`,
                 :meth:`attempt` (not retried; a first try that never started counts neither way).
         """
         retries = stamina.retry_context(
             on=SourceUnavailable, attempts=max_attempts, timeout=deadline.remaining(),
             wait_initial=backoff_initial_s, wait_max=backoff_max_s,
         )
+        remaining = deadline.remaining()
+        stop_s = None if remaining is None else max(0.0, remaining - RETRY_STOP_MARGIN_S)
         last: SourceUnavailable | None = None
         async with self.guarded():
             try:
-                async for attempt in retries:
-                    with attempt:
-                        try:
-                            async with self.attempt(tokens, deadline, timeout_s) as timeout:
-                                result = await send(timeout)
-                        except SourceUnavailable as error:
-                            last = error
-                            raise
-            except UpstreamTimeout:
-                if last is None:
-                    raise  # no try was sent: neither way
+                async with asyncio.timeout(stop_s):  # a backoff past the deadline is cut (RETRY_STOP_MARGIN_S)
+                    async for attempt in retries:
+                        with attempt:
+                            try:
+                                async with self.attempt(tokens, deadline, timeout_s) as timeout:
+                                    result = await send(timeout)
+                            except SourceUnavailable as error:
+                                last = error
+                                raise
+            except (UpstreamTimeout, TimeoutError) as error:
+                if last is None:  # no try was sent: neither way
+                    raise error if isinstance(error, UpstreamTimeout) else UpstreamTimeout(
+                        "the request's deadline has passed") from None
                 raise last from None  # no time left for another try: the call failed as its last try did
         return result
 
