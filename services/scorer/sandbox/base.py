@@ -46,7 +46,7 @@ class SandboxResult:
     """What a run printed (each stream cut to ``max_output_bytes``), its exit code (non-zero: it failed or was
     stopped), and why it was stopped: ``"timeout"`` (wall clock), ``"cpu"`` (CPU time), ``"memory"`` (the run's
     resident memory), ``"files"`` (files in its writable folder), ``"output"`` (stdout or stderr past
-    ``max_output_bytes``), ``""`` otherwise."""
+    ``max_output_bytes``), ``"usage"`` (its use could not be measured in time), ``""`` otherwise."""
 
     stdout: str
     stderr: str
@@ -68,6 +68,8 @@ class SandboxResult:
             parts.append("(stopped: file count limit)")
         elif self.stopped == "output":
             parts.append("(stopped: output limit)")
+        elif self.stopped == "usage":
+            parts.append("(stopped: its memory use could not be measured in time)")
         elif self.exit_code != 0 and not self.stderr.strip():
             parts.append(f"(exit code {self.exit_code})")
         return "\n".join(parts) if parts else "(no output)"

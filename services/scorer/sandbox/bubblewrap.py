@@ -75,7 +75,7 @@ from services.scorer.sandbox.bwrap_args import (
 )
 from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
 from services.scorer.sandbox.tree import RunTree
-from services.scorer.sandbox.usage import TreeUsage, files_used, tree_usage
+from services.scorer.sandbox.usage import SampleOverBudget, TreeUsage, files_used, tree_usage
 
 _NOBODY = 65534
 
@@ -257,8 +257,9 @@ async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, opt
                  overflow: asyncio.Event) -> str:
     """Wait for ``process`` to end (``""``), sampling its tree's use every ``usage_poll_s``: ``"cpu"`` once it
     passed ``cpu_s`` CPU seconds, ``"memory"`` once it holds more than ``memory_bytes`` (resident, writable shared
-    mappings and the kernel's per mapping: :attr:`TreeUsage.memory_bytes`), ``"files"`` once
-    its tmpfs holds more than ``max_files``, ``"output"`` once ``overflow`` is set (the caller kills it)."""
+    mappings, the kernel's per mapping and queued socket data: :attr:`TreeUsage.memory_bytes`), ``"files"`` once
+    its tmpfs holds more than ``max_files``, ``"output"`` once ``overflow`` is set, ``"usage"`` once a sample takes
+    longer than :data:`~services.scorer.sandbox.usage.MAX_SAMPLE_S` (the caller kills it)."""
     ended = asyncio.ensure_future(process.wait())
     overflowed = asyncio.ensure_future(overflow.wait())
     try:
@@ -276,7 +277,10 @@ async def _sample_until(root: int, ended: asyncio.Future, overflowed: asyncio.Fu
             break
         if overflowed.done():
             return "output"
-        usage, files = await asyncio.to_thread(_sample, root)
+        try:
+            usage, files = await asyncio.to_thread(_sample, root)
+        except SampleOverBudget:  # its use cannot be measured in time: fail closed
+            return "usage"
         if usage.cpu_s > limits.cpu_s:
             return "cpu"
         if usage.memory_bytes > limits.memory_bytes:

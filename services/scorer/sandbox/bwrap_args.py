@@ -25,12 +25,13 @@ LAUNCHER = (
 WORKDIR = "/tmp"
 #: Files of the private ``/proc`` whose figures count for the whole host, not the run's pid namespace: forks since
 #: boot (``stat``), threads and load (``loadavg``), memory, interrupts, locks, open files, keys. A run could move one
-#: (fork 42 times) and a later call read it (the fourth review carried 6 bits a call this way); each reads empty.
+#: (fork 42 times) and a later call read it (the fourth review carried 6 bits a call this way; the fifth, 2 bits through
+#: ``uptime``'s host-wide idle time); each reads empty.
 HOST_WIDE_PROC = (
     "stat", "loadavg", "meminfo", "vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "slabinfo", "interrupts",
     "softirqs", "schedstat", "diskstats", "locks", "key-users", "cmdline", "swaps", "sys/fs/file-nr",
     "sys/fs/inode-nr", "sys/fs/inode-state", "sys/fs/dentry-state", "sys/fs/aio-nr", "sys/kernel/pty/nr",
-    "sys/kernel/random/entropy_avail",
+    "sys/kernel/random/entropy_avail", "uptime",
 )
 #: Folders of ``/proc`` likewise (pressure stall figures): each an empty read-only tmpfs.
 HOST_WIDE_PROC_FOLDERS = ("pressure",)

@@ -27,6 +27,8 @@ EPERM (``mincore`` reports nothing of files a run cannot write). System calls ne
 (:data:`FIRST_UNREVIEWED_SYSCALL`); ``memfd_secret``'s memory shows in no resident set, ``process_madvise`` would
 advise another process's pages, ``quotactl_fd`` and ``modify_ldt`` are kernel surface no tool needs (EPERM).
 Writing extended attributes answers EOPNOTSUPP (:data:`XATTR_WRITES`: kernel memory on the run's tmpfs).
+``inotify_init``/``inotify_init1`` are EPERM: inotify instances are counted per host uid, which every run shares, so
+one run holding 128 left a concurrent one none. ``socketpair`` is held to the same families as ``socket``.
 Everything else is allowed: the run's other limits (namespaces, rlimits, the read-only root, the per-run use) do the
 rest.
 """
@@ -53,6 +55,7 @@ DENIED_SYSCALLS = (
     "iopl", "ioperm", "vhangup",
     "shmget", "msgget", "semget", "memfd_create", "memfd_secret", "io_setup",
     "cachestat", "process_madvise", "quotactl_fd", "modify_ldt",
+    "inotify_init", "inotify_init1",
 )
 #: Writing extended attributes answers EOPNOTSUPP, as on a filesystem without them: on the run's tmpfs each
 #: ``user.*`` attribute is kernel memory no resident set shows and no byte limit counts (a run of the fourth review
@@ -109,7 +112,8 @@ def container_profile() -> dict:
     (:data:`BWRAP_NEEDS`, and ``clone`` with namespace flags) and what the server needs (:data:`SERVER_NEEDS`);
     every run then gets the whole filter inside."""
     denied = [name for name in DENIED_SYSCALLS if name not in BWRAP_NEEDS + SERVER_NEEDS]
-    families = [{"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT, "args": args}
+    families = [{"names": ["socket", "socketpair"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT,
+                 "args": args}
                 for args in _family_conditions()]
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
@@ -194,7 +198,8 @@ def filter_program() -> bytes:
     for option in (PR_SET_PDEATHSIG, PR_SET_DUMPABLE):
         rules.add_rule(seccomp.ERRNO(errno.EPERM), "prctl", seccomp.Arg(0, seccomp.MASKED_EQ, INT_MASK, option))
     for conditions in _family_conditions():
-        rules.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socket", *(_arg(seccomp, c) for c in conditions))
+        for call in ("socket", "socketpair"):
+            rules.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, *(_arg(seccomp, c) for c in conditions))
     for option in BUFFER_OPTIONS:
         rules.add_rule(seccomp.ERRNO(errno.EPERM), "setsockopt", seccomp.Arg(1, seccomp.MASKED_EQ, INT_MASK, SOL_SOCKET),
                        seccomp.Arg(2, seccomp.MASKED_EQ, INT_MASK, option))

@@ -15,6 +15,8 @@ the run's pid namespace, so an orphan (a daemon, a double fork) is re-parented t
 - **mappings**: every mapping (``/proc/<pid>/maps`` line) of its processes costs the kernel a ``vm_area_struct``
   and its links (slab no resident set shows: 64,000 mappings of untouched pages in one process held ~14 MiB of
   unreclaimable slab, ~230 B each, measured 2026-11-25), charged at :data:`MAPPING_BYTES` each;
+- **queued socket data**: the bytes waiting on its network namespace's TCP and UDP sockets (:func:`queued_bytes`),
+  times :data:`QUEUE_OVERHEAD`: the kernel grows TCP buffers by itself, so no per-socket bound holds;
 - **files** in its writable tmpfs (:func:`files_used`: the inodes in use, seen through ``/proc/<pid>/root``): the
   tmpfs is bounded in bytes, but each empty file still costs the kernel about 1 KiB that no byte limit counts.
 
@@ -27,18 +29,30 @@ memory files, secret memory) is refused by the run's system-call filter instead
 
 The supervisor (:func:`services.scorer.sandbox.bubblewrap`'s ``_collect``) samples it every ``poll_s``: between two
 samples a run's total may pass its limit, by at most what its processes can each reach under their own rlimits
-(``RLIMIT_AS``, ``RLIMIT_CPU``), for at most one interval; then the whole tree is killed.
+(``RLIMIT_AS``, ``RLIMIT_CPU``), for at most one interval; then the whole tree is killed. A sample takes at most
+:data:`MAX_SAMPLE_S`; one that would take longer stops the run (:class:`SampleOverBudget`), so an interval is at most
+``poll_s`` + :data:`MAX_SAMPLE_S`.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 #: Kernel memory charged per mapping of a run's processes (a ``vm_area_struct`` with its anon-vma links: ~230 B
 #: measured, rounded up): what mapping many small ranges costs beyond its resident pages.
 MAPPING_BYTES = 256
+#: Kernel memory per byte queued on a socket: each buffer's payload rides in an skb whose true size is larger
+#: (headers, page rounding); 2 is an upper bound for loopback's 64 KiB segments.
+QUEUE_OVERHEAD = 2
+#: Most seconds one sample of a run's tree may take: past it the sample stops (:class:`SampleOverBudget`) and the
+#: run with it. Reading ``/proc/<pid>/maps`` costs the kernel a rendered path per mapping, and a run chooses both
+#: how many mappings it has and how long their paths are (the fifth review made one sample take 6 s, while its
+#: processes used 2.7 GB against 512 MiB unseen).
+MAX_SAMPLE_S = 0.5
 #: Clock ticks per second of ``/proc/<pid>/stat``'s times.
 _TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -55,12 +69,15 @@ class TreeUsage:
     inner: int | None = None  # the root's first child (bubblewrap's: the sandbox's init), None: none yet
     shared_bytes: int = 0  # writable shared mappings, each object once (:func:`mappings_of`)
     mappings: int = 0  # mappings of all its processes (:func:`mappings_of`)
+    socket_bytes: int = 0  # data queued on its network namespace's TCP and UDP sockets (:func:`queued_bytes`)
 
     @property
     def memory_bytes(self) -> int:
-        """What the run's memory limit is held against: resident bytes, writable shared mappings and
-        :data:`MAPPING_BYTES` per mapping (an upper bound: a shared page resident somewhere counts twice)."""
-        return self.rss_bytes + self.shared_bytes + self.mappings * MAPPING_BYTES
+        """What the run's memory limit is held against: resident bytes, writable shared mappings,
+        :data:`MAPPING_BYTES` per mapping and :data:`QUEUE_OVERHEAD` times the bytes queued on its sockets (an upper
+        bound: a shared page resident somewhere counts twice)."""
+        return (self.rss_bytes + self.shared_bytes + self.mappings * MAPPING_BYTES
+                + self.socket_bytes * QUEUE_OVERHEAD)
 
 
 @dataclass(frozen=True)
@@ -150,10 +167,39 @@ def _process_dir(stat: ProcessStat, proc: Path) -> Path:
     return thread or proc / str(stat.pid)
 
 
-def tree_usage(root: int, proc: Path = Path("/proc")) -> TreeUsage:
-    """The use of process ``root``'s tree now, shared mappings included (blocking)."""
+class SampleOverBudget(RuntimeError):
+    """A sample of a run's tree took longer than :data:`MAX_SAMPLE_S` (the run is to be stopped)."""
+
+
+def tree_usage(root: int, proc: Path = Path("/proc"), budget_s: float | None = MAX_SAMPLE_S) -> TreeUsage:
+    """The use of process ``root``'s tree now, shared mappings and queued socket data included (blocking).
+
+    Raises:
+        SampleOverBudget: reading it took longer than ``budget_s`` seconds (None: no bound).
+    """
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     tree = tree_of(process_stats(proc), root)
-    return _usage(tree, root, mappings_of([_process_dir(s, proc) for s in tree]))
+    usage = _usage(tree, root, mappings_of([_process_dir(s, proc) for s in tree], deadline))
+    return replace(usage, socket_bytes=queued_bytes(usage.inner, proc) if usage.inner is not None else 0)
+
+
+def queued_bytes(pid: int, proc: Path = Path("/proc")) -> int:
+    """Bytes queued to send and to read on the TCP and UDP sockets of process ``pid``'s network namespace (the
+    ``tx_queue:rx_queue`` column of ``/proc/<pid>/net/{tcp,tcp6,udp,udp6}``). The kernel grows a TCP socket's
+    buffers by itself (autotuning, up to ``net.ipv4.tcp_wmem``/``tcp_rmem``'s maximum, 4 and 32 MiB here), so the
+    socket count alone bounds nothing: the fifth review queued 1.4 GiB on 406 loopback connections."""
+    total = 0
+    for table in ("tcp", "tcp6", "udp", "udp6"):
+        try:
+            lines = (proc / str(pid) / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 4 and ":" in fields[4]:
+                tx, rx = fields[4].split(":")
+                total += int(tx, 16) + int(rx, 16)
+    return total
 
 
 @dataclass(frozen=True)
@@ -165,27 +211,47 @@ class Mappings:
     count: int = 0
 
 
-def mappings_of(processes: list[Path]) -> Mappings:
+def mappings_of(processes: list[Path], deadline: float | None = None) -> Mappings:
     """The mappings of ``processes`` (their ``/proc/<pid>`` or a live thread's folder, whose ``maps`` is read): all
     of them counted, and the bytes of the writable shared ones (permissions ``rw?s``), each mapped object (device,
-    inode) once at its largest mapping."""
-    objects: dict[tuple[str, str], int] = {}
+    inode) once at its largest mapping.
+
+    Raises:
+        SampleOverBudget: ``deadline`` (``time.monotonic()`` seconds) passed while reading.
+    """
+    objects: dict[tuple[bytes, bytes], int] = {}
     count = 0
     for folder in processes:
         try:
-            maps = (folder / "maps").read_text()
+            for line in _lines(folder / "maps", deadline):
+                count += 1
+                fields = line.split(maxsplit=5)
+                if len(fields) < 5 or fields[1][1:2] != b"w" or fields[1][3:4] != b"s":
+                    continue
+                start, end = (int(value, 16) for value in fields[0].split(b"-"))
+                key = (fields[3], fields[4])
+                objects[key] = max(objects.get(key, 0), end - start)
         except OSError:
             continue
-        lines = maps.splitlines()
-        count += len(lines)
-        for line in lines:
-            fields = line.split(maxsplit=5)
-            if len(fields) < 5 or fields[1][1] != "w" or fields[1][3] != "s":
-                continue
-            start, end = (int(value, 16) for value in fields[0].split("-"))
-            key = (fields[3], fields[4])
-            objects[key] = max(objects.get(key, 0), end - start)
     return Mappings(sum(objects.values()), count)
+
+
+def _lines(path: Path, deadline: float | None, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """The lines of ``path``, read ``chunk`` bytes at a time, checking ``deadline`` between reads.
+
+    Raises:
+        SampleOverBudget: ``deadline`` passed. OSError: unreadable.
+    """
+    with open(path, "rb") as file:
+        rest = b""
+        while block := file.read(chunk):
+            if deadline is not None and time.monotonic() > deadline:
+                raise SampleOverBudget(f"reading {path} passed the sample's {MAX_SAMPLE_S} s")
+            lines = (rest + block).split(b"\n")
+            rest = lines.pop()
+            yield from lines
+        if rest:
+            yield rest
 
 
 def files_used(pid: int, folder: str, proc: Path = Path("/proc")) -> int | None:
