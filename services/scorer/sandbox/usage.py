@@ -179,19 +179,21 @@ def tree_usage(root: int, proc: Path = Path("/proc"), budget_s: float | None = M
     """
     deadline = None if budget_s is None else time.monotonic() + budget_s
     tree = tree_of(process_stats(proc), root)
-    usage = _usage(tree, root, mappings_of([_process_dir(s, proc) for s in tree], deadline))
-    return replace(usage, socket_bytes=queued_bytes(usage.inner, proc) if usage.inner is not None else 0)
+    folders = [_process_dir(s, proc) for s in tree]
+    usage = _usage(tree, root, mappings_of(folders, deadline))
+    return replace(usage, socket_bytes=queued_bytes(folders[1]) if usage.inner is not None else 0)
 
 
-def queued_bytes(pid: int, proc: Path = Path("/proc")) -> int:
-    """Bytes queued to send and to read on the TCP and UDP sockets of process ``pid``'s network namespace (the
-    ``tx_queue:rx_queue`` column of ``/proc/<pid>/net/{tcp,tcp6,udp,udp6}``). The kernel grows a TCP socket's
-    buffers by itself (autotuning, up to ``net.ipv4.tcp_wmem``/``tcp_rmem``'s maximum, 4 and 32 MiB here), so the
-    socket count alone bounds nothing: the fifth review queued 1.4 GiB on 406 loopback connections."""
+def queued_bytes(process: Path) -> int:
+    """Bytes queued to send and to read on the TCP and UDP sockets of the network namespace of the process at
+    ``process`` (its ``/proc/<pid>`` or a live thread's folder: the ``tx_queue:rx_queue`` column of
+    ``net/{tcp,tcp6,udp,udp6}`` there). The kernel grows a TCP socket's buffers by itself (autotuning, up to
+    ``net.ipv4.tcp_wmem``/``tcp_rmem``'s maximum, 4 and 32 MiB here), so the socket count alone bounds nothing: the
+    fifth review queued 1.4 GiB on 406 loopback connections."""
     total = 0
     for table in ("tcp", "tcp6", "udp", "udp6"):
         try:
-            lines = (proc / str(pid) / "net" / table).read_text().splitlines()[1:]
+            lines = (process / "net" / table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
@@ -237,16 +239,19 @@ def mappings_of(processes: list[Path], deadline: float | None = None) -> Mapping
 
 
 def _lines(path: Path, deadline: float | None, chunk: int = 1 << 20) -> Iterator[bytes]:
-    """The lines of ``path``, read ``chunk`` bytes at a time, checking ``deadline`` between reads.
+    """The lines of ``path``, read ``chunk`` bytes at a time, checking ``deadline`` before each read after the
+    first (a file of one chunk, as every process's ``maps`` but a run's with some 10,000 mappings, is never cut: a
+    scorer descheduled on a loaded host does not stop a run that way).
 
     Raises:
         SampleOverBudget: ``deadline`` passed. OSError: unreadable.
     """
     with open(path, "rb") as file:
-        rest = b""
+        rest, first = b"", True
         while block := file.read(chunk):
-            if deadline is not None and time.monotonic() > deadline:
+            if not first and deadline is not None and time.monotonic() > deadline:
                 raise SampleOverBudget(f"reading {path} passed the sample's {MAX_SAMPLE_S} s")
+            first = False
             lines = (rest + block).split(b"\n")
             rest = lines.pop()
             yield from lines
