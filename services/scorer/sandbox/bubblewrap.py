@@ -8,8 +8,8 @@ Each run is ``bwrap`` with, for the tool's process tree:
 - **a minimal read-only root**: ``/usr`` (the interpreter, its standard library, the C library) and the
   interpreter's own prefix when it lies elsewhere; nothing of ``/etc``, ``/home``, ``/root``, the project tree, the
   scorer's mounts or its secrets; a private ``/proc`` (its own processes only; the files in it that count for the
-  whole host, :data:`~services.scorer.sandbox.bwrap_args.HOST_WIDE_PROC`, read empty: a counter one call moves and the next reads would carry bits
-  between them) and a minimal ``/dev``;
+  whole host, :data:`~services.scorer.sandbox.bwrap_args.HOST_WIDE_PROC`, read empty: a counter one call moves
+  and the next reads would carry bits between them) and a minimal ``/dev``;
 - **one writable place**, a fresh tmpfs at ``/tmp`` of ``tmpfs_bytes``, which is also its working directory and
   vanishes with the run; the sandbox's root and its ``/dev`` are remounted read-only (bwrap makes both as tmpfs
   without a size limit: writable, they would let a run fill the host's memory), so ``/dev/shm`` is not writable;
