@@ -88,8 +88,9 @@ def misbehaving_app() -> FastAPI:
         return JSONResponse({"detail": "slow down"}, status_code=429)
 
     @app.post("/hang")
-    async def hang():
-        await asyncio.sleep(30)
+    async def hang(request: Request):  # never answers; ends when the client closes (the module's teardown waits
+        while (await request.receive())["type"] != "http.disconnect":  # for no sleeping handler)
+            pass
         return {"rewards": []}
 
     @app.post("/trickle")
