@@ -12,16 +12,11 @@ their ``serve`` configures them (``server_config`` / ``start_gateway``, i.e. :mo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
-import threading
-import time
-from collections.abc import Iterator
 
 import httpx
 import psutil
 import pytest
-import uvicorn
 
 from services.common.http_edge import MAX_HEAD_BYTES
 from services.common.security import SecurityConfigError
@@ -34,30 +29,13 @@ from services.scorer.sandbox.bubblewrap import BubblewrapSandbox
 from services.scorer.sandbox.server import SandboxServerSettings
 from services.scorer.sandbox.server import server_config as sandbox_config
 from services.scorer.settings import RewardServerSettings
+from tests.support.http_servers import serving_config
 
 TOKEN = b"edge-token-7c2e"  # noqa: S105 - test credential
 ADMIN = b"edge-admin-93b1"  # noqa: S105 - test credential
 MIB = 1024 * 1024
 ATTEMPT_MIB = 64  # what the caller tries to send
 RULES = [{"type": "rule", "name": "math_verify", "function": "services.scorer.rules:math_verify_reward", "workers": 1}]
-
-
-@contextlib.contextmanager
-def _running(config: uvicorn.Config) -> Iterator[int]:
-    """Serve ``config`` in a thread of its own until the block ends; yields the bound port."""
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("server did not start")
-        time.sleep(0.05)
-    try:
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def _flood(port: int, head: bytes, line: bytes, lines: int) -> tuple[int, bytes]:
@@ -112,7 +90,7 @@ def _sandbox_settings(tmp_path, **overrides) -> SandboxServerSettings:
 
 @pytest.mark.parametrize("flood", [_big_header, _big_trailers], ids=["header", "trailers"])
 def test_the_sandbox_server_bounds_headers_and_trailers(tmp_path, flood):
-    with _running(sandbox_config(BubblewrapSandbox(), _sandbox_settings(tmp_path))) as port:
+    with serving_config(sandbox_config(BubblewrapSandbox(), _sandbox_settings(tmp_path))) as port:
         _check_refused_early(port, *flood("/run_code"))
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200  # still serving
 
@@ -121,7 +99,7 @@ def test_the_sandbox_server_bounds_headers_and_trailers(tmp_path, flood):
 def test_the_reward_server_bounds_headers_and_trailers(tmp_path, flood):
     (tmp_path / "tokens").write_bytes(TOKEN + b"\n")
     settings = RewardServerSettings(port=0, sources=RULES, auth_tokens_file=tmp_path / "tokens")
-    with _running(reward_config(build_composer(settings), settings)) as port:
+    with serving_config(reward_config(build_composer(settings), settings)) as port:
         _check_refused_early(port, *flood("/get_reward"))
 
 
@@ -135,14 +113,14 @@ async def test_the_gateway_bounds_headers_and_trailers(flood):
 
 
 def test_a_head_within_the_bound_is_read(tmp_path):
-    with _running(sandbox_config(BubblewrapSandbox(), _sandbox_settings(tmp_path))) as port:
+    with serving_config(sandbox_config(BubblewrapSandbox(), _sandbox_settings(tmp_path))) as port:
         answered = httpx.get(f"http://127.0.0.1:{port}/health", headers={"X-Big": "a" * (MAX_HEAD_BYTES // 2)},
                              timeout=10)
         assert answered.status_code == 200
 
 
 def test_past_max_connections_a_request_is_answered_503(tmp_path):
-    with _running(sandbox_config(BubblewrapSandbox(), _sandbox_settings(tmp_path, max_connections=2))) as port:
+    with serving_config(sandbox_config(BubblewrapSandbox(), _sandbox_settings(tmp_path, max_connections=2))) as port:
         held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
         try:
             for connection in held:  # a slow caller's partial request
@@ -158,7 +136,7 @@ async def test_the_sandbox_server_takes_an_admin_token_file_alone(tmp_path):
     sandbox = BubblewrapSandbox()
     await sandbox.check()
     settings = SandboxServerSettings(port=0, admin_tokens_file=tmp_path / "admin")
-    with _running(sandbox_config(sandbox, settings)) as port:
+    with serving_config(sandbox_config(sandbox, settings)) as port:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             program = {"code": "print(1 + 1)"}
             assert (await client.post("/run_code", json=program)).status_code == 401
