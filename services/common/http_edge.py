@@ -2,52 +2,137 @@
 OpenAI-compatible gateway): one uvicorn configuration, so none of them runs on uvicorn's defaults.
 
 uvicorn's default HTTP implementation (httptools) bounds neither a request's headers nor a chunked body's
-trailers: a caller without a token could make the server buffer hundreds of MiB before any check runs. The edges
-run on h11 instead, which refuses a request whose request line + headers, or whose trailers, pass
-:data:`MAX_HEAD_BYTES` (400, connection closed) as soon as they do; and with a bound on concurrent connections and
-requests (:data:`MAX_CONNECTIONS` by default: past it a request is answered 503), the way nginx bounds headers
-(``large_client_header_buffers``, 4 × 8 KiB) and connections (``worker_connections``). The body is bounded by
-:class:`services.common.http_limits.BoundedBody`, after the token check.
+trailers, and it holds every connection it accepts: a caller without a token could make the server buffer hundreds
+of MiB before any check runs, in one connection or in thousands of slow ones. The edges run on
+:class:`EdgeProtocol`, uvicorn's h11 protocol with three bounds, the way nginx bounds headers
+(``large_client_header_buffers``, 4 × 8 KiB), their time (``client_header_timeout``) and connections
+(``worker_connections``):
+
+- a request line + headers, or a chunked body's trailers, past :data:`MAX_HEAD_BYTES` are refused as soon as they
+  pass it (400, connection closed);
+- a request head must arrive whole within :data:`HEAD_TIMEOUT_S` of the connection's opening, or of the previous
+  response on a kept-alive connection, or the connection is closed;
+- at most ``max_connections`` (:data:`MAX_CONNECTIONS` by default) connections are held; one past it, or one
+  arriving while as many requests are still running (a caller may close its connection while its request runs),
+  is answered 503 at once, unread, and closed (after up to :data:`TURN_AWAY_LINGER_S` discarding what it sends,
+  so that its caller reads the 503 rather than a reset). Requests on held connections are all served.
+
+So an edge holds at most ``max_connections`` × :data:`MAX_HEAD_BYTES` of unfinished heads (64 MiB by default).
+The body is bounded by :class:`services.common.http_limits.BoundedBody`, after the token check.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import h11
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 if TYPE_CHECKING:  # the gateway's serving stays free of grpc (services.common.security loads it)
     from services.common.settings import ServiceSettings
 
 #: Most bytes of a request line + headers, and of a chunked body's trailers, an HTTP edge buffers (64 KiB).
 MAX_HEAD_BYTES = 64 * 1024
-#: Default most connections + requests an HTTP edge holds at once; past it requests are answered 503.
+#: Default most connections an HTTP edge holds (and requests it runs) at once; past it callers are answered 503.
 MAX_CONNECTIONS = 1024
+#: Default seconds a request head (request line + headers) has to arrive whole (nginx's ``client_header_timeout``
+#: is 60 s).
+HEAD_TIMEOUT_S = 30.0
+#: Most seconds a connection turned away past ``max_connections`` is read (and discarded) after its 503.
+TURN_AWAY_LINGER_S = 1.0
+_TURN_AWAY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+              b"content-length: 33\r\nconnection: close\r\n\r\nToo many connections; retry later.")
+
+
+class EdgeProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a bound on the connections held and a deadline on each request head (module
+    docs). ``max_connections``: connections held (and requests running) at most; ``head_timeout_s``: seconds a
+    head has to arrive whole."""
+
+    def __init__(self, *args, max_connections: int = MAX_CONNECTIONS, head_timeout_s: float = HEAD_TIMEOUT_S,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_connections, self.head_timeout_s = max_connections, head_timeout_s
+        self.head_deadline: asyncio.TimerHandle | None = None
+        self.turned_away = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections or len(self.tasks) >= self.max_connections:
+            self._turn_away()
+        else:
+            self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        if self.turned_away:
+            return  # read and dropped, so that closing does not reset the connection before the 503 is read
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is in: the request runs, or was refused
+            self._cancel_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._await_head()  # the next head on a kept-alive connection has the same time
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_deadline()
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        self._cancel_head_deadline()
+        self.head_deadline = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_deadline(self) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+            self.head_deadline = None
+
+    def _head_timed_out(self) -> None:
+        self.head_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.logger.info("A request head did not arrive within %.0f s; connection closed.", self.head_timeout_s)
+            self.transport.close()
+
+    def _turn_away(self) -> None:
+        self.turned_away = True
+        self.connections.discard(self)  # not held: it does not count toward the bound
+        self.transport.write(_TURN_AWAY)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(TURN_AWAY_LINGER_S, self.transport.close)
+        else:  # TLS: no half-close
+            self.transport.close()
 
 
 def edge_config(app: ASGIApp, host: str, port: int, *, grace_s: float, log_level: str = "warning",
                 cert_file: Path | None = None, key_file: Path | None = None,
-                max_connections: int = MAX_CONNECTIONS,
+                max_connections: int = MAX_CONNECTIONS, head_timeout_s: float = HEAD_TIMEOUT_S,
                 lifespan: Literal["auto", "on", "off"] = "auto") -> uvicorn.Config:
     """The uvicorn configuration of an HTTP edge serving ``app`` on ``host:port`` (module docs): h11, headers and
-    trailers bounded by :data:`MAX_HEAD_BYTES` bytes, at most ``max_connections`` connections + requests at once,
-    ``grace_s`` seconds (at least 1) for calls in flight at shutdown, TLS when ``cert_file`` and ``key_file``
-    (PEM) are given.
+    trailers bounded by :data:`MAX_HEAD_BYTES` bytes and each head by ``head_timeout_s`` seconds, at most
+    ``max_connections`` connections (and requests) at once, ``grace_s`` seconds (at least 1) for calls in flight at
+    shutdown, TLS when ``cert_file`` and ``key_file`` (PEM) are given.
 
     Raises:
-        ValueError: ``max_connections`` is below 1.
+        ValueError: ``max_connections`` is below 1, or ``head_timeout_s`` is not positive.
     """
     if max_connections < 1:
         raise ValueError(f"max_connections: at least 1, not {max_connections}")
+    if head_timeout_s <= 0:
+        raise ValueError(f"head_timeout_s: above 0, not {head_timeout_s}")
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), lifespan=lifespan,
         timeout_graceful_shutdown=max(1, int(grace_s)), ssl_certfile=cert_file, ssl_keyfile=key_file,
-        http="h11", h11_max_incomplete_event_size=MAX_HEAD_BYTES, limit_concurrency=max_connections,
+        http=functools.partial(EdgeProtocol, max_connections=max_connections, head_timeout_s=head_timeout_s),
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
 
 

@@ -5,7 +5,8 @@ their ``serve`` configures them (``server_config`` / ``start_gateway``, i.e. :mo
   without a token: the caller could not get the 64 MiB header it tries to send into the server (had the server
   read it all, as uvicorn's default httptools parser does, the whole of it would go out and no answer would come);
 - a chunked body's trailers are bounded the same way, with a valid token;
-- past ``max_connections`` a request is answered 503;
+- past ``max_connections`` a connection is answered 503 unread, and requests on held connections are served;
+- a request head that does not arrive whole within its deadline has its connection closed;
 - the sandbox server with an admin token file alone takes that token and refuses calls without one.
 """
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import httpx
 import psutil
 import pytest
 
-from services.common.http_edge import MAX_HEAD_BYTES
+from services.common.http_edge import MAX_HEAD_BYTES, edge_config
 from services.common.security import SecurityConfigError
 from services.experience.gateway.app import create_app as gateway_app
 from services.experience.gateway.serving import start_gateway
@@ -119,16 +121,53 @@ def test_a_head_within_the_bound_is_read(tmp_path):
         assert answered.status_code == 200
 
 
-def test_past_max_connections_a_request_is_answered_503(tmp_path):
+def _status_line(connection: socket.socket) -> bytes:
+    """The first line the server sends on ``connection`` (b"" where it closes it unanswered), within 10 s."""
+    try:
+        return connection.recv(4096).split(b"\r\n", 1)[0]
+    except ConnectionResetError:
+        return b""
+
+
+def test_past_max_connections_a_connection_is_answered_503_unread(tmp_path):
     with serving_config(sandbox_config(BubblewrapSandbox(), _sandbox_settings(tmp_path, max_connections=2))) as port:
         held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
         try:
-            for connection in held:  # a slow caller's partial request
+            for connection in held:  # a slow caller's partial request, held
                 connection.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n")
             assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 503
+            # a flood past the bound: each connection is answered at once, whatever (and however much) it sends
+            flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(50)]
+            try:
+                for connection in flood:
+                    connection.sendall(b"POST /run_code HTTP/1.1\r\nHost: test\r\nX-Big: " + b"a" * 60_000)
+                assert {_status_line(connection) for connection in flood} == {b"HTTP/1.1 503 Service Unavailable"}
+            finally:
+                for connection in flood:
+                    connection.close()
+            held[0].sendall(b"\r\n")  # requests on held connections are served
+            assert _status_line(held[0]) == b"HTTP/1.1 200 OK"
         finally:
             for connection in held:
                 connection.close()
+
+
+def test_a_request_head_has_a_deadline():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with serving_config(edge_config(app, "127.0.0.1", 0, grace_s=1, lifespan="off", head_timeout_s=0.5)) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:  # never finishes its head
+            slow.sendall(b"GET / HTTP/1.1\r\nHost: test\r\n")
+            started = time.monotonic()
+            assert slow.recv(4096) == b""  # closed by the server, unanswered
+            assert time.monotonic() - started < 9
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as kept:  # kept alive, then slow
+            kept.sendall(b"GET / HTTP/1.1\r\nHost: test\r\n\r\n")
+            assert _status_line(kept) == b"HTTP/1.1 200 OK"
+            kept.sendall(b"GET / HTTP/1.1\r\n")
+            assert kept.recv(4096) == b""
 
 
 async def test_the_sandbox_server_takes_an_admin_token_file_alone(tmp_path):

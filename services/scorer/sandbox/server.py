@@ -64,8 +64,8 @@ class SandboxServerSettings(ServiceSettings):
     max_code_bytes: int = Field(1 * MIB, ge=1024, description="largest program accepted")
     max_body_bytes: int = Field(8 * MIB, ge=1024, description="largest request body (the program JSON-encoded); "
                                                              "bigger ones are 413, unread, after the token check")
-    max_connections: int = Field(MAX_CONNECTIONS, ge=1, description="connections + requests held at once; "
-                                                                    "past it a request is answered 503")
+    max_connections: int = Field(MAX_CONNECTIONS, ge=1, description="connections held (and requests running) at "
+                                 "once; a connection past it is answered 503, unread")
 
 
 class RunCodeRequest(BaseModel):
