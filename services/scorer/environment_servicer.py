@@ -36,5 +36,5 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     async def EndEpisode(  # noqa: N802 - gRPC method name
         self, request: environment_pb2.EndEpisodeRequest, context: grpc.aio.ServicerContext
     ) -> environment_pb2.EndEpisodeResponse:
-        self._host.end(request.session_id)
+        await self._host.end(request.session_id)
         return environment_pb2.EndEpisodeResponse()

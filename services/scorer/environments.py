@@ -175,7 +175,7 @@ class _Session:
     environment: Environment
     expires_at: float
     turns: int = 0
-    busy: bool = False
+    stepping: asyncio.Task | None = None  # the step in progress, if any
 
 
 class EnvironmentHost:
@@ -242,29 +242,38 @@ class EnvironmentHost:
         """Send the model's turn to the session's environment; a ``done`` result ends the session.
 
         Raises:
-            EpisodeFailed: unknown or expired session, a step already running for it, or the environment raised
-                or overran ``step_timeout_s`` (the session is dropped).
+            EpisodeFailed: unknown or expired session, a step already running for it, the episode ended while the
+                step ran, or the environment raised or overran ``step_timeout_s`` (the session is dropped).
         """
         session = self._session(session_id)
-        if session.busy:
+        if session.stepping is not None:
             raise EpisodeFailed(f"session {session_id}: a step is already running")
-        session.busy = True
+        session.stepping = asyncio.ensure_future(session.environment.step(action))
         try:
             async with asyncio.timeout(session.spec.step_timeout_s):
-                result = await session.environment.step(action)
+                result = await session.stepping  # cancelling this call (or the timeout) cancels the step too
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this call was cancelled, not the step by end()
+                raise
+            raise EpisodeFailed(f"session {session_id}: the episode ended while its step ran") from None
         except Exception as error:  # noqa: BLE001 - that episode fails, named; the service goes on
             self._sessions.pop(session_id, None)
             raise EpisodeFailed(_failure(session.spec.name, f"step {session.turns + 1}", error)) from error
         finally:
-            session.busy = False
+            session.stepping = None
         session.turns += 1
         if result.done:
             self._sessions.pop(session_id, None)
         return result
 
-    def end(self, session_id: str) -> None:
-        """Forget a session (idempotent)."""
-        self._sessions.pop(session_id, None)
+    async def end(self, session_id: str) -> None:
+        """Forget a session (idempotent); a step still running for it is cancelled, and this returns once it ended
+        (its tool run, if any, killed and reaped)."""
+        session = self._sessions.pop(session_id, None)
+        stepping = session.stepping if session is not None else None
+        if stepping is not None and not stepping.done():
+            stepping.cancel()
+            await asyncio.wait({stepping})
 
     @property
     def open_sessions(self) -> int:

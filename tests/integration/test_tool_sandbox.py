@@ -626,6 +626,22 @@ async def test_a_remote_call_has_one_total_deadline_and_a_response_cap():
         await huge.close()
 
 
+async def test_ending_an_episode_ends_its_running_step_and_its_run(scorer):
+    # EndEpisode while the episode's step runs tool code: the step's run is killed and reaped before EndEpisode
+    # answers, and the Step call fails naming why
+    marker = f"3600.{secrets.randbelow(10**6):06d}5"
+    start = await scorer.StartEpisode(environment_pb2.StartEpisodeRequest(
+        environment="python_tool", prompt="p", reference="1", max_turns=4), metadata=AUTH)
+    step = asyncio.ensure_future(scorer.Step(environment_pb2.StepRequest(
+        session_id=start.session_id, action=_call(f"import os\nos.execvp('sleep', ['sleep', {marker!r}])")),
+        metadata=AUTH))
+    await _until(lambda: _host_processes_with(marker), 30)  # the run is under way
+    await scorer.EndEpisode(environment_pb2.EndEpisodeRequest(session_id=start.session_id), metadata=AUTH)
+    assert _host_processes_with(marker) == []
+    with pytest.raises(grpc.aio.AioRpcError, match="the episode ended while its step ran"):
+        await step
+
+
 async def test_cancelled_calls_leave_nothing_running_even_queued_under_load():
     # six calls on two slots, each exec'ing a sleep of its own; cancelled once two of them run (and four wait):
     # when the cancellations complete, no process of any run is left, and the slots are free again
