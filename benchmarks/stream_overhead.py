@@ -2,9 +2,10 @@
 
 Workload: the demo's sizes — 16 reasoning-gym ``gsm_symbolic`` chat prompts x 4 samples at temperature 1, up to
 256 new tokens (GSM-style answers run long, so the forwards are as heavy as they get here) — on the generator's
-vLLM engine with the launcher's default core split (:class:`services.launcher.CoreSplit`). Every run is seeded
-(vLLM seeds each sample with ``seed + sample_index``), so all runs sample the same tokens and their times compare
-the same work. Runs, on one set of services, in this order:
+vLLM engine (:data:`GENERATOR`: no LoRA slots, compiled, as TRL's engine is) with the launcher's default core split
+(:class:`services.launcher.CoreSplit`). Every run is seeded (vLLM seeds each sample with ``seed + sample_index``),
+so all runs sample the same tokens and their times compare the same work. Runs, on one set of services, in this
+order:
 
 - ``generation``: a ``Generate`` stream of the same prompt ids, read to the end (no scoring, no forwards).
 - ``stream``: ``MakeExperiences`` as the demo sends it (actor and reference forwards, ``group_norm``).
@@ -47,6 +48,12 @@ from services.experience.workers.logprobs import LogProbModel
 from services.experience.workers.sequences import build_rollout
 from services.launcher import CoreSplit, LocalCluster, fresh_state_dir
 
+#: The generator as a full-weight deployment sets it up: vLLM, no adapter slots, compiled graphs (vLLM's CPU build
+#: compiles only with LoRA off). TRL's colocated engine, which :mod:`benchmarks.trl_experience` compares with, is
+#: built the same way (no LoRA, compiled). Decoding here: 520-540 tokens/s with the defaults (``max_loras`` 4,
+#: eager), 540-550 with LoRA off, 610-640 compiled (``/tmp`` A/B at 96246d8, 2026-11-26; benchmarks/README.md).
+GENERATOR = {"backend": "vllm", "max_loras": 0, "enforce_eager": False}
+
 
 @dataclass(frozen=True)
 class DemoWorkload:
@@ -68,7 +75,7 @@ def run(model: str, workload: DemoWorkload, log_dir: Path, core_split: CoreSplit
     sampling = Sampling(temperature=1.0, max_new_tokens=workload.max_new_tokens, seed=workload.seed)
     base = RequestOptions(n_samples_per_prompt=workload.n_samples_per_prompt, sampling=sampling,
                           advantage_estimator="group_norm", packing_samples=True)
-    overrides = {"generator": {"model": model, "backend": "vllm"},
+    overrides = {"generator": {"model": model, **GENERATOR},
                  "experience": {"actor_model": model, "reference_model": model}}
     split = {"core_split": core_split} if core_split is not None else {}
     with LocalCluster(overrides=overrides, log_dir=log_dir / name, state_dir=fresh_state_dir(log_dir / f"{name}-state"),

@@ -106,6 +106,9 @@ def engine_options(
 
     if enable_sleep_mode and current_platform.is_sleep_mode_available():
         options["enable_sleep_mode"] = True
+    if current_platform.is_cpu() and not enforce_eager and max_loras > 0:
+        logger.warning("enforce_eager false, but vLLM's CPU build runs eager while LoRA is enabled (max_loras %d): "
+                       "set max_loras 0 for compiled graphs", max_loras)
     if current_platform.is_cpu():
         # A prompt whose prefill is split across steps (chunked prefill) makes vLLM rewind its request's torch
         # Generator (``set_offset``), which CPU generators do not have: a seeded request then kills the engine
