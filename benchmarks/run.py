@@ -126,7 +126,7 @@ def measure(out: Path, *, small: bool = False, services: bool = True) -> dict:
     if services:
         results.update(pipeline.run(model, SMALL_WORKLOAD if small else pipeline.Workload(), out / "logs"))
         demo = SMALL_DEMO_WORKLOAD if small else stream_overhead.DemoWorkload()
-        results.update(stream_overhead.run(model, demo, out / "logs"))
+        results.update(stream_overhead.run(model, demo, out / "logs", compiled=not small))
         results.update(fleet.run(model, SMALL_FLEET_WORKLOAD if small else fleet.FleetWorkload(), out / "logs"))
         episode_workload = SMALL_EPISODE_WORKLOAD if small else episodes.EpisodeWorkload()
         results.update(episodes.run(model, episode_workload, out / "logs"))

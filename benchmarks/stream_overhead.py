@@ -4,8 +4,8 @@ Workload: the demo's sizes — 16 reasoning-gym ``gsm_symbolic`` chat prompts x 
 256 new tokens (GSM-style answers run long, so the forwards are as heavy as they get here) — on the generator's
 vLLM engine (:data:`GENERATOR`: no LoRA slots, compiled, as TRL's engine is) with the launcher's default core split
 (:class:`services.launcher.CoreSplit`). Every run is seeded (vLLM seeds each sample with ``seed + sample_index``),
-so all runs sample the same tokens and their times compare the same work. Runs, on one set of services, in this
-order:
+yet runs need not sample the same tokens (bf16 sums depend on how the engine batched the rows), so every figure but
+the first batch's compares seconds per token. Runs, on one set of services, in this order:
 
 - ``generation``: a ``Generate`` stream of the same prompt ids, read to the end (no scoring, no forwards).
 - ``stream``: ``MakeExperiences`` as the demo sends it (actor and reference forwards, ``group_norm``).
@@ -16,19 +16,21 @@ Then, with the services stopped, the **compute floor**: the forwards the streams
 core (the service's dtype, packed shared-prompt chunks of ``forward_micro_batch_size`` rows, the same model for actor
 and reference) over the samples the ``generation`` run drew. The floor of a stream is the time its work takes when
 each part has the whole machine and nothing overlaps: generation alone + the actor's and the reference's forwards
-(``stream``), + the reference's (``stream_skip_actor``).
+(``stream``), + the reference's (``stream_skip_actor``), per token of the generation run.
 
 Figures (each a ratio of two times taken here, in this run): ``stream_vs_generation`` (target <= 1.3),
 ``stream_skip_actor_vs_generation``, ``stream_lean_vs_generation``, ``reference_free_vs_with_reference`` =
 ``stream_lean`` / ``stream_skip_actor`` (what skipping the reference saves), ``first_batch_vs_generation`` (the
 stream's first batch against generation alone), and ``stream_vs_compute_floor`` /
-``stream_skip_actor_vs_compute_floor``: the floor's seconds over the stream's (target >= 0.9; above 1 where sharing
-the cores beats running the parts one after another).
+``stream_skip_actor_vs_compute_floor``: the floor's seconds per token over the stream's (target >= 0.9; above 1
+where sharing the cores beats running the parts one after another).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,10 +51,18 @@ from services.experience.workers.sequences import build_rollout
 from services.launcher import CoreSplit, LocalCluster, fresh_state_dir
 
 #: The generator as a full-weight deployment sets it up: vLLM, no adapter slots, compiled graphs (vLLM's CPU build
-#: compiles only with LoRA off). TRL's colocated engine, which :mod:`benchmarks.trl_experience` compares with, is
-#: built the same way (no LoRA, compiled). Decoding here: 520-540 tokens/s with the defaults (``max_loras`` 4,
-#: eager), 540-550 with LoRA off, 610-640 compiled (``/tmp`` A/B at 96246d8, 2026-11-26; benchmarks/README.md).
+#: compiles only with LoRA off, and needs a C++ compiler). TRL's colocated engine, which
+#: :mod:`benchmarks.trl_experience` compares with, is built the same way (no LoRA, compiled). Decoding 16 x 4 GSM
+#: answers here: 520-540 tokens/s with the defaults (``max_loras`` 4, eager), 540-550 with LoRA off, 610-640
+#: compiled (benchmarks/README.md).
 GENERATOR = {"backend": "vllm", "max_loras": 0, "enforce_eager": False}
+
+
+def generator_settings(compiled: bool) -> dict:
+    """:data:`GENERATOR`, eager where ``compiled`` is false or no C++ compiler is found (``CXX``, else ``g++``: what
+    torch's inductor calls)."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    return {**GENERATOR, "enforce_eager": not (compiled and compiler)}
 
 
 @dataclass(frozen=True)
@@ -67,15 +77,17 @@ class DemoWorkload:
 
 
 def run(model: str, workload: DemoWorkload, log_dir: Path, core_split: CoreSplit | None = None,
-        name: str = "stream_overhead") -> dict:
+        name: str = "stream_overhead", compiled: bool = True) -> dict:
     """Measure the four runs on ``model`` (a local folder); returns the figures, their inputs and the workload.
     ``core_split``: the host's cores between the engine and the forwards (None: the launcher's default);
-    ``name``: the runs' log folder."""
+    ``name``: the runs' log folder; ``compiled``: the engine's graphs compiled where a C++ compiler is found
+    (:func:`generator_settings`; the smoke run skips the compile's minute)."""
     problems = task_problems(workload.task, workload.num_prompts, seed=workload.seed)
     sampling = Sampling(temperature=1.0, max_new_tokens=workload.max_new_tokens, seed=workload.seed)
     base = RequestOptions(n_samples_per_prompt=workload.n_samples_per_prompt, sampling=sampling,
                           advantage_estimator="group_norm", packing_samples=True)
-    overrides = {"generator": {"model": model, **GENERATOR},
+    generator = generator_settings(compiled)
+    overrides = {"generator": {"model": model, **generator},
                  "experience": {"actor_model": model, "reference_model": model}}
     split = {"core_split": core_split} if core_split is not None else {}
     with LocalCluster(overrides=overrides, log_dir=log_dir / name, state_dir=fresh_state_dir(log_dir / f"{name}-state"),
@@ -89,20 +101,27 @@ def run(model: str, workload: DemoWorkload, log_dir: Path, core_split: CoreSplit
         skip_actor = _stream(address, problems, dataclasses.replace(base, skip_actor_forward=True))
         lean = _stream(address, problems, dataclasses.replace(base, skip_actor_forward=True, kl_coef=0.0))
     forwards = forwards_alone(model, records, prompt_ids)
-    floor = generation["seconds"] + 2 * forwards["seconds_per_model"]
+    floor = generation["seconds"] + 2 * forwards["seconds_per_model"]  # over the generation run's samples
     floor_skip_actor = generation["seconds"] + forwards["seconds_per_model"]
+
+    def per_token(seconds: float, run: dict) -> float:
+        return seconds / run["tokens"]
+
+    generation_s = per_token(generation["seconds"], generation)
     return {
-        "stream_vs_generation": stream["seconds"] / generation["seconds"],
-        "stream_skip_actor_vs_generation": skip_actor["seconds"] / generation["seconds"],
-        "stream_lean_vs_generation": lean["seconds"] / generation["seconds"],
-        "reference_free_vs_with_reference": lean["seconds"] / skip_actor["seconds"],
+        "stream_vs_generation": per_token(stream["seconds"], stream) / generation_s,
+        "stream_skip_actor_vs_generation": per_token(skip_actor["seconds"], skip_actor) / generation_s,
+        "stream_lean_vs_generation": per_token(lean["seconds"], lean) / generation_s,
+        "reference_free_vs_with_reference": per_token(lean["seconds"], lean)
+        / per_token(skip_actor["seconds"], skip_actor),
         "first_batch_vs_generation": stream["first_batch_s"] / generation["seconds"],
-        "stream_vs_compute_floor": floor / stream["seconds"],
-        "stream_skip_actor_vs_compute_floor": floor_skip_actor / skip_actor["seconds"],
+        "stream_vs_compute_floor": per_token(floor, generation) / per_token(stream["seconds"], stream),
+        "stream_skip_actor_vs_compute_floor": per_token(floor_skip_actor, generation)
+        / per_token(skip_actor["seconds"], skip_actor),
         "stream_overhead_inputs": {"generation": generation, "stream": stream, "stream_skip_actor": skip_actor,
                                    "stream_lean": lean, "forwards_alone": forwards,
                                    "compute_floor_s": {"stream": floor, "stream_skip_actor": floor_skip_actor}},
-        "stream_overhead_workload": {**asdict(workload), "model": model, "backend": "vllm"},
+        "stream_overhead_workload": {**asdict(workload), "model": model, "generator": generator},
     }
 
 
