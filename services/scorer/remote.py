@@ -45,7 +45,7 @@ from services.scorer.config import RemoteConfig
 from services.scorer.outbound.bodies import ReplyTooLarge, read_capped
 from services.scorer.outbound.breaker import Breaker, BreakerOpen
 from services.scorer.outbound.config import BudgetConfig
-from services.scorer.outbound.guard import CallGuard, SourceRejected, SourceUnavailable
+from services.scorer.outbound.guard import CallGuard, SourceRejected, SourceUnavailable, after_tries
 from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked_rewards
 
 logger = logging.getLogger(__name__)
@@ -138,8 +138,8 @@ class RemoteScorer:
         except UpstreamTimeout as error:  # queued for the budget, or no time to send a try
             return SourceScores.all_failed(n, f"{self._where}: the caller's deadline passed before an answer ({error})")
         except SourceUnavailable as error:
-            return SourceScores.all_failed(n, f"{self._where}: {error} (after up to {self._config.max_attempts} "
-                                              f"tries; {self._gateway.describe()})")
+            return SourceScores.all_failed(n, f"{self._where}: {error} ({after_tries(error)}; "
+                                              f"{self._gateway.describe()})")
         except SourceRejected as error:
             return SourceScores.all_failed(n, f"{self._where}: {error}")
         try:

@@ -24,7 +24,7 @@ from services.scorer.outbound.breaker import (
 from services.scorer.outbound.budgets import Budget, BudgetTimeout
 from services.scorer.outbound.cache import CachedReward, LocalCache, cache_key, fingerprint
 from services.scorer.outbound.config import BreakerConfig, BudgetConfig, CacheConfig
-from services.scorer.outbound.guard import CallGuard, SourceUnavailable
+from services.scorer.outbound.guard import CallGuard, SourceUnavailable, after_tries
 from services.scorer.settings import ScorerSettings
 
 BOXED, JSON = VerdictConfig(kind="boxed"), VerdictConfig(kind="json", field="verdict.score")
@@ -247,11 +247,12 @@ async def test_guide_a_call_whose_backoff_would_outlast_the_deadline_fails_in_ti
         tries.append(timeout_s)
         raise SourceUnavailable("HTTP 500")
 
-    with pytest.raises(SourceUnavailable, match="HTTP 500"):
+    with pytest.raises(SourceUnavailable, match="HTTP 500") as failure:
         await gateway.call(down, tokens=1, deadline=deadline, timeout_s=60.0, max_attempts=2, backoff_initial_s=5.0,
                            backoff_max_s=5.0)
     assert len(tries) == 1 and deadline.remaining() > 0
     assert gateway.breaker.state.status is BreakerStatus.OPEN
+    assert after_tries(failure.value) == "after 1 try"  # what the item's error says: the tries sent, not allowed
 
 
 def test_guide_open_items_fail_at_once_for_open_s_whatever_an_earlier_call_answers():

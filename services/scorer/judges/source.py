@@ -24,7 +24,7 @@ from services.scorer.judges.config import JudgeConfig
 from services.scorer.judges.verdicts import parse_verdict, render, to_reward
 from services.scorer.outbound.breaker import Breaker, BreakerOpen
 from services.scorer.outbound.cache import cache_key, fingerprint
-from services.scorer.outbound.guard import CallGuard, SourceRejected, SourceUnavailable
+from services.scorer.outbound.guard import CallGuard, SourceRejected, SourceUnavailable, after_tries
 from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores
 
 answers_log = logging.getLogger("services.scorer.judges.answers")
@@ -90,7 +90,7 @@ class JudgeScorer:
             return SourceScores.all_failed(len(items), f"{where}: {error}")
         except SourceUnavailable as error:
             return SourceScores.all_failed(
-                len(items), f"{where}: {error} (after up to {config.max_attempts} tries; {self._gateway.describe()})"
+                len(items), f"{where}: {error} ({after_tries(error)}; {self._gateway.describe()})"
             )
         except (SourceRejected, UpstreamTimeout) as error:
             return SourceScores.all_failed(len(items), f"{where}: {error} ({self._gateway.describe()})")

@@ -35,13 +35,20 @@ T = TypeVar("T")
 RETRY_STOP_MARGIN_S = 0.125
 
 
+def after_tries(error: SourceUnavailable) -> str:
+    """``after N tries`` for a call that failed (``error.tries``: the tries :meth:`CallGuard.call` sent)."""
+    return f"after {error.tries} {'try' if error.tries == 1 else 'tries'}"
+
+
 class SourceUnavailable(Exception):
     """The endpoint did not answer usefully: timeout, connection error, 5xx (retried; counts against the breaker).
-    ``timeout`` says which outcome the metrics record."""
+    ``timeout`` says which outcome the metrics record; ``tries``: how many tries of the call were sent, once
+    :meth:`CallGuard.call` gives up (0 before)."""
 
     def __init__(self, message: str, *, timeout: bool = False) -> None:
         super().__init__(message)
         self.timeout = timeout
+        self.tries = 0
 
 
 class SourceRejected(Exception):
@@ -153,6 +160,7 @@ class CallGuard:
         remaining = deadline.remaining()
         stop_s = None if remaining is None else max(0.0, remaining - RETRY_STOP_MARGIN_S)
         last: SourceUnavailable | None = None
+        tries = 0
         async with self.guarded():
             try:
                 async with asyncio.timeout(stop_s):  # a backoff past the deadline is cut (RETRY_STOP_MARGIN_S)
@@ -160,9 +168,11 @@ class CallGuard:
                         with attempt:
                             try:
                                 async with self.attempt(tokens, deadline, timeout_s) as timeout:
+                                    tries += 1
                                     result = await send(timeout)
                             except SourceUnavailable as error:
                                 last = error
+                                last.tries = tries
                                 raise
             except (UpstreamTimeout, TimeoutError) as error:
                 if last is None:  # no try was sent: neither way
