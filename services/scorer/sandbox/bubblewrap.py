@@ -75,7 +75,7 @@ from services.scorer.sandbox.bwrap_args import (
 )
 from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
 from services.scorer.sandbox.tree import RunTree
-from services.scorer.sandbox.usage import SampleOverBudget, TreeUsage, files_used, tree_usage
+from services.scorer.sandbox.usage import READ_ALLOWANCE_S, SampleOverBudget, TreeUsage, files_used, tree_usage
 
 _NOBODY = 65534
 
@@ -270,7 +270,10 @@ async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, opt
 
 async def _sample_until(root: int, ended: asyncio.Future, overflowed: asyncio.Future, limits: SandboxLimits,
                         options: BubblewrapOptions) -> str:
-    """:func:`_watch`'s loop: why the run is to be stopped, or ``""`` once ``ended``."""
+    """:func:`_watch`'s loop: why the run is to be stopped, or ``""`` once ``ended``. The scorer's CPU reading the
+    run's mappings and sockets past :data:`~services.scorer.sandbox.usage.READ_ALLOWANCE_S` a sample counts toward
+    ``cpu_s`` (:mod:`services.scorer.sandbox.usage`)."""
+    charged_s = 0.0
     while not ended.done():
         await asyncio.wait({ended, overflowed}, timeout=options.usage_poll_s, return_when=asyncio.FIRST_COMPLETED)
         if ended.done():
@@ -281,7 +284,8 @@ async def _sample_until(root: int, ended: asyncio.Future, overflowed: asyncio.Fu
             usage, files = await asyncio.to_thread(_sample, root)
         except SampleOverBudget:  # its use cannot be measured in time: fail closed
             return "usage"
-        if usage.cpu_s > limits.cpu_s:
+        charged_s += max(0.0, usage.read_cpu_s - READ_ALLOWANCE_S)
+        if usage.cpu_s + charged_s > limits.cpu_s:
             return "cpu"
         if usage.memory_bytes > limits.memory_bytes:
             return "memory"

@@ -15,8 +15,10 @@ the run's pid namespace, so an orphan (a daemon, a double fork) is re-parented t
 - **mappings**: every mapping (``/proc/<pid>/maps`` line) of its processes costs the kernel a ``vm_area_struct``
   and its links (slab no resident set shows: 64,000 mappings of untouched pages in one process held ~14 MiB of
   unreclaimable slab, ~230 B each, measured 2026-11-25), charged at :data:`MAPPING_BYTES` each;
-- **queued socket data**: the bytes waiting on its network namespace's TCP and UDP sockets (:func:`queued_bytes`),
-  times :data:`QUEUE_OVERHEAD`: the kernel grows TCP buffers by itself, so no per-socket bound holds;
+- **sockets**: the bytes waiting on its network namespace's TCP and UDP sockets (:func:`socket_use`), times
+  :data:`QUEUE_OVERHEAD` (the kernel grows TCP buffers by itself, so no per-socket bound holds), and
+  :data:`SOCKET_BYTES` per socket: a connection waiting in a listener's queue has no descriptor that an rlimit
+  bounds;
 - **files** in its writable tmpfs (:func:`files_used`: the inodes in use, seen through ``/proc/<pid>/root``): the
   tmpfs is bounded in bytes, but each empty file still costs the kernel about 1 KiB that no byte limit counts.
 
@@ -31,7 +33,10 @@ The supervisor (:func:`services.scorer.sandbox.bubblewrap`'s ``_collect``) sampl
 samples a run's total may pass its limit, by at most what its processes can each reach under their own rlimits
 (``RLIMIT_AS``, ``RLIMIT_CPU``), for at most one interval; then the whole tree is killed. A sample takes at most
 :data:`MAX_SAMPLE_S`; one that would take longer stops the run (:class:`SampleOverBudget`), so an interval is at most
-``poll_s`` + :data:`MAX_SAMPLE_S`.
+``poll_s`` + :data:`MAX_SAMPLE_S`. What the scorer spends reading the files a run shapes (its mappings, its
+sockets: :attr:`TreeUsage.read_cpu_s`) is the run's doing: past :data:`READ_ALLOWANCE_S` a sample, it counts toward
+the run's CPU seconds, so a run cannot make the scorer work for it unbounded (the sixth review had the scorer spend
+7 CPU-s sampling a run that spent 0.06).
 """
 
 from __future__ import annotations
@@ -48,6 +53,12 @@ MAPPING_BYTES = 256
 #: Kernel memory per byte queued on a socket: each buffer's payload rides in an skb whose true size is larger
 #: (headers, page rounding); 2 is an upper bound for loopback's 64 KiB segments.
 QUEUE_OVERHEAD = 2
+#: Kernel memory charged per socket of a run's network namespace (a TCP socket with its buffers' minimum: the
+#: sixth review held 148,000 unaccepted loopback connections in listen queues, ~600 MB, about 4 KiB each).
+SOCKET_BYTES = 4096
+#: CPU seconds of the scorer per sample that reading a run's mappings and sockets may take before the rest counts
+#: toward the run's ``cpu_s`` (a benign run's few processes take well under a millisecond).
+READ_ALLOWANCE_S = 0.005
 #: Most seconds one sample of a run's tree may take: past it the sample stops (:class:`SampleOverBudget`) and the
 #: run with it. Reading ``/proc/<pid>/maps`` costs the kernel a rendered path per mapping, and a run chooses both
 #: how many mappings it has and how long their paths are (the fifth review made one sample take 6 s, while its
@@ -69,15 +80,17 @@ class TreeUsage:
     inner: int | None = None  # the root's first child (bubblewrap's: the sandbox's init), None: none yet
     shared_bytes: int = 0  # writable shared mappings, each object once (:func:`mappings_of`)
     mappings: int = 0  # mappings of all its processes (:func:`mappings_of`)
-    socket_bytes: int = 0  # data queued on its network namespace's TCP and UDP sockets (:func:`queued_bytes`)
+    socket_bytes: int = 0  # data queued on its network namespace's TCP and UDP sockets (:func:`socket_use`)
+    sockets: int = 0  # its network namespace's TCP and UDP sockets (:func:`socket_use`)
+    read_cpu_s: float = 0.0  # the scorer's CPU seconds reading its mappings and sockets for this sample
 
     @property
     def memory_bytes(self) -> int:
         """What the run's memory limit is held against: resident bytes, writable shared mappings,
-        :data:`MAPPING_BYTES` per mapping and :data:`QUEUE_OVERHEAD` times the bytes queued on its sockets (an upper
-        bound: a shared page resident somewhere counts twice)."""
+        :data:`MAPPING_BYTES` per mapping, :data:`QUEUE_OVERHEAD` times the bytes queued on its sockets and
+        :data:`SOCKET_BYTES` per socket (an upper bound: a shared page resident somewhere counts twice)."""
         return (self.rss_bytes + self.shared_bytes + self.mappings * MAPPING_BYTES
-                + self.socket_bytes * QUEUE_OVERHEAD)
+                + self.socket_bytes * QUEUE_OVERHEAD + self.sockets * SOCKET_BYTES)
 
 
 @dataclass(frozen=True)
@@ -180,28 +193,34 @@ def tree_usage(root: int, proc: Path = Path("/proc"), budget_s: float | None = M
     deadline = None if budget_s is None else time.monotonic() + budget_s
     tree = tree_of(process_stats(proc), root)
     folders = [_process_dir(s, proc) for s in tree]
+    started = time.thread_time()
     usage = _usage(tree, root, mappings_of(folders, deadline))
-    return replace(usage, socket_bytes=queued_bytes(folders[1]) if usage.inner is not None else 0)
+    queued, sockets = socket_use(folders[1], deadline) if usage.inner is not None else (0, 0)
+    return replace(usage, socket_bytes=queued, sockets=sockets, read_cpu_s=time.thread_time() - started)
 
 
-def queued_bytes(process: Path) -> int:
+def socket_use(process: Path, deadline: float | None = None) -> tuple[int, int]:
     """Bytes queued to send and to read on the TCP and UDP sockets of the network namespace of the process at
     ``process`` (its ``/proc/<pid>`` or a live thread's folder: the ``tx_queue:rx_queue`` column of
-    ``net/{tcp,tcp6,udp,udp6}`` there). The kernel grows a TCP socket's buffers by itself (autotuning, up to
-    ``net.ipv4.tcp_wmem``/``tcp_rmem``'s maximum, 4 and 32 MiB here), so the socket count alone bounds nothing: the
-    fifth review queued 1.4 GiB on 406 loopback connections."""
-    total = 0
+    ``net/{tcp,tcp6,udp,udp6}`` there), and how many sockets (rows) there are. The kernel grows a TCP socket's
+    buffers by itself (autotuning, up to ``net.ipv4.tcp_wmem``/``tcp_rmem``'s maximum, 4 and 32 MiB here), so the
+    socket count alone bounds nothing: the fifth review queued 1.4 GiB on 406 loopback connections.
+
+    Raises:
+        SampleOverBudget: ``deadline`` (``time.monotonic()`` seconds) passed while reading.
+    """
+    queued = sockets = 0
     for table in ("tcp", "tcp6", "udp", "udp6"):
         try:
-            lines = (process / "net" / table).read_text().splitlines()[1:]
+            for line in _lines(process / "net" / table, deadline):
+                fields = line.split()
+                if len(fields) > 4 and b":" in fields[4]:  # not the header
+                    tx, rx = fields[4].split(b":")
+                    queued += int(tx, 16) + int(rx, 16)
+                    sockets += 1
         except OSError:
             continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 4 and ":" in fields[4]:
-                tx, rx = fields[4].split(":")
-                total += int(tx, 16) + int(rx, 16)
-    return total
+    return queued, sockets
 
 
 @dataclass(frozen=True)
