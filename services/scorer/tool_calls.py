@@ -34,7 +34,9 @@ def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
     """Every ``<tool_call>`` block of ``text`` in order (an unclosed last block runs to the end of the text).
 
     A block is a call when it holds one JSON object with a string ``name`` and an object ``arguments`` (a JSON
-    string holding an object is accepted too, as some models emit it); anything else is a :class:`MalformedCall`.
+    string holding an object is accepted too, as some models emit it); anything else is a :class:`MalformedCall`,
+    also JSON nested past the interpreter's recursion limit or with an integer past its digit limit (never an
+    exception: the model's text is untrusted input).
     """
     calls: list[ToolCall | MalformedCall] = []
     for match in _BLOCK.finditer(text):
@@ -48,6 +50,10 @@ def _parse_block(body: str) -> ToolCall | MalformedCall:
         payload = json.loads(body)
     except json.JSONDecodeError as error:
         return MalformedCall(body, f"not JSON: {error.msg} at character {error.pos}")
+    except RecursionError:  # nesting deeper than the interpreter's stack allows
+        return MalformedCall(body, "not JSON this parser takes: nested too deeply")
+    except ValueError as error:  # an integer past the interpreter's digit limit
+        return MalformedCall(body, f"not JSON this parser takes: {error}")
     if not isinstance(payload, dict):
         return MalformedCall(body, "expected a JSON object with 'name' and 'arguments'")
     name, arguments = payload.get("name"), payload.get("arguments", {})
@@ -56,7 +62,7 @@ def _parse_block(body: str) -> ToolCall | MalformedCall:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError, ValueError):
             return MalformedCall(body, "'arguments' is a string that is not a JSON object")
     if not isinstance(arguments, dict):
         return MalformedCall(body, "'arguments' must be a JSON object")

@@ -36,6 +36,10 @@ def test_tool_calls_are_parsed_in_order_with_their_arguments():
     ('<tool_call>{"arguments": {}}</tool_call>', "'name'"),
     ('<tool_call>{"name": "python", "arguments": 3}</tool_call>', "'arguments'"),
     ('<tool_call>{"name": "python", "arguments": {"code": "1"}', "not JSON"),  # cut off: runs to the end
+    # the sixth review's: past the interpreter's recursion and integer-digit limits (they aborted the episode)
+    ("<tool_call>" + "[" * 200_000 + "]" * 200_000 + "</tool_call>", "nested too deeply"),
+    ("<tool_call>" + "9" * 5000 + "</tool_call>", "not JSON this parser takes"),
+    ('<tool_call>{"name": "x", "arguments": "' + "[" * 200_000 + '"}</tool_call>', "'arguments'"),
 ])
 def test_malformed_tool_calls_say_why(text, problem):
     [call] = parse_tool_calls(text)
