@@ -17,7 +17,13 @@ of MiB before any check runs, in one connection or in thousands of slow ones. Th
   is answered 503 at once, unread, and closed (after up to :data:`TURN_AWAY_LINGER_S` discarding what it sends,
   so that its caller reads the 503 rather than a reset). Requests on held connections are all served.
 
-So an edge holds at most ``max_connections`` × :data:`MAX_HEAD_BYTES` of unfinished heads (64 MiB by default).
+With TLS the edge does the handshake itself (:class:`EdgeTLS`, asyncio's own TLS protocol) rather than the event
+loop's server, which would allocate each connection's 256 KiB of TLS buffers, and wait up to 60 s for its handshake,
+before the edge sees it: at most ``max_connections`` TLS connections are open, handshaking ones included (one past
+it is closed at once), and a handshake has ``head_timeout_s`` too.
+
+So an edge holds at most ``max_connections`` × :data:`MAX_HEAD_BYTES` of unfinished heads (64 MiB by default), and
+with TLS ``max_connections`` × 256 KiB of TLS buffers besides.
 The body is bounded by :class:`services.common.http_limits.BoundedBody`, after the token check.
 """
 
@@ -25,14 +31,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import signal
+import ssl
+from asyncio import sslproto
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import h11
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 if TYPE_CHECKING:  # the gateway's serving stays free of grpc (services.common.security loads it)
@@ -112,6 +120,44 @@ class EdgeProtocol(H11Protocol):
             self.transport.close()
 
 
+class EdgeTLS(sslproto.SSLProtocol):
+    """TLS over one :class:`EdgeProtocol` connection, made by the edge's protocol factory (module docs): counted in
+    ``connections`` from the connection's acceptance to its loss, its handshake bounded by ``handshake_timeout_s``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, edge: EdgeProtocol, context: ssl.SSLContext,
+                 handshake_timeout_s: float, connections: list[int]) -> None:
+        super().__init__(loop, edge, context, None, server_side=True, ssl_handshake_timeout=handshake_timeout_s)
+        self._connections = connections
+        connections[0] += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._connections[0] -= 1
+        super().connection_lost(exc)
+
+
+class _Refused(asyncio.Protocol):
+    """A TLS connection past the bound: closed at once, nothing allocated for it."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        transport.close()
+
+
+def _protocols(max_connections: int, head_timeout_s: float, tls: ssl.SSLContext | None):
+    """The protocol factory uvicorn calls per accepted connection (its ``http`` class's signature)."""
+    tls_connections = [0]  # open TLS connections, handshaking ones included
+
+    def create(config: uvicorn.Config, server_state, app_state: dict, _loop: asyncio.AbstractEventLoop | None = None):
+        if tls is not None and tls_connections[0] >= max_connections:
+            return _Refused()
+        edge = EdgeProtocol(config, server_state, app_state, _loop, max_connections=max_connections,
+                            head_timeout_s=head_timeout_s)
+        if tls is None:
+            return edge
+        return EdgeTLS(_loop or asyncio.get_running_loop(), edge, tls, head_timeout_s, tls_connections)
+
+    return create
+
+
 def edge_config(app: ASGIApp, host: str, port: int, *, grace_s: float, log_level: str = "warning",
                 cert_file: Path | None = None, key_file: Path | None = None,
                 max_connections: int = MAX_CONNECTIONS, head_timeout_s: float = HEAD_TIMEOUT_S,
@@ -119,7 +165,7 @@ def edge_config(app: ASGIApp, host: str, port: int, *, grace_s: float, log_level
     """The uvicorn configuration of an HTTP edge serving ``app`` on ``host:port`` (module docs): h11, headers and
     trailers bounded by :data:`MAX_HEAD_BYTES` bytes and each head by ``head_timeout_s`` seconds, at most
     ``max_connections`` connections (and requests) at once, ``grace_s`` seconds (at least 1) for calls in flight at
-    shutdown, TLS when ``cert_file`` and ``key_file`` (PEM) are given.
+    shutdown, TLS when ``cert_file`` (and ``key_file``, PEM) are given.
 
     Raises:
         ValueError: ``max_connections`` is below 1, or ``head_timeout_s`` is not positive.
@@ -128,10 +174,12 @@ def edge_config(app: ASGIApp, host: str, port: int, *, grace_s: float, log_level
         raise ValueError(f"max_connections: at least 1, not {max_connections}")
     if head_timeout_s <= 0:
         raise ValueError(f"head_timeout_s: above 0, not {head_timeout_s}")
+    tls = None
+    if cert_file is not None:  # uvicorn's own context (its defaults), used by the edge's protocols (module docs)
+        tls = create_ssl_context(cert_file, key_file, None, SSL_PROTOCOL_VERSION, ssl.CERT_NONE, None, None)
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), lifespan=lifespan,
-        timeout_graceful_shutdown=max(1, int(grace_s)), ssl_certfile=cert_file, ssl_keyfile=key_file,
-        http=functools.partial(EdgeProtocol, max_connections=max_connections, head_timeout_s=head_timeout_s),
+        timeout_graceful_shutdown=max(1, int(grace_s)), http=_protocols(max_connections, head_timeout_s, tls),
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
 

@@ -7,6 +7,7 @@ their ``serve`` configures them (``server_config`` / ``start_gateway``, i.e. :mo
 - a chunked body's trailers are bounded the same way, with a valid token;
 - past ``max_connections`` a connection is answered 503 unread, and requests on held connections are served;
 - a request head that does not arrive whole within its deadline has its connection closed;
+- TLS connections are bounded and their handshakes timed before the handshake's buffers exist;
 - the sandbox server with an admin token file alone takes that token and refuses calls without one.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import time
 
 import httpx
@@ -31,6 +33,7 @@ from services.scorer.sandbox.bubblewrap import BubblewrapSandbox
 from services.scorer.sandbox.server import SandboxServerSettings
 from services.scorer.sandbox.server import server_config as sandbox_config
 from services.scorer.settings import RewardServerSettings
+from tests.support.certs import make_pki
 from tests.support.http_servers import serving_config
 
 TOKEN = b"edge-token-7c2e"  # noqa: S105 - test credential
@@ -152,12 +155,16 @@ def test_past_max_connections_a_connection_is_answered_503_unread(tmp_path):
                 connection.close()
 
 
-def test_a_request_head_has_a_deadline():
+def _ok_app():
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    with serving_config(edge_config(app, "127.0.0.1", 0, grace_s=1, lifespan="off", head_timeout_s=0.5)) as port:
+    return app
+
+
+def test_a_request_head_has_a_deadline():
+    with serving_config(edge_config(_ok_app(), "127.0.0.1", 0, grace_s=1, lifespan="off", head_timeout_s=0.5)) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:  # never finishes its head
             slow.sendall(b"GET / HTTP/1.1\r\nHost: test\r\n")
             started = time.monotonic()
@@ -168,6 +175,28 @@ def test_a_request_head_has_a_deadline():
             assert _status_line(kept) == b"HTTP/1.1 200 OK"
             kept.sendall(b"GET / HTTP/1.1\r\n")
             assert kept.recv(4096) == b""
+
+
+def test_tls_connections_are_bounded_and_their_handshakes_timed_before_any_buffer(tmp_path):
+    # the sixth review held 2,000 connections that sent 11 bytes of a ClientHello: 605 MB and 2,007 descriptors for
+    # 61 s, past max_connections 8 (the loop's TLS server allocated each one's buffers before the edge saw it)
+    pki = make_pki(tmp_path)
+    config = edge_config(_ok_app(), "127.0.0.1", 0, grace_s=1, lifespan="off", max_connections=4,
+                         head_timeout_s=0.5, cert_file=pki.server_cert, key_file=pki.server_key)
+    hello = bytes.fromhex("160301020001000001fc0303")[:11]
+    with serving_config(config) as port:
+        stalled = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(20)]
+        try:
+            for connection in stalled:
+                connection.sendall(hello)
+            # every one is closed unanswered: those past the bound at once, the others at the handshake's deadline
+            assert {_status_line(connection) for connection in stalled} == {b""}
+        finally:
+            for connection in stalled:
+                connection.close()
+        context = ssl.create_default_context(cafile=str(pki.ca))
+        answered = httpx.get(f"https://127.0.0.1:{port}/", verify=context, timeout=10)  # the slots came back
+        assert answered.status_code == 200 and answered.text == "ok"
 
 
 async def test_the_sandbox_server_takes_an_admin_token_file_alone(tmp_path):
