@@ -7,6 +7,7 @@ their ``serve`` configures them (``server_config`` / ``start_gateway``, i.e. :mo
 - a chunked body's trailers are bounded the same way, with a valid token;
 - past ``max_connections`` a connection is answered 503 unread, and requests on held connections are served;
 - a request head that does not arrive whole within its deadline has its connection closed;
+- a request body that does not arrive whole within its deadline is answered 408;
 - TLS connections are bounded and their handshakes timed before the handshake's buffers exist;
 - the sandbox server with an admin token file alone takes that token and refuses calls without one.
 """
@@ -23,6 +24,7 @@ import psutil
 import pytest
 
 from services.common.http_edge import MAX_HEAD_BYTES, edge_config
+from services.common.http_limits import BoundedBody
 from services.common.security import SecurityConfigError
 from services.experience.gateway.app import create_app as gateway_app
 from services.experience.gateway.serving import start_gateway
@@ -197,6 +199,29 @@ def test_tls_connections_are_bounded_and_their_handshakes_timed_before_any_buffe
         context = ssl.create_default_context(cafile=str(pki.ca))
         answered = httpx.get(f"https://127.0.0.1:{port}/", verify=context, timeout=10)  # the slots came back
         assert answered.status_code == 200 and answered.text == "ok"
+
+
+def test_a_request_body_has_a_deadline():
+    # the sixth review kept a connection past 40 s with a valid token and a body sent a byte every 5 s
+    async def echo(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    app = BoundedBody(echo, max_bytes=1024, body_timeout_s=0.5)
+    with serving_config(edge_config(app, "127.0.0.1", 0, grace_s=1, lifespan="off")) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            slow.sendall(b"POST / HTTP/1.1\r\nHost: test\r\nContent-Length: 100\r\n\r\nx")  # then nothing
+            assert _status_line(slow) == b"HTTP/1.1 408 Request Timeout"
+        answered = httpx.post(f"http://127.0.0.1:{port}/", content=b"y" * 100, timeout=10)  # a whole body in time
+        assert answered.status_code == 200 and answered.content == b"y" * 100
 
 
 async def test_the_sandbox_server_takes_an_admin_token_file_alone(tmp_path):
