@@ -53,6 +53,9 @@ MAX_CONNECTIONS = 1024
 #: Default seconds a request head (request line + headers) has to arrive whole (nginx's ``client_header_timeout``
 #: is 60 s).
 HEAD_TIMEOUT_S = 30.0
+#: Most seconds a TLS connection's closing handshake may take (asyncio's default is 30 s: a client that never
+#: answers it would hold its slot that long after the head's deadline closed it).
+TLS_SHUTDOWN_TIMEOUT_S = 2.0
 #: Most seconds a connection turned away past ``max_connections`` is read (and discarded) after its 503.
 TURN_AWAY_LINGER_S = 1.0
 _TURN_AWAY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -126,7 +129,8 @@ class EdgeTLS(sslproto.SSLProtocol):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, edge: EdgeProtocol, context: ssl.SSLContext,
                  handshake_timeout_s: float, connections: list[int]) -> None:
-        super().__init__(loop, edge, context, None, server_side=True, ssl_handshake_timeout=handshake_timeout_s)
+        super().__init__(loop, edge, context, None, server_side=True, ssl_handshake_timeout=handshake_timeout_s,
+                         ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT_S)
         self._connections = connections
         connections[0] += 1
 

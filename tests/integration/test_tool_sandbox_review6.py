@@ -1,6 +1,6 @@
 """Attacks of the sixth independent review of the tool sandbox (2026-11-26), each through a real ``bwrap`` run:
-kernel memory queued where no count looked (multipath TCP and netlink sockets, connections waiting in listen
-queues), and a run that made the scorer spend CPU reading its mappings. Each test failed before its fix. The
+kernel memory queued where no count looked (multipath TCP and netlink sockets, TCP and unix connections waiting in
+listen queues), and a run that made the scorer spend CPU reading its mappings. Each test failed before its fix. The
 review's channels through kernel-wide counters (socket cookies, ``/proc/net/softnet_stat``) are residuals stated in
 docs/operations/security.md.
 """
@@ -66,6 +66,31 @@ async def test_connections_waiting_in_listen_queues_count_against_the_runs_memor
     # stopped within a sample of passing the limit (before: asleep until its timeout); on a loaded host the read of
     # 32,000 rows may pass the sample's time bound first, which stops the run as well
     assert result.stopped in ("memory", "usage"), result
+
+
+async def test_unix_connections_waiting_in_listen_queues_count_against_the_runs_memory():
+    # the re-run of the review sent 1.2 GB into 19,000 unix connections nobody accepted, their senders closed (no
+    # descriptor, no queue column anywhere); each unix socket now counts what its send buffer may hold
+    code = """
+        import os, socket, time
+        listeners = []
+        for index in range(20):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(f"/tmp/l{index}")
+            listener.listen(4096)
+            listeners.append(listener)
+        for listener in listeners:
+            for _ in range(100):
+                client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                client.connect(listener.getsockname())
+                client.sendall(bytes(65536))
+                client.close()
+        print("all sent", flush=True)
+        time.sleep(30)
+    """
+    limits = SandboxLimits(timeout_s=60.0, cpu_s=30, memory_bytes=96 * 1024 * 1024)
+    result = await BubblewrapSandbox().run(textwrap.dedent(code), limits)
+    assert result.stopped in ("memory", "usage"), result  # before: it slept 30 s and ended unstopped
 
 
 async def test_the_scorers_cpu_reading_a_runs_mappings_counts_toward_its_cpu_seconds():

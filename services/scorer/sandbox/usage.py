@@ -18,7 +18,8 @@ the run's pid namespace, so an orphan (a daemon, a double fork) is re-parented t
 - **sockets**: the bytes waiting on its network namespace's TCP and UDP sockets (:func:`socket_use`), times
   :data:`QUEUE_OVERHEAD` (the kernel grows TCP buffers by itself, so no per-socket bound holds), and
   :data:`SOCKET_BYTES` per socket: a connection waiting in a listener's queue has no descriptor that an rlimit
-  bounds;
+  bounds; and :data:`UNIX_SOCKET_BYTES` per unix socket (``net/unix``, which shows no queue: data sent into a
+  connection nobody accepted stays queued after its sender closed, up to the sender's send buffer);
 - **files** in its writable tmpfs (:func:`files_used`: the inodes in use, seen through ``/proc/<pid>/root``): the
   tmpfs is bounded in bytes, but each empty file still costs the kernel about 1 KiB that no byte limit counts.
 
@@ -53,9 +54,21 @@ MAPPING_BYTES = 256
 #: Kernel memory per byte queued on a socket: each buffer's payload rides in an skb whose true size is larger
 #: (headers, page rounding); 2 is an upper bound for loopback's 64 KiB segments.
 QUEUE_OVERHEAD = 2
+def _sysctl_int(path: str, default: int) -> int:
+    """An integer sysctl of the host (``default`` where it cannot be read)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 #: Kernel memory charged per socket of a run's network namespace (a TCP socket with its buffers' minimum: the
 #: sixth review held 148,000 unaccepted loopback connections in listen queues, ~600 MB, about 4 KiB each).
 SOCKET_BYTES = 4096
+#: Kernel memory charged per unix socket of a run's network namespace: what its send buffer may hold
+#: (``net.core.wmem_default``, which a run cannot raise), times :data:`QUEUE_OVERHEAD` (the re-run of the sixth
+#: review queued 1.2 GB in 19,000 unaccepted unix connections whose senders had closed).
+UNIX_SOCKET_BYTES = QUEUE_OVERHEAD * _sysctl_int("/proc/sys/net/core/wmem_default", 212_992)
 #: CPU seconds of the scorer per sample that reading a run's mappings and sockets may take before the rest counts
 #: toward the run's ``cpu_s`` (a benign run's few processes take well under a millisecond).
 READ_ALLOWANCE_S = 0.005
@@ -82,15 +95,18 @@ class TreeUsage:
     mappings: int = 0  # mappings of all its processes (:func:`mappings_of`)
     socket_bytes: int = 0  # data queued on its network namespace's TCP and UDP sockets (:func:`socket_use`)
     sockets: int = 0  # its network namespace's TCP and UDP sockets (:func:`socket_use`)
+    unix_sockets: int = 0  # its network namespace's unix sockets (:func:`socket_use`)
     read_cpu_s: float = 0.0  # the scorer's CPU seconds reading its mappings and sockets for this sample
 
     @property
     def memory_bytes(self) -> int:
         """What the run's memory limit is held against: resident bytes, writable shared mappings,
-        :data:`MAPPING_BYTES` per mapping, :data:`QUEUE_OVERHEAD` times the bytes queued on its sockets and
-        :data:`SOCKET_BYTES` per socket (an upper bound: a shared page resident somewhere counts twice)."""
+        :data:`MAPPING_BYTES` per mapping, :data:`QUEUE_OVERHEAD` times the bytes queued on its sockets,
+        :data:`SOCKET_BYTES` per TCP or UDP socket and :data:`UNIX_SOCKET_BYTES` per unix socket (an upper bound: a
+        shared page resident somewhere counts twice)."""
         return (self.rss_bytes + self.shared_bytes + self.mappings * MAPPING_BYTES
-                + self.socket_bytes * QUEUE_OVERHEAD + self.sockets * SOCKET_BYTES)
+                + self.socket_bytes * QUEUE_OVERHEAD + self.sockets * SOCKET_BYTES
+                + self.unix_sockets * UNIX_SOCKET_BYTES)
 
 
 @dataclass(frozen=True)
@@ -195,14 +211,16 @@ def tree_usage(root: int, proc: Path = Path("/proc"), budget_s: float | None = M
     folders = [_process_dir(s, proc) for s in tree]
     started = time.thread_time()
     usage = _usage(tree, root, mappings_of(folders, deadline))
-    queued, sockets = socket_use(folders[1], deadline) if usage.inner is not None else (0, 0)
-    return replace(usage, socket_bytes=queued, sockets=sockets, read_cpu_s=time.thread_time() - started)
+    queued, sockets, unix = socket_use(folders[1], deadline) if usage.inner is not None else (0, 0, 0)
+    return replace(usage, socket_bytes=queued, sockets=sockets, unix_sockets=unix,
+                   read_cpu_s=time.thread_time() - started)
 
 
-def socket_use(process: Path, deadline: float | None = None) -> tuple[int, int]:
+def socket_use(process: Path, deadline: float | None = None) -> tuple[int, int, int]:
     """Bytes queued to send and to read on the TCP and UDP sockets of the network namespace of the process at
     ``process`` (its ``/proc/<pid>`` or a live thread's folder: the ``tx_queue:rx_queue`` column of
-    ``net/{tcp,tcp6,udp,udp6}`` there), and how many sockets (rows) there are. The kernel grows a TCP socket's
+    ``net/{tcp,tcp6,udp,udp6}`` there), how many such sockets (rows) there are, and how many unix sockets
+    (``net/unix``'s rows: connections not yet accepted among them). The kernel grows a TCP socket's
     buffers by itself (autotuning, up to ``net.ipv4.tcp_wmem``/``tcp_rmem``'s maximum, 4 and 32 MiB here), so the
     socket count alone bounds nothing: the fifth review queued 1.4 GiB on 406 loopback connections.
 
@@ -220,7 +238,11 @@ def socket_use(process: Path, deadline: float | None = None) -> tuple[int, int]:
                     sockets += 1
         except OSError:
             continue
-    return queued, sockets
+    try:
+        unix = sum(1 for _ in _lines(process / "net" / "unix", deadline)) - 1  # less the header
+    except OSError:
+        unix = 0
+    return queued, sockets, max(unix, 0)
 
 
 @dataclass(frozen=True)
