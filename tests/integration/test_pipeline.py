@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 import grpc
 import pytest
 import torch
 
 from fastexp.rl.advantages import get_estimator
-from fastexp.rl.options import AdvantageOptions
+from fastexp.rl.options import AdvantageOptions, KLOptions
 from fastexp.sampling import SamplingOptions
 from fastexp.types import Rollout
 from services.common.deadlines import Deadline
 from services.common.errors import NotReady, StreamFailed
 from services.common.status import status_of
 from services.experience.config import DynamicSamplingOptions, ExperienceConfig, ExperienceRequest, PromptSpec
+from services.experience.pipeline.forwarder import Forwarder
 from services.experience.pipeline.maker import ExperienceMaker, ForwardModels, Scores, StreamStats
 from services.experience.workers.logprobs import LogProbModel
 from services.generator.hf_engine import HFEngine
@@ -275,8 +277,11 @@ class ThreadRecordingModel(CountingModel):
 class AskedThreads:
     """Hands out thread counts in order, and records how many passes were waiting at each ask."""
 
-    def __init__(self, counts) -> None:
-        self._counts, self.pending, self.seen = iter(counts), 0, []
+    def __init__(self, counts, shared: bool = False) -> None:
+        self._counts, self.pending, self.seen, self._shared = iter(counts), 0, [], shared
+
+    def shared(self) -> bool:
+        return self._shared
 
     @contextlib.contextmanager
     def waiting(self):
@@ -312,6 +317,22 @@ async def test_each_forward_pass_runs_on_the_threads_asked_for_when_it_starts(en
     assert len(batches) == 3 and len(actor.threads) >= 2
     assert actor.threads == [2, 1, 2, 1, 2, 1][: len(actor.threads)]
     assert asked.seen and all(pending >= 1 for pending in asked.seen) and asked.pending == 0
+
+
+def test_samples_are_forwarded_early_only_where_that_pays(tiny_model_path):
+    # not where the passes share an engine's cores (each takes the engine's threads for less work than it saves),
+    # not where no model runs (skip_actor_forward without a reference), not with dynamic sampling
+    model = LogProbModel.load(tiny_model_path, dtype="float32", device="cpu")
+    models = ForwardModels(model, model, None, micro_batch_size=2)
+    config = ExperienceConfig(2, get_estimator("rloo"))
+    apart = Forwarder(models, pad_token_id=2, cores=AskedThreads([], shared=False))
+    shared = Forwarder(models, pad_token_id=2, cores=AskedThreads([], shared=True))
+    assert apart.early_forwards(config) and Forwarder(models, pad_token_id=2).early_forwards(config)
+    assert not shared.early_forwards(config)
+    assert apart.early_forwards(dataclasses.replace(config, skip_actor_forward=True))  # the reference still runs
+    lean = dataclasses.replace(config, skip_actor_forward=True, kl=KLOptions(kl_coef=0.0))
+    assert not apart.early_forwards(lean)
+    assert not apart.early_forwards(dataclasses.replace(config, dynamic_sampling=DynamicSamplingOptions(num_groups=1)))
 
 
 async def test_samples_are_forwarded_before_their_group_completes_and_never_twice(engine, tiny_model_path):

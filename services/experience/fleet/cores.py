@@ -72,6 +72,11 @@ class CoreShare:
             await self._reconcile()
         return self._idle if self._fleet.samples_in_flight() == 0 else self._busy
 
+    def shared(self) -> bool:
+        """Whether some serving engine's threads are adjusted for the passes (module docs)."""
+        return bool(self._sharing) and any(replica.info is not None and replica.info.max_cpu_threads > 0
+                                           for replica in self._fleet.replicas)
+
     async def close(self) -> None:
         """Stop a background change (the engines keep the threads they have)."""
         if self._growing is not None:

@@ -73,6 +73,10 @@ class ForwardCores(Protocol):
         """The threads of the pass about to start (None: leave torch's setting)."""
         ...
 
+    def shared(self) -> bool:
+        """Whether the passes share their cores with an engine (it gives up threads for each)."""
+        ...
+
 
 class Forwarder:
     """Runs :class:`ForwardModels` (module docs). ``actor_version``: the policy version of the actor replica's
@@ -150,6 +154,16 @@ class Forwarder:
     def critic_tensors(self) -> dict[str, torch.Tensor] | None:
         """The critic's parameters by checkpoint name, or ``None`` without a critic."""
         return None if self._models.critic is None else self._models.critic.tensors()
+
+    def early_forwards(self, config: ExperienceConfig) -> bool:
+        """Whether :meth:`forward_samples` pays for a request of ``config``: it samples without dynamic sampling
+        (which may drop most groups), some model runs for it (the actor unless ``skip_actor_forward``, the reference
+        where it needs one, a critic), and the passes do not share their cores with an engine. Where they do (a CPU host), each early pass of a few rows takes the engine's threads for less
+        work than it saves: the demo's stream with both forwards ran 3 % faster without them, the reference-only
+        stream 9 % (benchmarks/README.md)."""
+        runs_a_model = not config.skip_actor_forward or config.needs_reference or config.estimator.needs_critic
+        shared = self._cores is not None and self._cores.shared()
+        return config.dynamic_sampling is None and runs_a_model and not shared
 
     def rows_per_pass(self, config: ExperienceConfig) -> int:
         """Rows one :meth:`forward` call takes at most (a batch's micro-rollout, at least the models' micro-batch)."""

@@ -259,8 +259,8 @@ class _Consumer:
         # prompt_overflow SKIP: reported like dynamic-sampling drops, with the first batch
         self._skipped_unreported = request.skipped_prompt_indices
         stats.dropped_groups += len(request.skipped_prompt_indices)
-        # forwards of samples whose groups are still generating (not with dynamic sampling: most groups may drop)
-        self._early = EarlyForwards() if request.config.dynamic_sampling is None else None
+        # samples forwarded while their groups generate, where that pays (not with dynamic sampling: groups may drop)
+        self._early = EarlyForwards() if stages.forwarder.early_forwards(request.config) else None
 
     async def run(self) -> AsyncIterator[Experience]:
         run = self._stages.producer.start(self._request, self._deadline)
