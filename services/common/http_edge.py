@@ -11,11 +11,13 @@ of MiB before any check runs, in one connection or in thousands of slow ones. Th
 - a request line + headers, or a chunked body's trailers, past :data:`MAX_HEAD_BYTES` are refused as soon as they
   pass it (400, connection closed);
 - a request head must arrive whole within :data:`HEAD_TIMEOUT_S` of the connection's opening, or of the previous
-  response on a kept-alive connection, or the connection is closed;
+  response on a kept-alive connection (the rest of a body the app answered without reading included), or the
+  connection is closed;
 - at most ``max_connections`` (:data:`MAX_CONNECTIONS` by default) connections are held; one past it, or one
-  arriving while as many requests are still running (a caller may close its connection while its request runs),
-  is answered 503 at once, unread, and closed (after up to :data:`TURN_AWAY_LINGER_S` discarding what it sends,
-  so that its caller reads the 503 rather than a reset). Requests on held connections are all served.
+  opening while as many requests are still running (a caller may close its connection while its request runs), is
+  answered 503 at once, unread, and closed (after up to :data:`TURN_AWAY_LINGER_S` discarding what it sends, so
+  that its caller reads the 503 rather than a reset; with ``max_connections`` of them lingering, at once).
+  Requests on held connections are all served, so up to about twice ``max_connections`` requests may run.
 
 With TLS the edge does the handshake itself (:class:`EdgeTLS`, asyncio's own TLS protocol) rather than the event
 loop's server, which would allocate each connection's 256 KiB of TLS buffers, and wait up to 60 s for its handshake,
@@ -37,7 +39,6 @@ from asyncio import sslproto
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import h11
 import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
@@ -58,19 +59,29 @@ HEAD_TIMEOUT_S = 30.0
 TLS_SHUTDOWN_TIMEOUT_S = 2.0
 #: Most seconds a connection turned away past ``max_connections`` is read (and discarded) after its 503.
 TURN_AWAY_LINGER_S = 1.0
+_TURN_AWAY_BODY = b"Too many connections; retry later."
 _TURN_AWAY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-              b"content-length: 33\r\nconnection: close\r\n\r\nToo many connections; retry later.")
+              b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_TURN_AWAY_BODY), _TURN_AWAY_BODY))
+
+
+class Count:
+    """A count shared by the connections of one edge (its protocol factory's)."""
+
+    def __init__(self) -> None:
+        self.value = 0
 
 
 class EdgeProtocol(H11Protocol):
     """uvicorn's h11 protocol with a bound on the connections held and a deadline on each request head (module
-    docs). ``max_connections``: connections held (and requests running) at most; ``head_timeout_s``: seconds a
-    head has to arrive whole."""
+    docs). ``max_connections``: connections held at most (one opening while as many requests still run is turned
+    away too); ``head_timeout_s``: seconds a head has to arrive whole; ``turning_away``: the edge's connections
+    being turned away (past ``max_connections`` of them one is closed at once, without its 503)."""
 
     def __init__(self, *args, max_connections: int = MAX_CONNECTIONS, head_timeout_s: float = HEAD_TIMEOUT_S,
-                 **kwargs) -> None:
+                 turning_away: Count | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.max_connections, self.head_timeout_s = max_connections, head_timeout_s
+        self.turning_away = turning_away if turning_away is not None else Count()
         self.head_deadline: asyncio.TimerHandle | None = None
         self.turned_away = False
 
@@ -85,17 +96,27 @@ class EdgeProtocol(H11Protocol):
         if self.turned_away:
             return  # read and dropped, so that closing does not reset the connection before the 503 is read
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the head is in: the request runs, or was refused
+        if self._serving():
             self._cancel_head_deadline()
+        elif self.head_deadline is None and not self.transport.is_closing():
+            self._await_head()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self._await_head()  # the next head on a kept-alive connection has the same time
+        if not self.transport.is_closing() and not self._serving():
+            # the next head on a kept-alive connection has the same time, and so has the rest of a body the
+            # request was answered without (the app answered first: nothing else bounds it then)
+            self._await_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()
+        if self.turned_away:
+            self.turning_away.value -= 1
         super().connection_lost(exc)
+
+    def _serving(self) -> bool:
+        """Whether a request's head came in and its response is not complete (the app bounds its body)."""
+        return self.cycle is not None and not self.cycle.response_complete
 
     def _await_head(self) -> None:
         self._cancel_head_deadline()
@@ -108,19 +129,20 @@ class EdgeProtocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self.head_deadline = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if not self._serving() and not self.transport.is_closing():
             self.logger.info("A request head did not arrive within %.0f s; connection closed.", self.head_timeout_s)
             self.transport.close()
 
     def _turn_away(self) -> None:
         self.turned_away = True
+        self.turning_away.value += 1
         self.connections.discard(self)  # not held: it does not count toward the bound
+        if self.turning_away.value > self.max_connections or not self.transport.can_write_eof():
+            self.transport.close()  # a flood of them, or TLS (no half-close): no lingering
+            return
         self.transport.write(_TURN_AWAY)
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-            self.loop.call_later(TURN_AWAY_LINGER_S, self.transport.close)
-        else:  # TLS: no half-close
-            self.transport.close()
+        self.transport.write_eof()
+        self.loop.call_later(TURN_AWAY_LINGER_S, self.transport.close)
 
 
 class EdgeTLS(sslproto.SSLProtocol):
@@ -128,14 +150,14 @@ class EdgeTLS(sslproto.SSLProtocol):
     ``connections`` from the connection's acceptance to its loss, its handshake bounded by ``handshake_timeout_s``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, edge: EdgeProtocol, context: ssl.SSLContext,
-                 handshake_timeout_s: float, connections: list[int]) -> None:
+                 handshake_timeout_s: float, connections: Count) -> None:
         super().__init__(loop, edge, context, None, server_side=True, ssl_handshake_timeout=handshake_timeout_s,
                          ssl_shutdown_timeout=TLS_SHUTDOWN_TIMEOUT_S)
         self._connections = connections
-        connections[0] += 1
+        connections.value += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._connections[0] -= 1
+        self._connections.value -= 1
         super().connection_lost(exc)
 
 
@@ -148,13 +170,13 @@ class _Refused(asyncio.Protocol):
 
 def _protocols(max_connections: int, head_timeout_s: float, tls: ssl.SSLContext | None):
     """The protocol factory uvicorn calls per accepted connection (its ``http`` class's signature)."""
-    tls_connections = [0]  # open TLS connections, handshaking ones included
+    tls_connections, turning_away = Count(), Count()  # open TLS connections (handshaking ones too); turned away
 
     def create(config: uvicorn.Config, server_state, app_state: dict, _loop: asyncio.AbstractEventLoop | None = None):
-        if tls is not None and tls_connections[0] >= max_connections:
+        if tls is not None and tls_connections.value >= max_connections:
             return _Refused()
         edge = EdgeProtocol(config, server_state, app_state, _loop, max_connections=max_connections,
-                            head_timeout_s=head_timeout_s)
+                            head_timeout_s=head_timeout_s, turning_away=turning_away)
         if tls is None:
             return edge
         return EdgeTLS(_loop or asyncio.get_running_loop(), edge, tls, head_timeout_s, tls_connections)

@@ -248,8 +248,8 @@ class EnvironmentHost:
         session = self._session(session_id)
         if session.stepping is not None:
             raise EpisodeFailed(f"session {session_id}: a step is already running")
-        session.stepping = asyncio.ensure_future(session.environment.step(action))
         try:
+            session.stepping = asyncio.ensure_future(session.environment.step(action))
             async with asyncio.timeout(session.spec.step_timeout_s):
                 result = await session.stepping  # cancelling this call (or the timeout) cancels the step too
         except asyncio.CancelledError:

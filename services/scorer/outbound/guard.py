@@ -178,6 +178,7 @@ class CallGuard:
                 if last is None:  # no try was sent: neither way
                     raise error if isinstance(error, UpstreamTimeout) else UpstreamTimeout(
                         "the request's deadline has passed") from None
+                last.tries = tries  # (a later try cut by the deadline was sent too)
                 raise last from None  # no time left for another try: the call failed as its last try did
         return result
 

@@ -54,6 +54,8 @@ MAPPING_BYTES = 256
 #: Kernel memory per byte queued on a socket: each buffer's payload rides in an skb whose true size is larger
 #: (headers, page rounding); 2 is an upper bound for loopback's 64 KiB segments.
 QUEUE_OVERHEAD = 2
+
+
 def _sysctl_int(path: str, default: int) -> int:
     """An integer sysctl of the host (``default`` where it cannot be read)."""
     try:
@@ -69,6 +71,11 @@ SOCKET_BYTES = 4096
 #: (``net.core.wmem_default``, which a run cannot raise), times :data:`QUEUE_OVERHEAD` (the re-run of the sixth
 #: review queued 1.2 GB in 19,000 unaccepted unix connections whose senders had closed).
 UNIX_SOCKET_BYTES = QUEUE_OVERHEAD * _sysctl_int("/proc/sys/net/core/wmem_default", 212_992)
+#: The same for a unix datagram or seqpacket socket: its receive queue holds up to ``net.unix.max_dgram_qlen`` + 1
+#: datagrams of up to a send buffer each, from senders that may have closed since.
+UNIX_DATAGRAM_SOCKET_BYTES = UNIX_SOCKET_BYTES * (_sysctl_int("/proc/sys/net/unix/max_dgram_qlen", 10) + 1)
+#: ``net/unix``'s ``Type`` of a stream socket (any other is a datagram or seqpacket one).
+_UNIX_STREAM = b"0001"
 #: CPU seconds of the scorer per sample that reading a run's mappings and sockets may take before the rest counts
 #: toward the run's ``cpu_s`` (a benign run's few processes take well under a millisecond).
 READ_ALLOWANCE_S = 0.005
@@ -95,18 +102,20 @@ class TreeUsage:
     mappings: int = 0  # mappings of all its processes (:func:`mappings_of`)
     socket_bytes: int = 0  # data queued on its network namespace's TCP and UDP sockets (:func:`socket_use`)
     sockets: int = 0  # its network namespace's TCP and UDP sockets (:func:`socket_use`)
-    unix_sockets: int = 0  # its network namespace's unix sockets (:func:`socket_use`)
+    unix_sockets: int = 0  # its network namespace's unix stream sockets (:func:`socket_use`)
+    unix_datagram_sockets: int = 0  # and its unix datagram and seqpacket ones
     read_cpu_s: float = 0.0  # the scorer's CPU seconds reading its mappings and sockets for this sample
 
     @property
     def memory_bytes(self) -> int:
         """What the run's memory limit is held against: resident bytes, writable shared mappings,
         :data:`MAPPING_BYTES` per mapping, :data:`QUEUE_OVERHEAD` times the bytes queued on its sockets,
-        :data:`SOCKET_BYTES` per TCP or UDP socket and :data:`UNIX_SOCKET_BYTES` per unix socket (an upper bound: a
-        shared page resident somewhere counts twice)."""
+        :data:`SOCKET_BYTES` per TCP or UDP socket, :data:`UNIX_SOCKET_BYTES` per unix stream socket and
+        :data:`UNIX_DATAGRAM_SOCKET_BYTES` per other unix socket (an upper bound: a shared page resident somewhere
+        counts twice)."""
         return (self.rss_bytes + self.shared_bytes + self.mappings * MAPPING_BYTES
                 + self.socket_bytes * QUEUE_OVERHEAD + self.sockets * SOCKET_BYTES
-                + self.unix_sockets * UNIX_SOCKET_BYTES)
+                + self.unix_sockets * UNIX_SOCKET_BYTES + self.unix_datagram_sockets * UNIX_DATAGRAM_SOCKET_BYTES)
 
 
 @dataclass(frozen=True)
@@ -211,16 +220,16 @@ def tree_usage(root: int, proc: Path = Path("/proc"), budget_s: float | None = M
     folders = [_process_dir(s, proc) for s in tree]
     started = time.thread_time()
     usage = _usage(tree, root, mappings_of(folders, deadline))
-    queued, sockets, unix = socket_use(folders[1], deadline) if usage.inner is not None else (0, 0, 0)
-    return replace(usage, socket_bytes=queued, sockets=sockets, unix_sockets=unix,
+    queued, sockets, streams, datagrams = socket_use(folders[1], deadline) if usage.inner is not None else (0,) * 4
+    return replace(usage, socket_bytes=queued, sockets=sockets, unix_sockets=streams, unix_datagram_sockets=datagrams,
                    read_cpu_s=time.thread_time() - started)
 
 
-def socket_use(process: Path, deadline: float | None = None) -> tuple[int, int, int]:
+def socket_use(process: Path, deadline: float | None = None) -> tuple[int, int, int, int]:
     """Bytes queued to send and to read on the TCP and UDP sockets of the network namespace of the process at
     ``process`` (its ``/proc/<pid>`` or a live thread's folder: the ``tx_queue:rx_queue`` column of
-    ``net/{tcp,tcp6,udp,udp6}`` there), how many such sockets (rows) there are, and how many unix sockets
-    (``net/unix``'s rows: connections not yet accepted among them). The kernel grows a TCP socket's
+    ``net/{tcp,tcp6,udp,udp6}`` there), how many such sockets (rows) there are, and how many unix stream and other
+    unix sockets (``net/unix``'s rows by ``Type``: connections not yet accepted among them). The kernel grows a TCP socket's
     buffers by itself (autotuning, up to ``net.ipv4.tcp_wmem``/``tcp_rmem``'s maximum, 4 and 32 MiB here), so the
     socket count alone bounds nothing: the fifth review queued 1.4 GiB on 406 loopback connections.
 
@@ -238,11 +247,16 @@ def socket_use(process: Path, deadline: float | None = None) -> tuple[int, int, 
                     sockets += 1
         except OSError:
             continue
+    streams = datagrams = 0
     try:
-        unix = sum(1 for _ in _lines(process / "net" / "unix", deadline)) - 1  # less the header
+        for line in _lines(process / "net" / "unix", deadline):
+            fields = line.split()
+            if len(fields) > 5 and fields[0] != b"Num":  # not the header
+                streams += fields[4] == _UNIX_STREAM
+                datagrams += fields[4] != _UNIX_STREAM
     except OSError:
-        unix = 0
-    return queued, sockets, max(unix, 0)
+        pass
+    return queued, sockets, streams, datagrams
 
 
 @dataclass(frozen=True)
