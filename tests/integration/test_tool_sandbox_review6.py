@@ -18,6 +18,15 @@ from services.scorer.sandbox.bubblewrap import BubblewrapSandbox
 pytestmark = pytest.mark.skipif(not Path("/usr/bin/bwrap").exists(), reason="needs bubblewrap")
 
 
+#: Limits of the runs that queue kernel memory and then hold it (their sleeps keep it held while the run is sampled).
+QUEUE_LIMITS = SandboxLimits(timeout_s=60.0, cpu_s=30, memory_bytes=96 * 1024 * 1024)
+
+
+async def _run_holding_queues(code: str):
+    """``code`` (indented as in a test) run under :data:`QUEUE_LIMITS` on real bubblewrap; its result."""
+    return await BubblewrapSandbox().run(textwrap.dedent(code), QUEUE_LIMITS)
+
+
 async def test_netlink_and_multipath_tcp_sockets_are_refused_loopback_tcp_still_works():
     # the review queued 1.5 GB on MPTCP sockets (no /proc/net/tcp row shows them) and 316 MiB on netlink ones
     code = """
@@ -61,8 +70,7 @@ async def test_connections_waiting_in_listen_queues_count_against_the_runs_memor
         import time
         time.sleep(30)
     """
-    limits = SandboxLimits(timeout_s=60.0, cpu_s=30, memory_bytes=96 * 1024 * 1024)
-    result = await BubblewrapSandbox().run(textwrap.dedent(code), limits)
+    result = await _run_holding_queues(code)
     # stopped within a sample of passing the limit (before: asleep until its timeout); on a loaded host the read of
     # 32,000 rows may pass the sample's time bound first, which stops the run as well
     assert result.stopped in ("memory", "usage"), result
@@ -88,8 +96,7 @@ async def test_unix_connections_waiting_in_listen_queues_count_against_the_runs_
         print("all sent", flush=True)
         time.sleep(30)
     """
-    limits = SandboxLimits(timeout_s=60.0, cpu_s=30, memory_bytes=96 * 1024 * 1024)
-    result = await BubblewrapSandbox().run(textwrap.dedent(code), limits)
+    result = await _run_holding_queues(code)
     assert result.stopped in ("memory", "usage"), result  # before: it slept 30 s and ended unstopped
 
 
@@ -114,8 +121,7 @@ async def test_unix_datagrams_queued_for_a_receiver_count_against_the_runs_memor
         print("all sent", flush=True)
         time.sleep(30)
     """
-    limits = SandboxLimits(timeout_s=60.0, cpu_s=30, memory_bytes=96 * 1024 * 1024)
-    result = await BubblewrapSandbox().run(textwrap.dedent(code), limits)
+    result = await _run_holding_queues(code)
     assert result.stopped in ("memory", "usage"), result  # before: it slept 30 s and ended unstopped
 
 
