@@ -2,6 +2,8 @@
 
 - :mod:`.base`: a run's limits and result, the backend protocol, :class:`SandboxUnavailable`, :class:`SandboxError`;
 - :mod:`.bubblewrap`: each run in its own bubblewrap sandbox (namespaces, read-only root, tmpfs, limits);
+- :mod:`.gvisor`: each run under a kernel of its own (gVisor's ``runsc``), nothing of the host kernel shared;
+- :mod:`.supervise`: how a local backend watches a run (streams, wall clock, per-run limits);
 - :mod:`.remote`: a SandboxFusion-compatible HTTP endpoint;
 - :mod:`.settings`: the scorer's ``sandbox:`` block and the backend it builds;
 - :mod:`.server`: ``fastexp serve sandbox``, that endpoint over the bubblewrap backend.
@@ -9,10 +11,11 @@
 
 from services.scorer.sandbox.base import Sandbox, SandboxError, SandboxLimits, SandboxResult, SandboxUnavailable
 from services.scorer.sandbox.bubblewrap import BubblewrapOptions, BubblewrapSandbox
+from services.scorer.sandbox.gvisor import GvisorOptions, GvisorSandbox
 from services.scorer.sandbox.remote import RemoteSandbox
 from services.scorer.sandbox.settings import SandboxSettings, build_sandbox
 
 __all__ = [
-    "BubblewrapOptions", "BubblewrapSandbox", "RemoteSandbox", "Sandbox", "SandboxError", "SandboxLimits",
+    "BubblewrapOptions", "BubblewrapSandbox", "GvisorOptions", "GvisorSandbox", "RemoteSandbox", "Sandbox", "SandboxError", "SandboxLimits",
     "SandboxResult", "SandboxSettings", "SandboxUnavailable", "build_sandbox",
 ]

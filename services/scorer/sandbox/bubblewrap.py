@@ -74,8 +74,9 @@ from services.scorer.sandbox.bwrap_args import (
     root_links,
 )
 from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
+from services.scorer.sandbox.supervise import Watch, collect
 from services.scorer.sandbox.tree import RunTree
-from services.scorer.sandbox.usage import READ_ALLOWANCE_S, SampleOverBudget, TreeUsage, files_used, tree_usage
+from services.scorer.sandbox.usage import TreeUsage, files_used, tree_usage
 
 _NOBODY = 65534
 
@@ -110,7 +111,7 @@ class BubblewrapSandbox:
 
     def __init__(self, options: BubblewrapOptions = BubblewrapOptions()) -> None:
         self._options = options
-        self._python = options.python or _default_python()
+        self._python = options.python or default_python()
         running_as_root = os.geteuid() == 0
         self._uid = options.uid if options.uid is not None else (_NOBODY if running_as_root else None)
         self._gid = options.gid if options.gid is not None else (_NOBODY if running_as_root else None)
@@ -188,7 +189,8 @@ class BubblewrapSandbox:
             for fd in (source, rules, status_write, *empties):
                 os.close(fd)
         with open(status_read, "rb") as status, RunTree(process) as tree:
-            stopped, stdout, stderr = await _collect(process, tree, limits, self._options)
+            watch = Watch(_sample, self._options.usage_poll_s, self._options.max_files)
+            stopped, stdout, stderr = await collect(process, tree, limits, watch)
             started, exit_code = parse_status(status.read())
         if not started:
             raise SandboxError(stderr.decode(errors="replace").strip() or f"bwrap exited {process.returncode}")
@@ -224,92 +226,16 @@ class BubblewrapSandbox:
         return ["setpriv", f"--reuid={self._uid}", f"--regid={self._gid}", "--clear-groups", "--"]
 
 
-def _default_python() -> str:
+def default_python() -> str:
     """This process's interpreter when it lies under ``/usr`` (same version as the scorer), else the system's."""
     own = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
     return own if own.startswith("/usr/") else "/usr/bin/python3"
 
 
-async def _collect(process: asyncio.subprocess.Process, tree: RunTree, limits: SandboxLimits,
-                   options: BubblewrapOptions) -> tuple[str, bytes, bytes]:
-    """Wait for ``process`` while reading both streams, each kept up to one byte past ``max_output_bytes``, and
-    kill its whole tree at ``timeout_s``, once it passes a per-run limit (:func:`_watch`) or once a stream passes
-    ``max_output_bytes``."""
-    keep = limits.max_output_bytes + 1
-    overflow = asyncio.Event()
-    reads = asyncio.gather(_drain(process.stdout, keep, overflow), _drain(process.stderr, keep, overflow))
-    try:
-        async with asyncio.timeout(limits.timeout_s):  # not wait_for: see tests/unit/test_architecture.py
-            stopped = await _watch(process, limits, options, overflow)
-    except TimeoutError:
-        stopped = "timeout"
-    except BaseException:  # the caller gave up (cancelled, its deadline): the run ends here, before its slot is free
-        await tree.end()
-        reads.cancel()
-        raise
-    if stopped:
-        await tree.end()
-    stdout, stderr = await reads
-    return stopped, stdout, stderr
-
-
-async def _watch(process: asyncio.subprocess.Process, limits: SandboxLimits, options: BubblewrapOptions,
-                 overflow: asyncio.Event) -> str:
-    """Wait for ``process`` to end (``""``), sampling its tree's use every ``usage_poll_s``: ``"cpu"`` once it
-    passed ``cpu_s`` CPU seconds, ``"memory"`` once it holds more than ``memory_bytes`` (resident, writable shared
-    mappings, the kernel's per mapping and queued socket data: :attr:`TreeUsage.memory_bytes`), ``"files"`` once
-    its tmpfs holds more than ``max_files``, ``"output"`` once ``overflow`` is set, ``"usage"`` once a sample takes
-    longer than :data:`~services.scorer.sandbox.usage.MAX_SAMPLE_S` (the caller kills it)."""
-    ended = asyncio.ensure_future(process.wait())
-    overflowed = asyncio.ensure_future(overflow.wait())
-    try:
-        return await _sample_until(process.pid, ended, overflowed, limits, options)
-    finally:
-        overflowed.cancel()
-
-
-async def _sample_until(root: int, ended: asyncio.Future, overflowed: asyncio.Future, limits: SandboxLimits,
-                        options: BubblewrapOptions) -> str:
-    """:func:`_watch`'s loop: why the run is to be stopped, or ``""`` once ``ended``. The scorer's CPU reading the
-    run's mappings and sockets past :data:`~services.scorer.sandbox.usage.READ_ALLOWANCE_S` a sample counts toward
-    ``cpu_s`` (:mod:`services.scorer.sandbox.usage`)."""
-    charged_s = 0.0
-    while not ended.done():
-        await asyncio.wait({ended, overflowed}, timeout=options.usage_poll_s, return_when=asyncio.FIRST_COMPLETED)
-        if ended.done():
-            break
-        if overflowed.done():
-            return "output"
-        try:
-            usage, files = await asyncio.to_thread(_sample, root)
-        except SampleOverBudget:  # its use cannot be measured in time: fail closed
-            return "usage"
-        charged_s += max(0.0, usage.read_cpu_s - READ_ALLOWANCE_S)
-        if usage.cpu_s + charged_s > limits.cpu_s:
-            return "cpu"
-        if usage.memory_bytes > limits.memory_bytes:
-            return "memory"
-        if files is not None and files > options.max_files:
-            return "files"
-    return ""
-
-
 def _sample(root: int) -> tuple[TreeUsage, int | None]:
-    """The run's tree's use and the files in its tmpfs (None: not readable yet)."""
+    """The run's tree's use (from the host's ``/proc``) and the files in its tmpfs (None: not readable yet)."""
     usage = tree_usage(root)
     return usage, files_used(usage.inner, WORKDIR) if usage.inner is not None else None
-
-
-async def _drain(stream: asyncio.StreamReader | None, keep: int, overflow: asyncio.Event) -> bytes:
-    """Read ``stream`` to its end, keeping its first ``keep`` bytes; ``overflow`` is set once it has more (the run
-    is then stopped, and what comes before its end is dropped)."""
-    kept = bytearray()
-    while stream is not None and (chunk := await stream.read(65536)):
-        if len(kept) < keep:
-            kept += chunk[: keep - len(kept)]
-        if len(kept) >= keep:
-            overflow.set()
-    return bytes(kept)
 
 
 async def _bwrap_version(bwrap: str, timeout_s: float = 10.0) -> str:

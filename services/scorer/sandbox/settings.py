@@ -10,19 +10,26 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fastexp.security import read_file
 from services.scorer.sandbox.base import MIB, Sandbox
 from services.scorer.sandbox.bubblewrap import BubblewrapOptions, BubblewrapSandbox
+from services.scorer.sandbox.gvisor import GvisorOptions, GvisorSandbox
 from services.scorer.sandbox.remote import RemoteSandbox
 
 
 class SandboxSettings(BaseModel):
-    """Where tool code runs: ``bwrap`` (each run isolated by bubblewrap in the scorer's container; the default) or
-    ``remote`` (a SandboxFusion-compatible endpoint, e.g. ``fastexp serve sandbox`` in a container of its own).
+    """Where tool code runs: ``bwrap`` (each run isolated by bubblewrap in the scorer's container; the default),
+    ``gvisor`` (each run under a kernel of its own, gVisor's ``runsc``: nothing of the host kernel's global state is
+    shared between runs) or ``remote`` (a SandboxFusion-compatible endpoint, e.g. ``fastexp serve sandbox`` in a
+    container of its own).
     Tool code never runs without one: where the backend's probe fails at start, tool environments are not offered.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: Literal["bwrap", "remote"] = Field("bwrap", description="bwrap: local bubblewrap; remote: HTTP sandbox")
+    backend: Literal["bwrap", "gvisor", "remote"] = Field(
+        "bwrap", description="bwrap: local bubblewrap; gvisor: a gVisor kernel per run; remote: HTTP sandbox")
     bwrap: str = Field("bwrap", description="the bubblewrap program (name on PATH or path)")
+    runsc: str = Field("runsc", description="gvisor: gVisor's runsc program (name on PATH or path)")
+    runsc_platform: Literal["ptrace", "kvm"] = Field(
+        "ptrace", description="gvisor: how the run's kernel traps its system calls (kvm needs /dev/kvm)")
     python: str | None = Field(
         None, description="interpreter inside the sandbox (default: the scorer's if under /usr, else /usr/bin/python3)"
     )
@@ -60,6 +67,12 @@ def build_sandbox(settings: SandboxSettings) -> Sandbox:
             if settings.remote_token_file else None
         verify: bool | str = str(settings.remote_ca_file) if settings.remote_ca_file else True
         return RemoteSandbox(settings.remote_url, token, settings.remote_margin_s, verify=verify)
+    if settings.backend == "gvisor":
+        return GvisorSandbox(GvisorOptions(
+            runsc=settings.runsc, platform=settings.runsc_platform, python=settings.python,
+            max_processes=settings.max_processes, tmpfs_bytes=settings.tmpfs_bytes,
+            max_concurrent=settings.max_concurrent, usage_poll_s=settings.usage_poll_s,
+        ))
     return BubblewrapSandbox(BubblewrapOptions(
         bwrap=settings.bwrap, python=settings.python, uid=settings.uid, gid=settings.gid,
         max_processes=settings.max_processes, tmpfs_bytes=settings.tmpfs_bytes, mount_proc=settings.mount_proc,

@@ -30,7 +30,7 @@ which share them. Memory no process's resident set shows (System V shared memory
 memory files, secret memory) is refused by the run's system-call filter instead
 (:mod:`services.scorer.sandbox.seccomp`).
 
-The supervisor (:func:`services.scorer.sandbox.bubblewrap`'s ``_collect``) samples it every ``poll_s``: between two
+The supervisor (:func:`services.scorer.sandbox.supervise.collect`) samples it every ``poll_s``: between two
 samples a run's total may pass its limit, by at most what its processes can each reach under their own rlimits
 (``RLIMIT_AS``, ``RLIMIT_CPU``), for at most one interval; then the whole tree is killed. A sample takes at most
 :data:`MAX_SAMPLE_S`; one that would take longer stops the run (:class:`SampleOverBudget`), so an interval is at most

@@ -1,0 +1,294 @@
+"""Tool runs each under a kernel of its own: gVisor (``runsc``, Google's user-space kernel; what GKE Sandbox runs).
+
+A bubblewrap run (:mod:`.bubblewrap`) shares the host's kernel with every other run, and with it state no namespace,
+mount or filter separates: the pipe and socket inode counter, negative dentries, ``/proc/net/sockstat``, the socket
+cookie counter. One run can move such a counter and a later or concurrent one read it (the held-out reviews carried
+bits between calls this way). Under ``sandbox.backend: gvisor`` each run is its own gVisor sandbox: its system calls
+are served by a Sentry process started for that run alone, so every such counter, table and cache is the run's own
+and starts fresh; the host kernel sees only the Sentry's few system calls (filtered by gVisor itself).
+
+Each run is ``runsc run`` on an OCI bundle written for it (:func:`oci_spec`):
+
+- a read-only root with ``/usr`` bound read-only (the interpreter, its standard library, the C library) and links
+  into it; nothing of ``/etc``, ``/home``, the project or the scorer's mounts and secrets;
+- one writable place, a fresh tmpfs at ``/tmp`` of ``tmpfs_bytes`` (gVisor's, in the run's own memory), also its
+  working directory; the tool's code is written there as ``main.py`` from the run's standard input;
+- no network (``--network=none``: a loopback of the run's own), no capability, ``no_new_privs``, uid 65534, an empty
+  environment but ``PATH``, ``HOME`` and ``LANG``;
+- limits per process as rlimits (``RLIMIT_NPROC`` = ``max_processes``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``,
+  ``RLIMIT_NOFILE``, ``RLIMIT_CORE`` 0; gVisor does not enforce ``RLIMIT_CPU``), and limits per run sampled every
+  ``usage_poll_s`` (:func:`sandbox_usage`): CPU seconds of the run's whole host tree (the Sentry, its gofer and the
+  processes that stand for the tool's), and memory as the run's kernel holds it: the bytes allocated in the
+  Sentry's memory file (every page of the tool's processes and of its tmpfs) and the anonymous memory of the host
+  processes (the Sentry's own objects: sockets, files, inodes the run made);
+- one unit that ends once, as under bubblewrap (:class:`~services.scorer.sandbox.tree.RunTree`): however the call
+  ends, the whole tree is killed and reaped before it returns, then the run's bundle and runsc's state are removed.
+
+A scorer running as root starts ``runsc`` in its default mode (the Sentry and gofer in namespaces of their own,
+chrooted, under gVisor's own system-call filter, the Sentry as nobody); otherwise ``--rootless``. ``runsc`` needs
+no daemon; it needs ``ptrace`` (the default platform) or ``/dev/kvm`` (``runsc_platform: kvm``). A run costs about
+0.2–0.35 s more than under bubblewrap to start its kernel (measured 2026-11-26 on this project's 2-core host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.scorer.sandbox.base import (
+    MIB,
+    PROBE_CODE,
+    PROBE_OUTPUT,
+    SandboxError,
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailable,
+    cut,
+)
+from services.scorer.sandbox.bubblewrap import default_python
+from services.scorer.sandbox.supervise import Watch, collect
+from services.scorer.sandbox.tree import RunTree
+from services.scorer.sandbox.usage import (
+    MAX_SAMPLE_S,
+    SampleOverBudget,
+    TreeUsage,
+    process_stats,
+    tree_of,
+    tree_usage_of,
+)
+
+#: What the Sentry's memory file (every page the run's kernel gives its processes and its tmpfs) is named as.
+MEMORY_FILE = "/memfd:runsc-memory"
+#: Written by the launcher before the tool's code runs: a run whose stderr does not start with it never started.
+STARTED = b"\x00fastexp-run-started\n"
+#: The run's first program (inside the sandbox): writes the marker, then the tool's code (its standard input) to
+#: ``/tmp/main.py``, and becomes ``python -I -B main.py`` (as a bubblewrap run's).
+LAUNCHER = (
+    "import os, sys\n"
+    f"os.write(2, {STARTED!r})\n"
+    "code = sys.stdin.buffer.read()\n"
+    "with open('main.py', 'wb') as out:\n"
+    "    out.write(code)\n"
+    "os.execv(sys.executable, [sys.executable, '-I', '-B', 'main.py'])\n"
+)
+#: The uid and gid of the run's processes inside its kernel.
+_NOBODY = 65534
+#: Descriptors each of the run's processes may hold.
+_MAX_FILES_OPEN = 64
+
+
+@dataclass(frozen=True)
+class GvisorOptions:
+    """How runs are isolated: the ``runsc`` program (name on PATH or path), its ``platform`` (``ptrace`` or
+    ``kvm``), the interpreter inside (``None``: as :mod:`.bubblewrap`; it must lie under ``/usr``),
+    ``max_processes`` the tool may have (itself included), ``tmpfs_bytes`` of its ``/tmp``, ``max_concurrent``
+    runs at once (more wait), ``usage_poll_s`` between two samples of a run's use."""
+
+    runsc: str = "runsc"
+    platform: str = "ptrace"
+    python: str | None = None
+    max_processes: int = 16
+    tmpfs_bytes: int = 64 * MIB
+    max_concurrent: int = 4
+    usage_poll_s: float = 0.1
+
+
+def oci_spec(python: str, rootfs: str, limits: SandboxLimits, options: GvisorOptions) -> dict[str, Any]:
+    """The OCI runtime spec of one run (module docs): ``rootfs`` is the read-only skeleton (:func:`make_rootfs`)."""
+    nothing: list[str] = []
+    rlimits = [("RLIMIT_CPU", limits.cpu_s, limits.cpu_s + 1), ("RLIMIT_AS", limits.memory_bytes, limits.memory_bytes),
+               ("RLIMIT_FSIZE", limits.max_file_bytes, limits.max_file_bytes),
+               ("RLIMIT_NPROC", options.max_processes, options.max_processes),
+               ("RLIMIT_NOFILE", _MAX_FILES_OPEN, _MAX_FILES_OPEN), ("RLIMIT_CORE", 0, 0)]
+    return {
+        "ociVersion": "1.0.0",
+        "process": {
+            "user": {"uid": _NOBODY, "gid": _NOBODY},
+            "args": [python, "-I", "-B", "-c", LAUNCHER],
+            "env": ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/tmp", "LANG=C.UTF-8"],
+            "cwd": "/tmp",
+            "capabilities": {kind: nothing for kind in ("bounding", "effective", "inheritable", "permitted", "ambient")},
+            "noNewPrivileges": True,
+            "rlimits": [{"type": kind, "soft": soft, "hard": hard} for kind, soft, hard in rlimits],
+        },
+        "root": {"path": rootfs, "readonly": True},
+        "hostname": "sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["size=65536", "mode=755"]},
+            {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro", "nosuid", "nodev"]},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+             "options": [f"size={options.tmpfs_bytes}", "mode=1777", "nosuid", "nodev"]},
+        ],
+        "linux": {"namespaces": [{"type": kind} for kind in ("pid", "network", "ipc", "uts", "mount")]},
+    }
+
+
+def make_rootfs(folder: Path) -> str:
+    """A read-only root's skeleton in ``folder``: mount points and ``/bin``, ``/lib``, ``/lib64``, ``/sbin`` as the
+    host has them (links into ``/usr`` on a merged-/usr host; absent otherwise). Returns its path."""
+    for name in ("usr", "tmp", "proc", "dev"):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+    for name in ("bin", "lib", "lib64", "sbin"):
+        host = Path("/") / name
+        if host.is_symlink() and not (folder / name).is_symlink():
+            (folder / name).symlink_to(os.readlink(host))
+    folder.chmod(0o755)
+    return str(folder)
+
+
+def sandbox_usage(root: int) -> tuple[TreeUsage, None]:
+    """A gVisor run's use (module docs) from ``root``, the ``runsc run`` process: CPU seconds of its host tree,
+    ``rss_bytes`` the tree's anonymous resident bytes and ``shared_bytes`` the bytes allocated in the Sentry's
+    memory file (the run's processes' pages and its tmpfs, counted once however many of them map a page). Files
+    are not counted apart (gVisor's inodes are the Sentry's memory).
+
+    Raises:
+        SampleOverBudget: the reading took longer than :data:`~services.scorer.sandbox.usage.MAX_SAMPLE_S`.
+    """
+    started = time.monotonic()
+    stats = process_stats()
+    usage = tree_usage_of(stats, root)
+    pids = [stat.pid for stat in tree_of(stats, root)]
+    anonymous = sum(_anonymous_bytes(pid) for pid in pids)
+    guest = max((_memory_file_bytes(pid) for pid in pids), default=0)
+    if time.monotonic() - started > MAX_SAMPLE_S:
+        raise SampleOverBudget(f"sampling the run took more than {MAX_SAMPLE_S} s")
+    return TreeUsage(usage.cpu_s, anonymous, usage.processes, usage.inner, guest), None
+
+
+def _anonymous_bytes(pid: int) -> int:
+    """``RssAnon`` of ``pid`` (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _memory_file_bytes(pid: int) -> int:
+    """Bytes allocated in the Sentry's memory file where ``pid`` holds it (0 where it does not)."""
+    folder = Path(f"/proc/{pid}/fd")
+    try:
+        for entry in os.scandir(folder):
+            with contextlib.suppress(OSError):
+                if os.readlink(entry.path).startswith(MEMORY_FILE):
+                    return os.stat(entry.path).st_blocks * 512
+    except OSError:
+        pass
+    return 0
+
+
+class GvisorSandbox:
+    """Runs each tool program in a gVisor sandbox of its own (module docs)."""
+
+    def __init__(self, options: GvisorOptions = GvisorOptions()) -> None:
+        self._options = options
+        self._python = options.python or default_python()
+        self._runsc = shutil.which(options.runsc)  # resolved once: start-up and runs use the same program
+        self._slots = asyncio.Semaphore(options.max_concurrent)
+        self._home: Path | None = None  # this backend's folder: the root's skeleton and each run's bundle and state
+        self._rootless = os.geteuid() != 0
+        self.description = f"gVisor ({self._runsc or options.runsc}, {options.platform}; {self._python})"
+
+    async def check(self) -> None:
+        """Run the probe in a real gVisor sandbox (see :meth:`run`).
+
+        Raises:
+            SandboxUnavailable: ``runsc`` or the interpreter is missing, or ``runsc`` cannot start a sandbox here.
+        """
+        if self._runsc is None:
+            raise SandboxUnavailable(
+                f"{self._options.runsc!r} is not installed: install gVisor (Debian: apt-get install runsc), or set "
+                "the scorer's sandbox.backend to 'bwrap'"
+            )
+        if not self._python.startswith("/usr/") or not os.access(self._python, os.X_OK):
+            raise SandboxUnavailable(f"sandbox.python {self._python!r} must be an interpreter under /usr")
+        try:
+            result = await self.run(PROBE_CODE, SandboxLimits(timeout_s=60.0))
+        except SandboxError as error:
+            raise SandboxUnavailable(
+                f"gVisor cannot start a sandbox here: {error}. Fix: the ptrace platform needs ptrace (a container "
+                "runtime's default seccomp profile refuses it: see docs/operations/security.md), kvm needs /dev/kvm"
+            ) from error
+        if result.stdout.strip() != PROBE_OUTPUT:
+            raise SandboxUnavailable(
+                f"the sandbox's probe printed {result.stdout.strip()!r} (exit {result.exit_code}; stderr "
+                f"{result.stderr.strip()[:300]!r}): check sandbox.python ({self._python}) can run with only /usr"
+            )
+
+    async def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
+        """Run ``code`` in a fresh gVisor sandbox (module docs) under ``limits``.
+
+        Raises:
+            SandboxError: ``runsc`` could not set the sandbox up (its message).
+        """
+        async with self._slots:
+            run = Path(tempfile.mkdtemp(prefix="run-", dir=self._folder()))
+            try:
+                return await self._run(code, limits, run)
+            finally:
+                shutil.rmtree(run, ignore_errors=True)
+
+    async def close(self) -> None:
+        if self._home is not None:
+            shutil.rmtree(self._home, ignore_errors=True)
+            self._home = None
+
+    def _folder(self) -> Path:
+        if self._home is None:
+            self._home = Path(tempfile.mkdtemp(prefix="fastexp-gvisor-"))
+            self._home.chmod(0o711)  # runsc's gofer reads the root's skeleton below it
+            make_rootfs(self._home / "rootfs")
+        return self._home
+
+    async def _run(self, code: str, limits: SandboxLimits, run: Path) -> SandboxResult:
+        assert self._home is not None
+        spec = oci_spec(self._python, str(self._home / "rootfs"), limits, self._options)
+        (run / "config.json").write_text(json.dumps(spec))
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self._command(run), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            )
+        except OSError as error:
+            raise SandboxError(f"cannot start {self._runsc or self._options.runsc}: {error}") from error
+        with RunTree(process) as tree:
+            feeding = asyncio.ensure_future(_feed(process, code.encode()))
+            try:
+                watch = Watch(sandbox_usage, self._options.usage_poll_s, max_files=1 << 62)
+                stopped, stdout, stderr = await collect(process, tree, limits, watch)
+            finally:
+                feeding.cancel()
+        if not stderr.startswith(STARTED):
+            raise SandboxError(stderr.decode(errors="replace").strip() or f"runsc exited {process.returncode}")
+        exit_code = process.returncode if process.returncode is not None else -1
+        return SandboxResult(cut(stdout, limits.max_output_bytes), cut(stderr[len(STARTED):], limits.max_output_bytes),
+                             exit_code, stopped)
+
+    def _command(self, run: Path) -> list[str]:
+        mode = ["--rootless"] if self._rootless else []
+        return [self._runsc or self._options.runsc, *mode, "--network=none", "--ignore-cgroups",
+                f"--platform={self._options.platform}", "--root", str(run / "state"),
+                "run", "--bundle", str(run), f"fastexp-{uuid.uuid4().hex}"]
+
+
+async def _feed(process: asyncio.subprocess.Process, code: bytes) -> None:
+    """Write the tool's code to the run's standard input and close it (the launcher reads it to its end)."""
+    assert process.stdin is not None
+    with contextlib.suppress(ConnectionError):
+        process.stdin.write(code)
+        await process.stdin.drain()
+    process.stdin.close()

@@ -1,0 +1,172 @@
+"""The gVisor backend (``sandbox.backend: gvisor``) on real ``runsc``: a kernel per run.
+
+What the bubblewrap backend cannot close on a shared kernel is checked here first: counters global to one kernel
+(the pipe and socket inode numbers, dentries) start fresh in every run, so one run moving them carries nothing to the
+next. Then the backend's own guarantees, as the bubblewrap tests check them: the host tree absent, no network, the
+per-run limits (CPU, memory spread over processes, wall clock, output, tmpfs), and a cancelled run leaving nothing
+running; and a tool episode through the real scorer's ``EnvironmentService`` on this backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import textwrap
+from pathlib import Path
+
+import grpc
+import pytest
+
+from fastexp.v1 import environment_pb2, environment_pb2_grpc
+from services.scorer.sandbox import GvisorSandbox, SandboxLimits, SandboxSettings, build_sandbox
+from services.scorer.server import build_scorer, start_scorer
+from services.scorer.settings import ScorerSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMITS = SandboxLimits(timeout_s=40.0, cpu_s=2, memory_bytes=256 << 20)
+
+
+@pytest.fixture(scope="module")
+async def gvisor():
+    sandbox = build_sandbox(SandboxSettings(backend="gvisor"))
+    assert isinstance(sandbox, GvisorSandbox)
+    await sandbox.check()  # fails the module where runsc cannot start a sandbox: `make test` installs it
+    yield sandbox
+    await sandbox.close()
+
+
+async def run(sandbox: GvisorSandbox, code: str, limits: SandboxLimits = LIMITS):
+    return await sandbox.run(textwrap.dedent(code), limits)
+
+
+def _runsc_processes() -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if command and (command[0].endswith(b"runsc") or command[0].startswith(b"runsc-")):
+                found.append(int(entry.name))
+    return found
+
+
+async def test_counters_of_the_kernel_start_fresh_in_every_run(gvisor):
+    """The pipe/socket inode counter is one per kernel: under bubblewrap a run that makes 500 pipes moves the next
+    run's numbers by 1,000 (bits carried between calls); here every run's first pipe has the same number."""
+    probe = """
+        import os, socket
+        first, _ = os.pipe()
+        held = socket.socket()
+        print(os.fstat(first).st_ino, os.fstat(held.fileno()).st_ino)
+        for _ in range({count}):
+            a, b = os.pipe(); os.close(a); os.close(b)
+    """
+    results = [await run(gvisor, probe.format(count=count)) for count in (0, 500, 20, 0)]
+    seen = [result.stdout.split() for result in results]
+    assert all(len(numbers) == 2 for numbers in seen), results
+    assert seen[1:] == seen[:1] * 3
+
+
+async def test_the_host_tree_and_network_are_absent(gvisor):
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    marker = "fx-" + secrets.token_hex(6)
+    try:
+        result = await run(gvisor, f"""
+            import os, socket
+            for path in ['/root', '/home', '/etc/passwd', {str(ROOT)!r}, '/var', '/run']:
+                print(path, os.path.exists(path))
+            s = socket.socket()
+            s.settimeout(5)
+            try:
+                s.connect(('127.0.0.1', {port})); s.sendall(b{marker!r}); print('connected')
+            except OSError as error:
+                print('refused', error.errno)
+            print(os.getuid(), sorted(os.listdir('/tmp')))
+        """)
+        listener.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing of the run reached the host's loopback
+    finally:
+        listener.close()
+    assert result.exit_code == 0, result
+    assert "True" not in result.stdout and "connected" not in result.stdout and "refused" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "65534 ['main.py']"
+
+
+async def test_per_run_limits_hold(gvisor):
+    busy = await run(gvisor, "while True: pass")
+    assert busy.stopped == "cpu"
+    spread = await run(gvisor, """
+        import os, time
+        for _ in range(4):  # each under RLIMIT_AS, together past the run's memory
+            if os.fork() == 0:
+                block = bytearray(150 << 20)
+                for i in range(0, len(block), 4096):
+                    block[i] = 1
+                time.sleep(60)
+        time.sleep(60)
+    """)
+    assert spread.stopped == "memory"
+    slow = await run(gvisor, "import time; time.sleep(60)", SandboxLimits(timeout_s=2.0))
+    assert slow.stopped == "timeout"
+    loud = await run(gvisor, "while True: print('x' * 1000)", SandboxLimits(max_output_bytes=4096))
+    assert loud.stopped == "output" and len(loud.stdout) < 4200
+    full = await run(gvisor, """
+        for i in range(200):
+            open(f'/tmp/f{i}', 'wb').write(b'a' * (1 << 20))
+    """)
+    assert "No space left on device" in full.stderr and full.stopped == ""
+
+
+async def test_a_cancelled_run_leaves_nothing_running(gvisor):
+    before = set(_runsc_processes())
+    call = asyncio.ensure_future(run(gvisor, "import time; time.sleep(600)"))
+    deadline = asyncio.get_running_loop().time() + 60
+    while not set(_runsc_processes()) - before:  # the event: the run's sandbox is up
+        assert asyncio.get_running_loop().time() < deadline, "the run's sandbox never started"
+        await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert set(_runsc_processes()) - before == set()
+    home = gvisor._home
+    assert home is not None and [p.name for p in home.iterdir()] == ["rootfs"]  # no run's bundle or state left
+
+
+async def test_a_tool_episode_runs_under_gvisor_through_the_scorer(tmp_path):
+    from services.scorer.config import EnvironmentConfig, default_environments
+
+    token = "fx-" + secrets.token_hex(8)
+    (tmp_path / "admin-tokens").write_text(token + "\n")
+    tool = EnvironmentConfig(name="python_tool", cls="services.scorer.builtin_environments:PythonTool",
+                             options={"limits": {"timeout_s": 40.0, "cpu_s": 2}})
+    settings = ScorerSettings(
+        port=0, environment_workers=1, admin_tokens_file=tmp_path / "admin-tokens",
+        environments=[e for e in default_environments() if e.name != "python_tool"] + [tool],
+        sandbox=SandboxSettings(backend="gvisor"),
+    )
+    core = build_scorer(settings)
+    running = await start_scorer(settings, core)
+    auth = (("authorization", f"Bearer {token}"),)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = environment_pb2_grpc.EnvironmentServiceStub(channel)
+            start = await stub.StartEpisode(environment_pb2.StartEpisodeRequest(
+                environment="python_tool", prompt="p", reference="1", max_turns=4), metadata=auth)
+            code = "import os; print(6 * 7, os.uname().release)"
+            action = f'<tool_call>{json.dumps({"name": "python", "arguments": {"code": code}})}</tool_call>'
+            step = await stub.Step(environment_pb2.StepRequest(session_id=start.session_id, action=action),
+                                   metadata=auth)
+            await stub.EndEpisode(environment_pb2.EndEpisodeRequest(session_id=start.session_id), metadata=auth)
+    finally:
+        await running.server.stop(0)
+        await core.close()
+    answer, release = step.observation.split()
+    assert step.observation_role == "tool" and answer == "42"
+    assert release != os.uname().release  # the run saw a kernel of its own, not the host's
