@@ -27,6 +27,9 @@ from services.scorer.settings import ScorerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMITS = SandboxLimits(timeout_s=40.0, cpu_s=2, memory_bytes=256 << 20)
+#: For runs whose work goes through the Sentry (page faults, writes): CPU to spare on a loaded host, so that the
+#: limit under test, not the CPU one, stops them.
+SPARE_CPU = SandboxLimits(timeout_s=120.0, cpu_s=60, memory_bytes=256 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +53,16 @@ def _runsc_processes() -> list[int]:
                 command = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if command and (command[0].endswith(b"runsc") or command[0].startswith(b"runsc-")):
+            if command[0].endswith(b"runsc") or command[0].startswith(b"runsc-"):
                 found.append(int(entry.name))
     return found
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 async def test_counters_of_the_kernel_start_fresh_in_every_run(gvisor):
@@ -111,7 +121,7 @@ async def test_per_run_limits_hold(gvisor):
                     block[i] = 1
                 time.sleep(60)
         time.sleep(60)
-    """)
+    """, SPARE_CPU)
     assert spread.stopped == "memory"
     slow = await run(gvisor, "import time; time.sleep(60)", SandboxLimits(timeout_s=2.0))
     assert slow.stopped == "timeout"
@@ -120,7 +130,7 @@ async def test_per_run_limits_hold(gvisor):
     full = await run(gvisor, """
         for i in range(200):
             open(f'/tmp/f{i}', 'wb').write(b'a' * (1 << 20))
-    """)
+    """, SPARE_CPU)
     assert "No space left on device" in full.stderr and full.stopped == ""
 
 
@@ -170,3 +180,37 @@ async def test_a_tool_episode_runs_under_gvisor_through_the_scorer(tmp_path):
     answer, release = step.observation.split()
     assert step.observation_role == "tool" and answer == "42"
     assert release != os.uname().release  # the run saw a kernel of its own, not the host's
+
+
+async def test_the_host_mappings_standing_for_the_runs_count_toward_its_memory(gvisor):
+    """Under the ptrace platform each mapping of the tool's is a mapping of a host process (kernel memory no resident
+    set shows): :func:`sandbox_usage` counts them, so they weigh on ``memory_bytes`` (MAPPING_BYTES each)."""
+    from services.scorer.sandbox.gvisor import sandbox_usage
+    from services.scorer.sandbox.usage import MAPPING_BYTES
+
+    before = set(_runsc_processes())
+    call = asyncio.ensure_future(run(gvisor, """
+        import ctypes, time
+        libc = ctypes.CDLL(None)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        base = libc.mmap(None, 40000 * 4096, 3, 0x22, -1, 0)  # read-write, private, anonymous
+        pages = (ctypes.c_char * (40000 * 4096)).from_address(base)
+        for page in range(0, 40000, 2):
+            libc.mprotect(base + page * 4096, 4096, 1)  # every other page read-only: 40,000 mappings
+            pages[(page + 1) * 4096] = b'x'  # the writable ones touched: each a host mapping of its own
+        time.sleep(600)
+    """, SandboxLimits(timeout_s=300.0, cpu_s=60)))  # each mprotect is a trip through the Sentry: CPU to spare
+    loop = asyncio.get_running_loop()
+    deadline, seen = loop.time() + 60, 0
+    while seen < 20_000:  # the event: the run's host processes hold the tool's mappings
+        assert loop.time() < deadline and not call.done(), (seen, call.done() and call.result())
+        roots = [pid for pid in set(_runsc_processes()) - before if _parent(pid) == os.getpid()]  # `runsc run`
+        usage = await asyncio.to_thread(sandbox_usage, roots[0]) if roots else None
+        seen = usage[0].mappings if usage else 0
+        await asyncio.sleep(0.1)
+    assert usage is not None and usage[0].memory_bytes >= seen * MAPPING_BYTES + usage[0].shared_bytes
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call

@@ -62,6 +62,7 @@ from services.scorer.sandbox.usage import (
     MAX_SAMPLE_S,
     SampleOverBudget,
     TreeUsage,
+    mapping_count,
     process_stats,
     tree_of,
     tree_usage_of,
@@ -149,22 +150,28 @@ def make_rootfs(folder: Path) -> str:
 
 def sandbox_usage(root: int) -> tuple[TreeUsage, None]:
     """A gVisor run's use (module docs) from ``root``, the ``runsc run`` process: CPU seconds of its host tree,
-    ``rss_bytes`` the tree's anonymous resident bytes and ``shared_bytes`` the bytes allocated in the Sentry's
-    memory file (the run's processes' pages and its tmpfs, counted once however many of them map a page). Files
-    are not counted apart (gVisor's inodes are the Sentry's memory).
+    ``rss_bytes`` the tree's anonymous resident bytes, ``shared_bytes`` the bytes allocated in the Sentry's
+    memory file (the run's processes' pages and its tmpfs, counted once however many of them map a page) and
+    ``mappings`` of the host processes (under the ptrace platform each of the tool's mappings is one of the host
+    process standing for it: host kernel memory, :data:`~services.scorer.sandbox.usage.MAPPING_BYTES` each). Files
+    are not counted apart (gVisor's inodes are the Sentry's memory). The scorer's CPU reading them is
+    ``read_cpu_s`` (past its allowance, the run's: :mod:`.supervise`).
 
     Raises:
         SampleOverBudget: the reading took longer than :data:`~services.scorer.sandbox.usage.MAX_SAMPLE_S`.
     """
-    started = time.monotonic()
+    deadline = time.monotonic() + MAX_SAMPLE_S
     stats = process_stats()
     usage = tree_usage_of(stats, root)
     pids = [stat.pid for stat in tree_of(stats, root)]
+    reading = time.thread_time()
     anonymous = sum(_anonymous_bytes(pid) for pid in pids)
     guest = max((_memory_file_bytes(pid) for pid in pids), default=0)
-    if time.monotonic() - started > MAX_SAMPLE_S:
+    mappings = sum(mapping_count(Path(f"/proc/{pid}"), deadline) for pid in pids)
+    if time.monotonic() > deadline:
         raise SampleOverBudget(f"sampling the run took more than {MAX_SAMPLE_S} s")
-    return TreeUsage(usage.cpu_s, anonymous, usage.processes, usage.inner, guest), None
+    return TreeUsage(usage.cpu_s, anonymous, usage.processes, usage.inner, guest, mappings,
+                     read_cpu_s=time.thread_time() - reading), None
 
 
 def _anonymous_bytes(pid: int) -> int:

@@ -293,6 +293,18 @@ def mappings_of(processes: list[Path], deadline: float | None = None) -> Mapping
     return Mappings(sum(objects.values()), count)
 
 
+def mapping_count(folder: Path, deadline: float | None = None) -> int:
+    """How many mappings the process at ``folder`` (its ``/proc/<pid>``) has (0 where it is gone).
+
+    Raises:
+        SampleOverBudget: ``deadline`` passed while reading.
+    """
+    try:
+        return sum(1 for _ in _lines(folder / "maps", deadline))
+    except OSError:
+        return 0
+
+
 def _lines(path: Path, deadline: float | None, chunk: int = 1 << 20) -> Iterator[bytes]:
     """The lines of ``path``, read ``chunk`` bytes at a time, checking ``deadline`` before each read after the
     first (a file of one chunk, as every process's ``maps`` but a run's with some 10,000 mappings, is never cut: a
