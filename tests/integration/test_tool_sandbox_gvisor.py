@@ -10,6 +10,7 @@ running; and a tool episode through the real scorer's ``EnvironmentService`` on 
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import os
 import secrets
@@ -146,7 +147,7 @@ async def test_a_cancelled_run_leaves_nothing_running(gvisor):
         await call
     assert set(_runsc_processes()) - before == set()
     home = gvisor._home
-    assert home is not None and [p.name for p in home.iterdir()] == ["rootfs"]  # no run's bundle or state left
+    assert home is not None and sorted(p.name for p in home.iterdir()) == ["rootfs", "usr"]  # no run's bundle or state
 
 
 async def test_a_tool_episode_runs_under_gvisor_through_the_scorer(tmp_path):
@@ -214,3 +215,30 @@ async def test_the_host_mappings_standing_for_the_runs_count_toward_its_memory(g
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
+
+
+async def test_reading_usr_leaves_no_access_time_and_runs_write_nothing_beside_it(gvisor):
+    """The eighth review: a run's reads stamped the host files' access times, which a later run read back (64 bits),
+    and each run's bundle, written to the disk /usr lies on, moved the free inodes concurrent runs read through
+    statvfs('/usr'). A root scorer's runs see /usr through a bind without access times; the bundles live on a
+    tmpfs."""
+    path = sorted(glob.glob("/usr/lib/python3*/this.py"))[0]
+    before = os.stat(path)
+    stale = before.st_mtime_ns - 2 * 86_400 * 10**9  # older than its contents: relatime stamps the next read
+    os.utime(path, ns=(stale, before.st_mtime_ns))
+    try:
+        result = await run(gvisor, f"print(len(open({path!r}, 'rb').read()))")
+        assert result.stdout.strip() == str(before.st_size), result
+        assert os.stat(path).st_atime_ns == stale
+    finally:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert gvisor._home is not None and os.stat(gvisor._home).st_dev != os.stat("/usr").st_dev
+
+
+async def test_code_that_is_not_valid_text_fails_as_code(gvisor):
+    """A lone surrogate in the code (the review's A11) raised in the scorer after runsc had started; it is now
+    invalid UTF-8 that Python reports, and nothing of the run is left."""
+    before = set(_runsc_processes())
+    result = await run(gvisor, "print('\ud800')")
+    assert result.exit_code != 0 and "SyntaxError" in result.stderr, result
+    assert set(_runsc_processes()) - before == set()

@@ -82,6 +82,8 @@ LAUNCHER = (
     "    out.write(code)\n"
     "os.execv(sys.executable, [sys.executable, '-I', '-B', 'main.py'])\n"
 )
+#: Run by a root scorer in runsc's own mount namespace before it execs runsc (``$1``: the view's mount point).
+_USR_VIEW = 'mount --bind /usr "$1" && mount -o remount,bind,ro,nosuid,nodev,noatime "$1" && shift && exec "$@"'
 #: The uid and gid of the run's processes inside its kernel.
 _NOBODY = 65534
 #: Descriptors each of the run's processes may hold.
@@ -104,8 +106,10 @@ class GvisorOptions:
     usage_poll_s: float = 0.1
 
 
-def oci_spec(python: str, rootfs: str, limits: SandboxLimits, options: GvisorOptions) -> dict[str, Any]:
-    """The OCI runtime spec of one run (module docs): ``rootfs`` is the read-only skeleton (:func:`make_rootfs`)."""
+def oci_spec(python: str, rootfs: str, limits: SandboxLimits, options: GvisorOptions,
+             usr: str = "/usr") -> dict[str, Any]:
+    """The OCI runtime spec of one run (module docs): ``rootfs`` is the read-only skeleton (:func:`make_rootfs`),
+    ``usr`` the host folder the run sees as ``/usr``."""
     nothing: list[str] = []
     rlimits = [("RLIMIT_CPU", limits.cpu_s, limits.cpu_s + 1), ("RLIMIT_AS", limits.memory_bytes, limits.memory_bytes),
                ("RLIMIT_FSIZE", limits.max_file_bytes, limits.max_file_bytes),
@@ -127,7 +131,7 @@ def oci_spec(python: str, rootfs: str, limits: SandboxLimits, options: GvisorOpt
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["size=65536", "mode=755"]},
-            {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro", "nosuid", "nodev"]},
+            {"destination": "/usr", "type": "bind", "source": usr, "options": ["rbind", "ro", "nosuid", "nodev"]},
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
              "options": [f"size={options.tmpfs_bytes}", "mode=1777", "nosuid", "nodev"]},
         ],
@@ -148,7 +152,31 @@ def make_rootfs(folder: Path) -> str:
     return str(folder)
 
 
-def sandbox_usage(root: int) -> tuple[TreeUsage, None]:
+class SentryUsage:
+    """:func:`sandbox_usage` for one run, remembering where the Sentry's memory file is once found (a run's
+    host processes can hold thousands of descriptors: the gofer one per file the run opened)."""
+
+    def __init__(self) -> None:
+        self._memory_file: str | None = None  # /proc/<sentry>/fd/<n>
+
+    def __call__(self, root: int) -> tuple[TreeUsage, None]:
+        return sandbox_usage(root, self)
+
+    def memory_file_bytes(self, pids: list[int]) -> int:
+        """Bytes allocated in the Sentry's memory file (0 before the Sentry has it)."""
+        if self._memory_file is None:
+            sentries = [pid for pid in pids if _command_line(pid).startswith(b"runsc-sandbox")]
+            self._memory_file = next(filter(None, map(_memory_file, sentries)), None)
+        if self._memory_file is None:
+            return 0
+        try:
+            return os.stat(self._memory_file).st_blocks * 512
+        except OSError:  # the Sentry has ended: the run is ending
+            self._memory_file = None
+            return 0
+
+
+def sandbox_usage(root: int, sentry: SentryUsage | None = None) -> tuple[TreeUsage, None]:
     """A gVisor run's use (module docs) from ``root``, the ``runsc run`` process: CPU seconds of its host tree,
     ``rss_bytes`` the tree's anonymous resident bytes, ``shared_bytes`` the bytes allocated in the Sentry's
     memory file (the run's processes' pages and its tmpfs, counted once however many of them map a page) and
@@ -166,7 +194,7 @@ def sandbox_usage(root: int) -> tuple[TreeUsage, None]:
     pids = [stat.pid for stat in tree_of(stats, root)]
     reading = time.thread_time()
     anonymous = sum(_anonymous_bytes(pid) for pid in pids)
-    guest = max((_memory_file_bytes(pid) for pid in pids), default=0)
+    guest = (sentry or SentryUsage()).memory_file_bytes(pids)
     mappings = sum(mapping_count(Path(f"/proc/{pid}"), deadline) for pid in pids)
     if time.monotonic() > deadline:
         raise SampleOverBudget(f"sampling the run took more than {MAX_SAMPLE_S} s")
@@ -185,17 +213,24 @@ def _anonymous_bytes(pid: int) -> int:
     return 0
 
 
-def _memory_file_bytes(pid: int) -> int:
-    """Bytes allocated in the Sentry's memory file where ``pid`` holds it (0 where it does not)."""
-    folder = Path(f"/proc/{pid}/fd")
+def _command_line(pid: int) -> bytes:
+    """``/proc/<pid>/cmdline`` (empty once it is gone)."""
     try:
-        for entry in os.scandir(folder):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _memory_file(sentry: int) -> str | None:
+    """``/proc/<sentry>/fd/<n>`` of the Sentry's memory file (None where it has none yet)."""
+    try:
+        for entry in os.scandir(f"/proc/{sentry}/fd"):
             with contextlib.suppress(OSError):
                 if os.readlink(entry.path).startswith(MEMORY_FILE):
-                    return os.stat(entry.path).st_blocks * 512
+                    return entry.path
     except OSError:
         pass
-    return 0
+    return None
 
 
 class GvisorSandbox:
@@ -256,14 +291,20 @@ class GvisorSandbox:
 
     def _folder(self) -> Path:
         if self._home is None:
-            self._home = Path(tempfile.mkdtemp(prefix="fastexp-gvisor-"))
+            # on a tmpfs where the host has one: a run's bundle and runsc's state written to the disk /usr lies on
+            # would move the free blocks and inodes every run reads from statvfs('/usr') (the eighth review)
+            memory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            self._home = Path(tempfile.mkdtemp(prefix="fastexp-gvisor-", dir=memory))
             self._home.chmod(0o711)  # runsc's gofer reads the root's skeleton below it
             make_rootfs(self._home / "rootfs")
+            (self._home / "usr").mkdir()  # where a root scorer's runs see /usr without access times (_command)
         return self._home
 
     async def _run(self, code: str, limits: SandboxLimits, run: Path) -> SandboxResult:
         assert self._home is not None
-        spec = oci_spec(self._python, str(self._home / "rootfs"), limits, self._options)
+        source = code.encode(errors="surrogatepass")  # a lone surrogate: invalid UTF-8, which Python reports
+        usr = "/usr" if self._rootless else str(self._home / "usr")
+        spec = oci_spec(self._python, str(self._home / "rootfs"), limits, self._options, usr=usr)
         (run / "config.json").write_text(json.dumps(spec))
         try:
             process = await asyncio.create_subprocess_exec(
@@ -273,10 +314,10 @@ class GvisorSandbox:
         except OSError as error:
             raise SandboxError(f"cannot start {self._runsc or self._options.runsc}: {error}") from error
         with RunTree(process) as tree:
-            feeding = asyncio.ensure_future(_feed(process, code.encode()))
+            feeding = asyncio.ensure_future(_feed(process, source))
             try:
-                watch = Watch(sandbox_usage, self._options.usage_poll_s, max_files=1 << 62)
-                stopped, stdout, stderr = await collect(process, tree, limits, watch)
+                watch = Watch(SentryUsage(), self._options.usage_poll_s, max_files=1 << 62)
+                stopped, stdout, stderr = await collect(process, tree, limits, watch)  # ends the tree on its errors
             finally:
                 feeding.cancel()
         if not stderr.startswith(STARTED):
@@ -286,10 +327,17 @@ class GvisorSandbox:
                              exit_code, stopped)
 
     def _command(self, run: Path) -> list[str]:
-        mode = ["--rootless"] if self._rootless else []
-        return [self._runsc or self._options.runsc, *mode, "--network=none", "--ignore-cgroups",
-                f"--platform={self._options.platform}", "--root", str(run / "state"),
-                "run", "--bundle", str(run), f"fastexp-{uuid.uuid4().hex}"]
+        runsc = [self._runsc or self._options.runsc, *(["--rootless"] if self._rootless else []), "--network=none",
+                 "--ignore-cgroups", f"--platform={self._options.platform}", "--root", str(run / "state"),
+                 "run", "--bundle", str(run), f"fastexp-{uuid.uuid4().hex}"]
+        if self._rootless:
+            return runsc
+        assert self._home is not None
+        # a mount namespace of runsc's own in which the run's /usr is a read-only bind without access times: the
+        # gofer's reads would otherwise stamp the host's files, which a later run reads back (the eighth review
+        # carried 64 bits so); the bind goes with the namespace when runsc exits
+        return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _USR_VIEW, "sh",
+                str(self._home / "usr"), *runsc]
 
 
 async def _feed(process: asyncio.subprocess.Process, code: bytes) -> None:
