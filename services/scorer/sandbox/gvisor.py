@@ -82,7 +82,7 @@ LAUNCHER = (
     "    out.write(code)\n"
     "os.execv(sys.executable, [sys.executable, '-I', '-B', 'main.py'])\n"
 )
-#: Run by a root scorer in runsc's own mount namespace before it execs runsc (``$1``: the view's mount point).
+#: Run in a mount namespace of its own before it execs the rest of its arguments (``$1``: the view's mount point).
 _USR_VIEW = 'mount --bind /usr "$1" && mount -o remount,bind,ro,nosuid,nodev,noatime "$1" && shift && exec "$@"'
 #: The uid and gid of the run's processes inside its kernel.
 _NOBODY = 65534
@@ -150,6 +150,17 @@ def make_rootfs(folder: Path) -> str:
             (folder / name).symlink_to(os.readlink(host))
     folder.chmod(0o755)
     return str(folder)
+
+
+def usr_view_prefix(view: str) -> list[str]:
+    """A command prefix (util-linux ``unshare`` and ``mount``, root only) that runs what follows in a mount
+    namespace of its own in which the empty folder ``view`` is ``/usr`` bound read-only and without access times,
+    for the run to bind as its ``/usr``. gVisor's ``ro`` is its own kernel's: its gofer reads the host's files
+    through the mount it is given, and on a writable one every read stamps a file's access time, which a later run
+    reads back (the eighth review carried 64 bits between calls so; a bubblewrap run reads through a read-only
+    bind, which the kernel never stamps). The namespace, and the bind with it, end with the process; nothing is
+    mounted where the scorer runs."""
+    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _USR_VIEW, "sh", view]
 
 
 class SentryUsage:
@@ -333,11 +344,8 @@ class GvisorSandbox:
         if self._rootless:
             return runsc
         assert self._home is not None
-        # a mount namespace of runsc's own in which the run's /usr is a read-only bind without access times: the
-        # gofer's reads would otherwise stamp the host's files, which a later run reads back (the eighth review
-        # carried 64 bits so); the bind goes with the namespace when runsc exits
-        return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _USR_VIEW, "sh",
-                str(self._home / "usr"), *runsc]
+        # the gofer's reads would otherwise stamp the host's files' access times (usr_view_prefix)
+        return [*usr_view_prefix(str(self._home / "usr")), *runsc]
 
 
 async def _feed(process: asyncio.subprocess.Process, code: bytes) -> None:
