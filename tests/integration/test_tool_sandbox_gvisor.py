@@ -10,6 +10,7 @@ running; and a tool episode through the real scorer's ``EnvironmentService`` on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import json
 import os
@@ -242,3 +243,44 @@ async def test_code_that_is_not_valid_text_fails_as_code(gvisor):
     result = await run(gvisor, "print('\ud800')")
     assert result.exit_code != 0 and "SyntaxError" in result.stderr, result
     assert set(_runsc_processes()) - before == set()
+
+
+BURST = """
+    import mmap, os, time
+    for _ in range(12):  # each under its own RLIMIT_AS, at once; 12 x 200 MB against memory_bytes 256 MiB
+        if os.fork() == 0:
+            block = mmap.mmap(-1, 200 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+            time.sleep(600)
+    time.sleep(600)
+"""
+
+
+async def test_a_burst_between_two_samples_meets_the_runs_memory_group(gvisor):
+    """The eighth review's burst: processes pre-faulting their memory at once reached 6.8 GB between two samples of
+    a 512 MiB run. A root scorer on a host with cgroup v1's memory controller puts each run in a memory group of its
+    own (``memory_bytes`` + :data:`GROUP_HEADROOM_BYTES`): the kernel refuses the memory past it, and the run ends
+    reported as over its memory."""
+    from services.scorer.sandbox.cgroup import MemoryGroups
+    from services.scorer.sandbox.gvisor import GROUP_HEADROOM_BYTES
+
+    groups = MemoryGroups.find()
+    assert groups is not None, "this host's memory controller is where the test expects it (cgroup v1, writable)"
+    peaks: list[int] = []
+    watching = asyncio.Event()
+
+    async def watch_the_group() -> None:  # the run's group, read while it exists
+        while True:
+            for group in groups.parent.glob("fastexp-run-*"):
+                with contextlib.suppress(OSError, ValueError):
+                    peaks.append(int((group / "memory.max_usage_in_bytes").read_text()))
+                    watching.set()
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.ensure_future(watch_the_group())
+    try:
+        result = await run(gvisor, BURST, SandboxLimits(timeout_s=120.0, cpu_s=60, memory_bytes=256 << 20))
+    finally:
+        watcher.cancel()
+    assert result.stopped == "memory", result
+    assert watching.is_set() and max(peaks) <= (256 << 20) + GROUP_HEADROOM_BYTES
+    assert not list(groups.parent.glob("fastexp-run-*"))  # each run's group is removed with it

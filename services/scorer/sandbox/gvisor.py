@@ -20,7 +20,9 @@ Each run is ``runsc run`` on an OCI bundle written for it (:func:`oci_spec`):
   ``usage_poll_s`` (:func:`sandbox_usage`): CPU seconds of the run's whole host tree (the Sentry, its gofer and the
   processes that stand for the tool's), and memory as the run's kernel holds it: the bytes allocated in the
   Sentry's memory file (every page of the tool's processes and of its tmpfs) and the anonymous memory of the host
-  processes (the Sentry's own objects: sockets, files, inodes the run made);
+  processes (the Sentry's own objects: sockets, files, inodes the run made); and for a root scorer where the host
+  lets it, a memory cgroup per run (:mod:`.cgroup`, ``memory_bytes`` + :data:`GROUP_HEADROOM_BYTES`) that the
+  kernel enforces between two samples;
 - one unit that ends once, as under bubblewrap (:class:`~services.scorer.sandbox.tree.RunTree`): however the call
   ends, the whole tree is killed and reaped before it returns, then the run's bundle and runsc's state are removed.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -56,6 +59,7 @@ from services.scorer.sandbox.base import (
     cut,
 )
 from services.scorer.sandbox.bubblewrap import default_python
+from services.scorer.sandbox.cgroup import MemoryGroup, MemoryGroups
 from services.scorer.sandbox.supervise import Watch, collect
 from services.scorer.sandbox.tree import RunTree
 from services.scorer.sandbox.usage import (
@@ -67,6 +71,8 @@ from services.scorer.sandbox.usage import (
     tree_of,
     tree_usage_of,
 )
+
+logger = logging.getLogger(__name__)
 
 #: What the Sentry's memory file (every page the run's kernel gives its processes and its tmpfs) is named as.
 MEMORY_FILE = "/memfd:runsc-memory"
@@ -83,7 +89,11 @@ LAUNCHER = (
     "os.execv(sys.executable, [sys.executable, '-I', '-B', 'main.py'])\n"
 )
 #: Run in a mount namespace of its own before it execs the rest of its arguments (``$1``: the view's mount point).
-_USR_VIEW = 'mount --bind /usr "$1" && mount -o remount,bind,ro,nosuid,nodev,noatime "$1" && shift && exec "$@"'
+_USR_VIEW = ('mount --bind /usr "$1" && mount -o remount,bind,ro,nosuid,nodev,noatime "$1" && '
+             '{ [ -z "$2" ] || echo $$ > "$2"; } && shift 2 && exec "$@"')
+#: What a run's memory group holds beyond ``memory_bytes``: the Sentry's, its gofer's and runsc's own memory (the
+#: sampled limit stops the run at ``memory_bytes``; the group bounds what it can reach between two samples).
+GROUP_HEADROOM_BYTES = 256 * MIB
 #: The uid and gid of the run's processes inside its kernel.
 _NOBODY = 65534
 #: Descriptors each of the run's processes may hold.
@@ -152,15 +162,16 @@ def make_rootfs(folder: Path) -> str:
     return str(folder)
 
 
-def usr_view_prefix(view: str) -> list[str]:
+def usr_view_prefix(view: str, procs: str = "") -> list[str]:
     """A command prefix (util-linux ``unshare`` and ``mount``, root only) that runs what follows in a mount
     namespace of its own in which the empty folder ``view`` is ``/usr`` bound read-only and without access times,
-    for the run to bind as its ``/usr``. gVisor's ``ro`` is its own kernel's: its gofer reads the host's files
+    for the run to bind as its ``/usr``; and in the memory group whose ``cgroup.procs`` is ``procs`` (``""``: none,
+    :mod:`.cgroup`). gVisor's ``ro`` is its own kernel's: its gofer reads the host's files
     through the mount it is given, and on a writable one every read stamps a file's access time, which a later run
     reads back (the eighth review carried 64 bits between calls so; a bubblewrap run reads through a read-only
     bind, which the kernel never stamps). The namespace, and the bind with it, end with the process; nothing is
     mounted where the scorer runs."""
-    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _USR_VIEW, "sh", view]
+    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _USR_VIEW, "sh", view, procs]
 
 
 class SentryUsage:
@@ -254,6 +265,7 @@ class GvisorSandbox:
         self._slots = asyncio.Semaphore(options.max_concurrent)
         self._home: Path | None = None  # this backend's folder: the root's skeleton and each run's bundle and state
         self._rootless = os.geteuid() != 0
+        self._groups = None if self._rootless else MemoryGroups.find()  # a memory cgroup per run where it may
         self.description = f"gVisor ({self._runsc or options.runsc}, {options.platform}; {self._python})"
 
     async def check(self) -> None:
@@ -290,10 +302,22 @@ class GvisorSandbox:
         """
         async with self._slots:
             run = Path(tempfile.mkdtemp(prefix="run-", dir=self._folder()))
+            group = self._group(limits)
             try:
-                return await self._run(code, limits, run)
-            finally:
+                return await self._run(code, limits, run, group)
+            finally:  # the run's tree is gone by now (collect): its group is empty
+                if group is not None:
+                    group.remove()
                 shutil.rmtree(run, ignore_errors=True)
+
+    def _group(self, limits: SandboxLimits) -> MemoryGroup | None:
+        if self._groups is None:
+            return None
+        try:
+            return self._groups.create(limits.memory_bytes + GROUP_HEADROOM_BYTES)
+        except OSError as error:  # the sampled limits still hold
+            logger.warning("no memory group for a tool run (%s): its memory is sampled only", error)
+            return None
 
     async def close(self) -> None:
         if self._home is not None:
@@ -311,7 +335,7 @@ class GvisorSandbox:
             (self._home / "usr").mkdir()  # where a root scorer's runs see /usr without access times (_command)
         return self._home
 
-    async def _run(self, code: str, limits: SandboxLimits, run: Path) -> SandboxResult:
+    async def _run(self, code: str, limits: SandboxLimits, run: Path, group: MemoryGroup | None) -> SandboxResult:
         assert self._home is not None
         source = code.encode(errors="surrogatepass")  # a lone surrogate: invalid UTF-8, which Python reports
         usr = "/usr" if self._rootless else str(self._home / "usr")
@@ -319,7 +343,7 @@ class GvisorSandbox:
         (run / "config.json").write_text(json.dumps(spec))
         try:
             process = await asyncio.create_subprocess_exec(
-                *self._command(run), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                *self._command(run, group), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
             )
         except OSError as error:
@@ -334,10 +358,12 @@ class GvisorSandbox:
         if not stderr.startswith(STARTED):
             raise SandboxError(stderr.decode(errors="replace").strip() or f"runsc exited {process.returncode}")
         exit_code = process.returncode if process.returncode is not None else -1
+        if not stopped and group is not None and group.oom_kills():
+            stopped = "memory"  # the kernel ended it at its group's limit
         return SandboxResult(cut(stdout, limits.max_output_bytes), cut(stderr[len(STARTED):], limits.max_output_bytes),
                              exit_code, stopped)
 
-    def _command(self, run: Path) -> list[str]:
+    def _command(self, run: Path, group: MemoryGroup | None) -> list[str]:
         runsc = [self._runsc or self._options.runsc, *(["--rootless"] if self._rootless else []), "--network=none",
                  "--ignore-cgroups", f"--platform={self._options.platform}", "--root", str(run / "state"),
                  "run", "--bundle", str(run), f"fastexp-{uuid.uuid4().hex}"]
@@ -345,7 +371,7 @@ class GvisorSandbox:
             return runsc
         assert self._home is not None
         # the gofer's reads would otherwise stamp the host's files' access times (usr_view_prefix)
-        return [*usr_view_prefix(str(self._home / "usr")), *runsc]
+        return [*usr_view_prefix(str(self._home / "usr"), group.procs if group is not None else ""), *runsc]
 
 
 async def _feed(process: asyncio.subprocess.Process, code: bytes) -> None:
