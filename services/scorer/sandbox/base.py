@@ -111,3 +111,21 @@ def cut(data: bytes, limit: int) -> str:
 #: The probe every backend runs at start (its output must be exactly ``PROBE_OUTPUT``).
 PROBE_CODE = "print(6 * 7)"
 PROBE_OUTPUT = "42"
+
+
+async def probe(sandbox: Sandbox, timeout_s: float, python: str, cannot: str) -> None:
+    """Run :data:`PROBE_CODE` through ``sandbox`` (its ``check``'s last step).
+
+    Raises:
+        SandboxUnavailable: the run could not be carried out (``cannot``, where ``{error}`` is the backend's
+            message: what fails here and the fix), or the probe printed something else (``python`` named).
+    """
+    try:
+        result = await sandbox.run(PROBE_CODE, SandboxLimits(timeout_s=timeout_s))
+    except SandboxError as error:
+        raise SandboxUnavailable(cannot.format(error=error)) from error
+    if result.stdout.strip() != PROBE_OUTPUT:
+        raise SandboxUnavailable(
+            f"the sandbox's probe printed {result.stdout.strip()!r} (exit {result.exit_code}; stderr "
+            f"{result.stderr.strip()[:300]!r}): check sandbox.python ({python}) can run with only /usr"
+        )

@@ -55,13 +55,12 @@ from dataclasses import dataclass
 
 from services.scorer.sandbox.base import (
     MIB,
-    PROBE_CODE,
-    PROBE_OUTPUT,
     SandboxError,
     SandboxLimits,
     SandboxResult,
     SandboxUnavailable,
     cut,
+    probe,
 )
 from services.scorer.sandbox.bwrap_args import (
     LAUNCHER,
@@ -137,20 +136,11 @@ class BubblewrapSandbox:
             raise SandboxUnavailable(f"sandbox.python {self._python!r} is not an executable interpreter")
         version = await _bwrap_version(bwrap)
         self.description = f"bubblewrap {version} ({self._python}; host uid {self._uid or os.geteuid()})"
-        try:
-            result = await self.run(PROBE_CODE, SandboxLimits(timeout_s=30.0))
-        except SandboxError as error:
-            raise SandboxUnavailable(
-                f"bubblewrap cannot isolate a run here: {error}. Fix: allow unprivileged user namespaces "
-                "(sysctl user.max_user_namespaces > 0 and kernel.unprivileged_userns_clone = 1); in a container, give "
-                "the sandbox the security options of deploy/ (its `sandbox` service), or set sandbox.backend to "
-                "'remote'"
-            ) from error
-        if result.stdout.strip() != PROBE_OUTPUT:
-            raise SandboxUnavailable(
-                f"the sandbox's probe printed {result.stdout.strip()!r} (exit {result.exit_code}; stderr "
-                f"{result.stderr.strip()[:300]!r}): check sandbox.python ({self._python}) can run with only /usr"
-            )
+        await probe(self, 30.0, self._python,
+                    "bubblewrap cannot isolate a run here: {error}. Fix: allow unprivileged user namespaces "
+                    "(sysctl user.max_user_namespaces > 0 and kernel.unprivileged_userns_clone = 1); in a container, "
+                    "give the sandbox the security options of deploy/ (its `sandbox` service), or set sandbox.backend "
+                    "to 'remote'")
 
     async def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
         """Run ``code`` in a fresh sandbox (module docs) under ``limits``.

@@ -50,13 +50,12 @@ from typing import Any
 
 from services.scorer.sandbox.base import (
     MIB,
-    PROBE_CODE,
-    PROBE_OUTPUT,
     SandboxError,
     SandboxLimits,
     SandboxResult,
     SandboxUnavailable,
     cut,
+    probe,
 )
 from services.scorer.sandbox.bubblewrap import default_python
 from services.scorer.sandbox.cgroup import MemoryGroup, MemoryGroups
@@ -281,18 +280,10 @@ class GvisorSandbox:
             )
         if not self._python.startswith("/usr/") or not os.access(self._python, os.X_OK):
             raise SandboxUnavailable(f"sandbox.python {self._python!r} must be an interpreter under /usr")
-        try:
-            result = await self.run(PROBE_CODE, SandboxLimits(timeout_s=60.0))
-        except SandboxError as error:
-            raise SandboxUnavailable(
-                f"gVisor cannot start a sandbox here: {error}. Fix: the ptrace platform needs ptrace (a container "
-                "runtime's default seccomp profile refuses it: see docs/operations/security.md), kvm needs /dev/kvm"
-            ) from error
-        if result.stdout.strip() != PROBE_OUTPUT:
-            raise SandboxUnavailable(
-                f"the sandbox's probe printed {result.stdout.strip()!r} (exit {result.exit_code}; stderr "
-                f"{result.stderr.strip()[:300]!r}): check sandbox.python ({self._python}) can run with only /usr"
-            )
+        await probe(self, 60.0, self._python,
+                    "gVisor cannot start a sandbox here: {error}. Fix: the ptrace platform needs ptrace (a container "
+                    "runtime's default seccomp profile refuses it: see docs/operations/security.md), kvm needs "
+                    "/dev/kvm")
 
     async def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
         """Run ``code`` in a fresh gVisor sandbox (module docs) under ``limits``.
