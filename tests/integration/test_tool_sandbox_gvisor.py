@@ -24,6 +24,7 @@ import pytest
 
 from fastexp.v1 import environment_pb2, environment_pb2_grpc
 from services.scorer.sandbox import GvisorSandbox, SandboxLimits, SandboxSettings, build_sandbox
+from services.scorer.sandbox.cgroup import MemoryGroups
 from services.scorer.server import build_scorer, start_scorer
 from services.scorer.settings import ScorerSettings
 
@@ -152,7 +153,7 @@ async def test_a_cancelled_run_leaves_nothing_running(gvisor):
         await call
     assert set(_runsc_processes(gvisor)) - before == set()
     home = gvisor._home
-    assert home is not None and sorted(p.name for p in home.iterdir()) == ["rootfs", "usr"]  # no run's bundle or state
+    assert home is not None and sorted(p.name for p in home.iterdir()) == ["root", "rootfs", "usr"]  # no run's bundle or state
 
 
 async def test_a_tool_episode_runs_under_gvisor_through_the_scorer(tmp_path):
@@ -292,3 +293,48 @@ async def test_a_burst_between_two_samples_meets_the_runs_memory_group(gvisor):
     assert len(mine) == 1 and next(iter(mine)).name.startswith("fastexp-run-") and next(iter(mine)).parent == groups.parent
     assert max(peaks) <= (256 << 20) + GROUP_HEADROOM_BYTES + (1 << 20)  # (the kernel charges pages in batches)
     assert not next(iter(mine)).exists()  # each run's group is removed with it
+
+
+async def test_the_root_is_a_filesystem_of_the_runs_own(gvisor):
+    """The ninth review: gVisor answers statfs('/') with the host filesystem the root lies on, and on /dev/shm, where
+    runs' bundles are written, its free inodes told how many runs were going. A root scorer's runs get a root on a
+    1 MiB tmpfs of their own (64 inodes), which nothing else writes."""
+    result = await run(gvisor, """
+        import os
+        s = os.statvfs('/')
+        print(s.f_blocks * s.f_frsize, s.f_files)
+    """)
+    size, inodes = (int(x) for x in result.stdout.split())
+    assert size <= 1 << 20 and inodes <= 64, result
+
+
+async def test_each_runs_memory_group_is_removed_even_when_its_processes_outlive_runsc(gvisor):
+    """The ninth review: runsc is reaped before the Sentry, gofer and the processes standing for the tool's, which
+    may still be exiting in the run's group; removing it then failed (EBUSY) and the group stayed (5 of 12 runs whose
+    parent exits while children hold memory). What is left is killed and the group removed."""
+    made: list[Path] = []
+
+    class Recorded(MemoryGroups):
+        def create(self, limit_bytes: int):
+            group = super().create(limit_bytes)
+            made.append(group.path)
+            return group
+
+    assert gvisor._groups is not None
+    gvisor._groups, groups = Recorded(gvisor._groups.parent), gvisor._groups
+    try:
+        for _ in range(8):
+            result = await run(gvisor, """
+                import os, time
+                for _ in range(6):
+                    if os.fork() == 0:
+                        block = bytearray(60 << 20)
+                        for i in range(0, len(block), 4096):
+                            block[i] = 1
+                        time.sleep(100)
+                print('parent exits')
+            """, SPARE_CPU)
+            assert result.stdout.strip() == "parent exits", result
+    finally:
+        gvisor._groups = groups
+    assert len(made) == 8 and not [path for path in made if path.exists()]

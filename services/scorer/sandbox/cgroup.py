@@ -15,9 +15,12 @@ keep the sampled limits (docs/operations/security.md).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
+import signal
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,15 @@ logger = logging.getLogger(__name__)
 
 #: Where cgroup v1's memory controller is mounted.
 MEMORY_CONTROLLER = Path("/sys/fs/cgroup/memory")
+#: A run's group's name: this prefix and a random suffix.
+PREFIX = "fastexp-run-"
+#: Seconds :meth:`MemoryGroup.end` waits for a run's last processes to be gone before it leaves the group.
+END_TIMEOUT_S = 10.0
+#: Seconds between two tries.
+END_POLL_S = 0.02
+#: Age past which an empty group is a leftover (:meth:`MemoryGroups.sweep`): a live run's is empty only between
+#: its creation and ``runsc`` joining it, well under a second.
+SWEEP_AGE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -51,13 +63,24 @@ class MemoryGroups:
                     return cls(parent)
         return None
 
+    def sweep(self, older_than_s: float = SWEEP_AGE_S) -> int:
+        """Remove this scorer's kind of group left empty below the parent for longer than ``older_than_s`` (a
+        scorer that crashed, a group :meth:`MemoryGroup.end` gave up on); returns how many."""
+        removed, now = 0, time.time()
+        for path in self.parent.glob(f"{PREFIX}*"):
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime > older_than_s and not (path / "cgroup.procs").read_text().strip():
+                    path.rmdir()
+                    removed += 1
+        return removed
+
     def create(self, limit_bytes: int) -> MemoryGroup:
         """A new group of ``limit_bytes`` (memory, kernel memory included) for one run.
 
         Raises:
             OSError: the group could not be made or limited (none is left).
         """
-        path = self.parent / f"fastexp-run-{uuid.uuid4().hex}"
+        path = self.parent / f"{PREFIX}{uuid.uuid4().hex}"
         path.mkdir()
         group = MemoryGroup(path)
         try:
@@ -93,11 +116,60 @@ class MemoryGroup:
             return int((self.path / "memory.max_usage_in_bytes").read_text())
         return 0
 
-    def remove(self) -> None:
-        """Remove the group (once its processes are gone; a group still busy is logged and left)."""
+    def pids(self) -> list[int]:
+        """The processes in the group now (exiting ones and zombies until they are reaped)."""
+        try:
+            return [int(pid) for pid in (self.path / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            return []
+
+    async def end(self, timeout_s: float = END_TIMEOUT_S) -> None:
+        """Kill what is left in the group and remove it, even while the caller is cancelled. A run's ``runsc`` is
+        reaped before its Sentry, gofer and the processes standing for the tool's are: they may still be exiting,
+        and a group is removable only once they are gone (the ninth review left groups so). Each is killed again
+        until none is listed, then the group is removed; one still busy after ``timeout_s`` is logged and left for
+        :meth:`MemoryGroups.sweep`."""
+        loop = asyncio.get_running_loop()
+        deadline, cancelled = loop.time() + timeout_s, False
+        while not self._removed(loop.time() > deadline):
+            try:
+                await asyncio.sleep(END_POLL_S)
+            except asyncio.CancelledError:  # the group goes even when the call is cancelled; the cancel then holds
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _removed(self, last_try: bool) -> bool:
+        """Kill what is listed, then try to remove the group; whether it is gone (or left, on the ``last_try``)."""
+        for pid in self.pids():
+            _kill_in(pid, self.path)
         try:
             self.path.rmdir()
         except FileNotFoundError:
             pass
         except OSError as error:
+            if not last_try:
+                return False
             logger.warning("a run's memory group could not be removed: %s (%s)", self.path, error)
+        return True
+
+    def remove(self) -> None:
+        """Remove the group if it is empty (nothing where it is not)."""
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+def _kill_in(pid: int, group: Path) -> None:
+    """SIGKILL ``pid`` if it is still in ``group`` (through a pidfd: not a process that took its pid since)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        memory = next(line for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if ":memory:" in line)
+        if memory.split(":", 2)[2].rstrip("/").endswith(group.name):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except (OSError, StopIteration):
+        pass
+    finally:
+        os.close(fd)

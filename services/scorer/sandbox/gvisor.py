@@ -87,9 +87,11 @@ LAUNCHER = (
     "    out.write(code)\n"
     "os.execv(sys.executable, [sys.executable, '-I', '-B', 'main.py'])\n"
 )
-#: Run in a mount namespace of its own before it execs the rest of its arguments (``$1``: the view's mount point).
+#: Run in a mount namespace of its own before it execs the rest of its arguments: ``$1`` the /usr view's mount
+#: point, ``$2`` the memory group's ``cgroup.procs`` (or empty), ``$3`` the root's mount point, ``$4`` its skeleton.
 _USR_VIEW = ('mount --bind /usr "$1" && mount -o remount,bind,ro,nosuid,nodev,noatime "$1" && '
-             '{ [ -z "$2" ] || echo $$ > "$2"; } && shift 2 && exec "$@"')
+             'mount -t tmpfs -o size=1m,nr_inodes=64,mode=755 fastexp-root "$3" && cp -a "$4/." "$3" && '
+             '{ [ -z "$2" ] || echo $$ > "$2"; } && shift 4 && exec "$@"')
 #: What a run's memory group holds beyond ``memory_bytes``: the Sentry's, its gofer's and runsc's own memory (the
 #: sampled limit stops the run at ``memory_bytes``; the group bounds what it can reach between two samples).
 GROUP_HEADROOM_BYTES = 256 * MIB
@@ -161,16 +163,20 @@ def make_rootfs(folder: Path) -> str:
     return str(folder)
 
 
-def usr_view_prefix(view: str, procs: str = "") -> list[str]:
+def usr_view_prefix(view: str, root: str, skeleton: str, procs: str = "") -> list[str]:
     """A command prefix (util-linux ``unshare`` and ``mount``, root only) that runs what follows in a mount
     namespace of its own in which the empty folder ``view`` is ``/usr`` bound read-only and without access times,
-    for the run to bind as its ``/usr``; and in the memory group whose ``cgroup.procs`` is ``procs`` (``""``: none,
-    :mod:`.cgroup`). gVisor's ``ro`` is its own kernel's: its gofer reads the host's files
+    for the run to bind as its ``/usr``; the empty folder ``root`` a tmpfs of its own holding a copy of
+    ``skeleton`` (:func:`make_rootfs`), for the run's root: gVisor answers ``statfs('/')`` with the figures of the
+    host filesystem its root lies on, and on one other runs' bundles are written to they move with every run (the
+    ninth review read how many ran at once); and in the memory group whose ``cgroup.procs`` is ``procs`` (``""``:
+    none, :mod:`.cgroup`). gVisor's ``ro`` is its own kernel's: its gofer reads the host's files
     through the mount it is given, and on a writable one every read stamps a file's access time, which a later run
     reads back (the eighth review carried 64 bits between calls so; a bubblewrap run reads through a read-only
     bind, which the kernel never stamps). The namespace, and the bind with it, end with the process; nothing is
     mounted where the scorer runs."""
-    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _USR_VIEW, "sh", view, procs]
+    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", _USR_VIEW, "sh", view, procs,
+            root, skeleton]
 
 
 class SentryUsage:
@@ -265,6 +271,8 @@ class GvisorSandbox:
         self._home: Path | None = None  # this backend's folder: the root's skeleton and each run's bundle and state
         self._rootless = os.geteuid() != 0
         self._groups = None if self._rootless else MemoryGroups.find()  # a memory cgroup per run where it may
+        if self._groups is not None:
+            self._groups.sweep()  # groups a scorer that crashed left
         self.description = f"gVisor ({self._runsc or options.runsc}, {options.platform}; {self._python})"
 
     async def check(self) -> None:
@@ -296,9 +304,9 @@ class GvisorSandbox:
             group = self._group(limits)
             try:
                 return await self._run(code, limits, run, group)
-            finally:  # the run's tree is gone by now (collect): its group is empty
+            finally:  # the run's tree is reaped by now (collect); what it left exiting goes with its group
                 if group is not None:
-                    group.remove()
+                    await group.end()
                 shutil.rmtree(run, ignore_errors=True)
 
     def _group(self, limits: SandboxLimits) -> MemoryGroup | None:
@@ -324,13 +332,15 @@ class GvisorSandbox:
             self._home.chmod(0o711)  # runsc's gofer reads the root's skeleton below it
             make_rootfs(self._home / "rootfs")
             (self._home / "usr").mkdir()  # where a root scorer's runs see /usr without access times (_command)
+            (self._home / "root").mkdir()  # and their root, a tmpfs of its own (_command)
         return self._home
 
     async def _run(self, code: str, limits: SandboxLimits, run: Path, group: MemoryGroup | None) -> SandboxResult:
         assert self._home is not None
         source = code.encode(errors="surrogatepass")  # a lone surrogate: invalid UTF-8, which Python reports
         usr = "/usr" if self._rootless else str(self._home / "usr")
-        spec = oci_spec(self._python, str(self._home / "rootfs"), limits, self._options, usr=usr)
+        root = str(self._home / ("rootfs" if self._rootless else "root"))
+        spec = oci_spec(self._python, root, limits, self._options, usr=usr)
         (run / "config.json").write_text(json.dumps(spec))
         try:
             process = await asyncio.create_subprocess_exec(
@@ -362,7 +372,9 @@ class GvisorSandbox:
             return runsc
         assert self._home is not None
         # the gofer's reads would otherwise stamp the host's files' access times (usr_view_prefix)
-        return [*usr_view_prefix(str(self._home / "usr"), group.procs if group is not None else ""), *runsc]
+        procs = group.procs if group is not None else ""
+        home = self._home
+        return [*usr_view_prefix(str(home / "usr"), str(home / "root"), str(home / "rootfs"), procs), *runsc]
 
 
 async def _feed(process: asyncio.subprocess.Process, code: bytes) -> None:
