@@ -44,10 +44,11 @@ $(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
 	touch $(PROTO_STAMP)
 
 # The ops tests run Debian's docker-compose (`docker-compose config`), prometheus (a real scrape) and kubectl
-# (`kubectl kustomize`); the tool sandbox's tests run bubblewrap (`bwrap`) and gVisor (`runsc`); the state store's tests a real PostgreSQL
+# (`kubectl kustomize`); the tool sandbox's tests run bubblewrap (`bwrap`) and gVisor (`runsc`; `fincore` reads the page cache);
+# the state store's tests a real PostgreSQL
 # server (Debian's postgresql: initdb and pg_ctl under /usr/lib/postgresql). Missing ones are installed with apt-get
 # where that is possible (root on Debian).
-OPS_TOOLS := docker-compose:docker-compose prometheus:prometheus kubectl:kubernetes-client bwrap:bubblewrap redis-server:redis-server pg_ctlcluster:postgresql runsc:runsc
+OPS_TOOLS := docker-compose:docker-compose prometheus:prometheus kubectl:kubernetes-client bwrap:bubblewrap redis-server:redis-server pg_ctlcluster:postgresql runsc:runsc fincore:util-linux-extra
 tools:
 	@missing=""; for pair in $(OPS_TOOLS); do command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
 	if [ -n "$$missing" ]; then \

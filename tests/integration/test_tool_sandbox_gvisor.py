@@ -17,6 +17,7 @@ import os
 import secrets
 import socket
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def _parent(pid: int) -> int | None:
 
 async def test_counters_of_the_kernel_start_fresh_in_every_run(gvisor):
     """The pipe/socket inode counter is one per kernel: under bubblewrap a run that makes 500 pipes moves the next
-    run's numbers by 1,000 (bits carried between calls); here every run's first pipe has the same number."""
+    run's numbers by thousands (bits carried between calls); here every run's first pipe has the same number."""
     probe = """
         import os, socket
         first, _ = os.pipe()
@@ -193,7 +194,7 @@ async def test_a_tool_episode_runs_under_gvisor_through_the_scorer(tmp_path):
 async def test_the_host_mappings_standing_for_the_runs_count_toward_its_memory(gvisor):
     """Under the ptrace platform each mapping of the tool's is a mapping of a host process (kernel memory no resident
     set shows): :func:`sandbox_usage` counts them, so they weigh on ``memory_bytes`` (MAPPING_BYTES each)."""
-    from services.scorer.sandbox.gvisor import sandbox_usage
+    from services.scorer.sandbox.gvisor_usage import sandbox_usage
     from services.scorer.sandbox.usage import MAPPING_BYTES
 
     before = set(_runsc_processes(gvisor))
@@ -218,7 +219,7 @@ async def test_the_host_mappings_standing_for_the_runs_count_toward_its_memory(g
         usage = await asyncio.to_thread(sandbox_usage, roots[0]) if roots else None
         seen = usage[0].mappings if usage else 0
         await asyncio.sleep(0.1)
-    assert usage is not None and usage[0].memory_bytes >= seen * MAPPING_BYTES + usage[0].shared_bytes
+    assert usage is not None and usage[0].memory_bytes > seen * MAPPING_BYTES  # and they weigh on its memory
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
@@ -232,8 +233,12 @@ async def test_reading_usr_leaves_no_access_time_and_runs_write_nothing_beside_i
     path = sorted(glob.glob("/usr/lib/python3*/this.py"))[0]
     before = os.stat(path)
     stale = before.st_mtime_ns - 2 * 86_400 * 10**9  # older than its contents: relatime stamps the next read
-    os.utime(path, ns=(stale, before.st_mtime_ns))
     try:
+        os.utime(path, ns=(stale, before.st_mtime_ns))
+        with open(path, "rb") as file:  # the control: the host's own read is stamped on this filesystem
+            file.read()
+        assert os.stat(path).st_atime_ns != stale, "this host does not stamp access times: nothing to test"
+        os.utime(path, ns=(stale, before.st_mtime_ns))
         result = await run(gvisor, f"print(len(open({path!r}, 'rb').read()))")
         assert result.stdout.strip() == str(before.st_size), result
         assert os.stat(path).st_atime_ns == stale
@@ -341,34 +346,72 @@ async def test_each_runs_memory_group_is_removed_even_when_its_processes_outlive
     assert len(made) == 8 and not [path for path in made if path.exists()]
 
 
-def _memory_groups_alive() -> int:
-    """The host's memory groups the kernel holds, removed-but-alive ones included (``/proc/cgroups``)."""
-    for line in Path("/proc/cgroups").read_text().splitlines():
-        if line.startswith("memory\t") or line.startswith("memory "):
-            return int(line.split()[2])
-    raise AssertionError("no memory controller in /proc/cgroups")
-
-
-async def test_a_runs_memory_group_does_not_stay_alive_in_the_kernel(gvisor):
+async def test_a_runs_memory_group_is_emptied_before_it_is_removed(gvisor):
     """The tenth review: a group removed while pages of the page cache were still charged to it (a /usr file its run
-    read first) stayed alive in the kernel, out of sight, one of the host's 65,535 memory-group ids a call. Reading
-    an uncached file in each of 4 runs leaves the host's count of memory groups where it was."""
+    read first) stayed alive in the kernel, out of sight, one of the host's 65,535 memory-group ids a call. The
+    scorer empties each group (``memory.force_empty``) before removing it: what 4 runs each brought into the page
+    cache (files evicted first) is out of it again after them, so nothing was left charged to their groups; and a
+    later run cannot time those files (the eighth review read 29 of 32 bits so between calls)."""
     files = sorted(glob.glob("/usr/lib/python3*/*.py"))[:4]
-    before = _memory_groups_alive()
     for path in files:
         with open(path, "rb") as file:  # out of the page cache: the run's read brings it in, charged to its group
             os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        assert _cached_pages(path) == 0
         result = await run(gvisor, f"print(len(open({path!r}, 'rb').read()))")
         assert result.stdout.strip() == str(os.path.getsize(path)), result
-    # the kernel frees a removed group's id once its last reference is dropped, shortly after the removal (a
-    # workqueue): wait for that event; a group kept alive by charged pages never gets there
+        assert _cached_pages(path) == 0, path
+    with open(files[0], "rb") as file:  # the control: a read of the host's own does cache it
+        file.read()
+    assert _cached_pages(files[0]) > 0
+
+
+def _cached_pages(path: str) -> int:
+    """Pages of ``path`` in the host's page cache (util-linux ``fincore``)."""
+    out = subprocess.run(["fincore", "--noheadings", "--output", "PAGES", path], capture_output=True, text=True,
+                         check=True).stdout
+    return int(out.split()[0])
+
+
+_SCORER_TO_KILL = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+from services.scorer.sandbox import GvisorSandbox, SandboxLimits
+
+async def main():
+    sandbox = GvisorSandbox()
+    print(sandbox._folder(), flush=True)
+    await sandbox.run("while True: pass", SandboxLimits(timeout_s=3600, cpu_s=3600))
+
+asyncio.run(main())
+"""
+
+
+def _processes_under(home: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if home.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+async def test_a_run_dies_with_its_scorer():
+    """The review of this change: the run's limits are the scorer's to keep, so a scorer killed outright (SIGKILL,
+    the OOM killer) must take its runs with it, as a bubblewrap run's --die-with-parent does. A scorer process is
+    killed while its run spins; the run's processes go."""
+    scorer = await asyncio.create_subprocess_exec(sys.executable, "-c", _SCORER_TO_KILL, str(ROOT),
+                                                  stdout=asyncio.subprocess.PIPE)
+    assert scorer.stdout is not None
+    home = (await scorer.stdout.readline()).decode().strip()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 60
-    while _memory_groups_alive() > before:  # (others' removed groups may go meanwhile: never more)
-        assert loop.time() < deadline, (before, _memory_groups_alive())
-        await asyncio.sleep(0.1)
-    # and what a run alone brought into the page cache left with it: a later run cannot time it (the eighth review
-    # read 29 of 32 bits so between calls)
-    cached = subprocess.run(["fincore", "--noheadings", "--output", "PAGES", *files], capture_output=True, text=True,
-                            check=True).stdout.split()
-    assert cached == ["0"] * len(files)
+    while not [pid for pid in _processes_under(home) if pid != scorer.pid]:  # the event: its run is up
+        assert loop.time() < deadline and scorer.returncode is None, "the run never started"
+        await asyncio.sleep(0.05)
+    scorer.kill()
+    await scorer.wait()
+    deadline = loop.time() + 30
+    while left := _processes_under(home):  # the event: the last of them gone
+        assert loop.time() < deadline, f"the run outlived its scorer: {left}"
+        await asyncio.sleep(0.05)

@@ -53,6 +53,7 @@ CORES = [
     "services/scorer/environments.py", "services/scorer/builtin_environments.py",
     "services/scorer/sandbox/base.py", "services/scorer/sandbox/bubblewrap.py", "services/scorer/sandbox/remote.py",
     "services/scorer/sandbox/gvisor.py", "services/scorer/sandbox/supervise.py", "services/scorer/sandbox/cgroup.py",
+    "services/scorer/sandbox/gvisor_usage.py",
     "services/scorer/tool_calls.py", "services/generator/engine.py",
     "services/generator/hf_engine.py", "services/generator/vllm_engine.py", "services/scorer/scorer.py",
     "services/scorer/composition.py", "services/scorer/rules.py", "services/scorer/models.py",

@@ -1,6 +1,6 @@
 """A memory cgroup per tool run, below the scorer's own, where the host lets the scorer write one.
 
-Sampling a run's memory (:mod:`.usage`, :func:`.gvisor.sandbox_usage`) stops it at the next sample: between two, a
+Sampling a run's memory (:mod:`.usage`, :func:`.gvisor_usage.sandbox_usage`) stops it at the next sample: between two, a
 run's processes can each reach their own address-space limit at once (the eighth review held 6.8 GB for 1.7 s
 against 512 MiB with 15 processes pre-faulting 450 MB each). In a memory cgroup the kernel refuses the memory as it
 is asked for: past the group's limit it reclaims, then kills a process of the group (the run ends; the scorer reads
@@ -70,6 +70,7 @@ class MemoryGroups:
         for path in self.parent.glob(f"{PREFIX}*"):
             with contextlib.suppress(OSError):
                 if now - path.stat().st_mtime > older_than_s and not (path / "cgroup.procs").read_text().strip():
+                    (path / "memory.force_empty").write_text("0")  # else it stays alive in the kernel (_removed)
                     path.rmdir()
                     removed += 1
         return removed
@@ -85,6 +86,9 @@ class MemoryGroups:
         group = MemoryGroup(path)
         try:
             (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            swap = path / "memory.memsw.limit_in_bytes"  # where swap is accounted: memory and swap together
+            if swap.exists():
+                swap.write_text(str(limit_bytes))
         except OSError:
             group.remove()
             raise
@@ -131,12 +135,16 @@ class MemoryGroup:
         :meth:`MemoryGroups.sweep`."""
         loop = asyncio.get_running_loop()
         deadline, cancelled = loop.time() + timeout_s, False
+        attempt: asyncio.Future[bool] | None = None
         while True:
             try:  # the group goes even when the call is cancelled; the cancel then holds (re-raised below)
-                if await asyncio.shield(asyncio.to_thread(self._removed, loop.time() > deadline)):
+                if attempt is None:
+                    attempt = asyncio.ensure_future(asyncio.to_thread(self._removed, loop.time() > deadline))
+                if await asyncio.shield(attempt):
                     break
+                attempt = None
                 await asyncio.sleep(END_POLL_S)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # an attempt under way is awaited again, not started twice
                 cancelled = True
         if cancelled:
             raise asyncio.CancelledError

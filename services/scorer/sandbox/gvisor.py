@@ -17,10 +17,11 @@ Each run is ``runsc run`` on an OCI bundle written for it (:func:`oci_spec`):
   environment but ``PATH``, ``HOME`` and ``LANG``;
 - limits per process as rlimits (``RLIMIT_NPROC`` = ``max_processes``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``,
   ``RLIMIT_NOFILE``, ``RLIMIT_CORE`` 0; gVisor does not enforce ``RLIMIT_CPU``), and limits per run sampled every
-  ``usage_poll_s`` (:func:`sandbox_usage`): CPU seconds of the run's whole host tree (the Sentry, its gofer and the
+  ``usage_poll_s`` (:func:`.gvisor_usage.sandbox_usage`): CPU seconds of the run's whole host tree (the Sentry, its gofer and the
   processes that stand for the tool's), and memory as the run's kernel holds it: the bytes allocated in the
   Sentry's memory file (every page of the tool's processes and of its tmpfs) and the anonymous memory of the host
-  processes (the Sentry's own objects: sockets, files, inodes the run made); and for a root scorer where the host
+  processes (the Sentry's own objects: sockets, files, inodes the run made; and runsc's, the gofer's and the
+  Sentry's own Go heaps, a few MiB each); and for a root scorer where the host
   lets it, a memory cgroup per run (:mod:`.cgroup`, ``memory_bytes`` + :data:`GROUP_HEADROOM_BYTES`) that the
   kernel enforces between two samples;
 - one unit that ends once, as under bubblewrap (:class:`~services.scorer.sandbox.tree.RunTree`): however the call
@@ -42,7 +43,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,22 +59,12 @@ from services.scorer.sandbox.base import (
 )
 from services.scorer.sandbox.bubblewrap import default_python
 from services.scorer.sandbox.cgroup import MemoryGroup, MemoryGroups
+from services.scorer.sandbox.gvisor_usage import SentryUsage
 from services.scorer.sandbox.supervise import Watch, collect
 from services.scorer.sandbox.tree import RunTree
-from services.scorer.sandbox.usage import (
-    MAX_SAMPLE_S,
-    SampleOverBudget,
-    TreeUsage,
-    mapping_count,
-    process_stats,
-    tree_of,
-    tree_usage_of,
-)
 
 logger = logging.getLogger(__name__)
 
-#: What the Sentry's memory file (every page the run's kernel gives its processes and its tmpfs) is named as.
-MEMORY_FILE = "/memfd:runsc-memory"
 #: Written by the launcher before the tool's code runs: a run whose stderr does not start with it never started.
 STARTED = b"\x00fastexp-run-started\n"
 #: The run's first program (inside the sandbox): writes the marker, then the tool's code (its standard input) to
@@ -179,87 +169,6 @@ def usr_view_prefix(view: str, root: str, skeleton: str, procs: str = "") -> lis
             root, skeleton]
 
 
-class SentryUsage:
-    """:func:`sandbox_usage` for one run, remembering where the Sentry's memory file is once found (a run's
-    host processes can hold thousands of descriptors: the gofer one per file the run opened)."""
-
-    def __init__(self) -> None:
-        self._memory_file: str | None = None  # /proc/<sentry>/fd/<n>
-
-    def __call__(self, root: int) -> tuple[TreeUsage, None]:
-        return sandbox_usage(root, self)
-
-    def memory_file_bytes(self, pids: list[int]) -> int:
-        """Bytes allocated in the Sentry's memory file (0 before the Sentry has it)."""
-        if self._memory_file is None:
-            sentries = [pid for pid in pids if _command_line(pid).startswith(b"runsc-sandbox")]
-            self._memory_file = next(filter(None, map(_memory_file, sentries)), None)
-        if self._memory_file is None:
-            return 0
-        try:
-            return os.stat(self._memory_file).st_blocks * 512
-        except OSError:  # the Sentry has ended: the run is ending
-            self._memory_file = None
-            return 0
-
-
-def sandbox_usage(root: int, sentry: SentryUsage | None = None) -> tuple[TreeUsage, None]:
-    """A gVisor run's use (module docs) from ``root``, the ``runsc run`` process: CPU seconds of its host tree,
-    ``rss_bytes`` the tree's anonymous resident bytes, ``shared_bytes`` the bytes allocated in the Sentry's
-    memory file (the run's processes' pages and its tmpfs, counted once however many of them map a page) and
-    ``mappings`` of the host processes (under the ptrace platform each of the tool's mappings is one of the host
-    process standing for it: host kernel memory, :data:`~services.scorer.sandbox.usage.MAPPING_BYTES` each). Files
-    are not counted apart (gVisor's inodes are the Sentry's memory). The scorer's CPU reading them is
-    ``read_cpu_s`` (past its allowance, the run's: :mod:`.supervise`).
-
-    Raises:
-        SampleOverBudget: the reading took longer than :data:`~services.scorer.sandbox.usage.MAX_SAMPLE_S`.
-    """
-    deadline = time.monotonic() + MAX_SAMPLE_S
-    stats = process_stats()
-    usage = tree_usage_of(stats, root)
-    pids = [stat.pid for stat in tree_of(stats, root)]
-    reading = time.thread_time()
-    anonymous = sum(_anonymous_bytes(pid) for pid in pids)
-    guest = (sentry or SentryUsage()).memory_file_bytes(pids)
-    mappings = sum(mapping_count(Path(f"/proc/{pid}"), deadline) for pid in pids)
-    if time.monotonic() > deadline:
-        raise SampleOverBudget(f"sampling the run took more than {MAX_SAMPLE_S} s")
-    return TreeUsage(usage.cpu_s, anonymous, usage.processes, usage.inner, guest, mappings,
-                     read_cpu_s=time.thread_time() - reading), None
-
-
-def _anonymous_bytes(pid: int) -> int:
-    """``RssAnon`` of ``pid`` (0 once it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def _command_line(pid: int) -> bytes:
-    """``/proc/<pid>/cmdline`` (empty once it is gone)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _memory_file(sentry: int) -> str | None:
-    """``/proc/<sentry>/fd/<n>`` of the Sentry's memory file (None where it has none yet)."""
-    try:
-        for entry in os.scandir(f"/proc/{sentry}/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(entry.path).startswith(MEMORY_FILE):
-                    return entry.path
-    except OSError:
-        pass
-    return None
-
-
 class GvisorSandbox:
     """Runs each tool program in a gVisor sandbox of its own (module docs)."""
 
@@ -291,7 +200,7 @@ class GvisorSandbox:
         await probe(self, 60.0, self._python,
                     "gVisor cannot start a sandbox here: {error}. Fix: the ptrace platform needs ptrace (a container "
                     "runtime's default seccomp profile refuses it: see docs/operations/security.md), kvm needs "
-                    "/dev/kvm")
+                    "/dev/kvm; a root scorer also needs CAP_SYS_ADMIN for the run's mount namespace (unshare, mount)")
 
     async def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
         """Run ``code`` in a fresh gVisor sandbox (module docs) under ``limits``.
@@ -300,14 +209,19 @@ class GvisorSandbox:
             SandboxError: ``runsc`` could not set the sandbox up (its message).
         """
         async with self._slots:
-            run = Path(tempfile.mkdtemp(prefix="run-", dir=self._folder()))
+            try:
+                run = Path(tempfile.mkdtemp(prefix="run-", dir=self._folder()))
+            except OSError as error:  # e.g. /dev/shm full: this run fails, not the scorer
+                raise SandboxError(f"cannot make the run's folder: {error}") from error
             group = self._group(limits)
             try:
                 return await self._run(code, limits, run, group)
             finally:  # the run's tree is reaped by now (collect); what it left exiting goes with its group
-                if group is not None:
-                    await group.end()
-                shutil.rmtree(run, ignore_errors=True)
+                try:
+                    if group is not None:
+                        await group.end()
+                finally:  # even when a cancel lands while the group ends
+                    shutil.rmtree(run, ignore_errors=True)
 
     def _group(self, limits: SandboxLimits) -> MemoryGroup | None:
         if self._groups is None:
@@ -352,7 +266,7 @@ class GvisorSandbox:
         with RunTree(process) as tree:
             feeding = asyncio.ensure_future(_feed(process, source))
             try:
-                watch = Watch(SentryUsage(), self._options.usage_poll_s, max_files=1 << 62)
+                watch = Watch(SentryUsage(), self._options.usage_poll_s, max_files=1 << 62, stderr_prefix=len(STARTED))
                 stopped, stdout, stderr = await collect(process, tree, limits, watch)  # ends the tree on its errors
             finally:
                 feeding.cancel()
@@ -368,13 +282,17 @@ class GvisorSandbox:
         runsc = [self._runsc or self._options.runsc, *(["--rootless"] if self._rootless else []), "--network=none",
                  "--ignore-cgroups", f"--platform={self._options.platform}", "--root", str(run / "state"),
                  "run", "--bundle", str(run), f"fastexp-{uuid.uuid4().hex}"]
+        # killed with the scorer, however it ends (a SIGKILL, the OOM killer): the limits were the scorer's to keep
+        # (a bubblewrap run has --die-with-parent); runsc ends its sandbox with it
+        with_scorer = ["setpriv", "--pdeathsig", "KILL", "--"]
         if self._rootless:
-            return runsc
+            return [*with_scorer, *runsc]
         assert self._home is not None
         # the gofer's reads would otherwise stamp the host's files' access times (usr_view_prefix)
         procs = group.procs if group is not None else ""
         home = self._home
-        return [*usr_view_prefix(str(home / "usr"), str(home / "root"), str(home / "rootfs"), procs), *runsc]
+        return [*with_scorer, *usr_view_prefix(str(home / "usr"), str(home / "root"), str(home / "rootfs"), procs),
+                *runsc]
 
 
 async def _feed(process: asyncio.subprocess.Process, code: bytes) -> None:

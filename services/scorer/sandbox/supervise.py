@@ -23,11 +23,13 @@ Sampler = Callable[[int], tuple[TreeUsage, int | None]]
 
 @dataclass(frozen=True)
 class Watch:
-    """How a run is watched: ``sample`` every ``poll_s`` seconds, its files held against ``max_files``."""
+    """How a run is watched: ``sample`` every ``poll_s`` seconds, its files held against ``max_files``;
+    ``stderr_prefix`` bytes the backend writes first on stderr (its start marker), kept beyond the output limit."""
 
     sample: Sampler
     poll_s: float
     max_files: int
+    stderr_prefix: int = 0
 
 
 async def collect(process: asyncio.subprocess.Process, tree: RunTree, limits: SandboxLimits,
@@ -41,7 +43,8 @@ async def collect(process: asyncio.subprocess.Process, tree: RunTree, limits: Sa
     """
     keep = limits.max_output_bytes + 1
     overflow = asyncio.Event()
-    reads = asyncio.gather(_drain(process.stdout, keep, overflow), _drain(process.stderr, keep, overflow))
+    reads = asyncio.gather(_drain(process.stdout, keep, overflow),
+                           _drain(process.stderr, keep + watch.stderr_prefix, overflow))
     try:
         async with asyncio.timeout(limits.timeout_s):  # not wait_for: see tests/unit/test_architecture.py
             stopped = await _watch(process, limits, watch, overflow)
