@@ -368,7 +368,7 @@ async def test_a_runs_memory_group_is_emptied_before_it_is_removed(gvisor):
 def _cached_pages(path: str) -> int:
     """Pages of ``path`` in the host's page cache (util-linux ``fincore``)."""
     out = subprocess.run(["fincore", "--noheadings", "--output", "PAGES", path], capture_output=True, text=True,
-                         check=True).stdout
+                         check=True, timeout=30).stdout
     return int(out.split()[0])
 
 

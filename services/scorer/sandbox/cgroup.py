@@ -114,12 +114,6 @@ class MemoryGroup:
                     return int(line.split()[1])
         return 0
 
-    def peak_bytes(self) -> int:
-        """The most the group held at once (0 where it cannot be read)."""
-        with contextlib.suppress(OSError, ValueError):
-            return int((self.path / "memory.max_usage_in_bytes").read_text())
-        return 0
-
     def pids(self) -> list[int]:
         """The processes in the group now (exiting ones and zombies until they are reaped)."""
         try:

@@ -266,7 +266,7 @@ class GvisorSandbox:
         with RunTree(process) as tree:
             feeding = asyncio.ensure_future(_feed(process, source))
             try:
-                watch = Watch(SentryUsage(), self._options.usage_poll_s, max_files=1 << 62, stderr_prefix=len(STARTED))
+                watch = Watch(SentryUsage(), self._options.usage_poll_s, stderr_prefix=len(STARTED))
                 stopped, stdout, stderr = await collect(process, tree, limits, watch)  # ends the tree on its errors
             finally:
                 feeding.cancel()

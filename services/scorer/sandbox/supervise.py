@@ -23,12 +23,13 @@ Sampler = Callable[[int], tuple[TreeUsage, int | None]]
 
 @dataclass(frozen=True)
 class Watch:
-    """How a run is watched: ``sample`` every ``poll_s`` seconds, its files held against ``max_files``;
+    """How a run is watched: ``sample`` every ``poll_s`` seconds, its files held against ``max_files`` (None: its
+    sampler counts no files apart);
     ``stderr_prefix`` bytes the backend writes first on stderr (its start marker), kept beyond the output limit."""
 
     sample: Sampler
     poll_s: float
-    max_files: int
+    max_files: int | None = None
     stderr_prefix: int = 0
 
 
@@ -96,7 +97,7 @@ async def _sample_until(root: int, ended: asyncio.Future, overflowed: asyncio.Fu
             return "cpu"
         if usage.memory_bytes > limits.memory_bytes:
             return "memory"
-        if files is not None and files > watch.max_files:
+        if files is not None and watch.max_files is not None and files > watch.max_files:
             return "files"
     return ""
 
