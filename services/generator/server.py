@@ -67,7 +67,7 @@ def build_engine(settings: GeneratorSettings) -> GenerationEngine:
     if backend == "vllm":
         # every keyword of engine_options but the model is a generator setting of the same name
         names = [name for name in inspect.signature(engine_options).parameters if name != "model"]
-        return VLLMEngine.start(model, busy_loop_s=settings.vllm_busy_loop_s,
+        return VLLMEngine.start(model, busy_loop_s=settings.vllm_busy_loop_s, engine_process=settings.vllm_engine_process,
                                 **{**settings.model_dump(include=set(names)), "dtype": dtype})
     from services.generator.hf_engine import HFEngine
 

@@ -42,6 +42,12 @@ class GeneratorSettings(GenerationLimits):
         "before they sleep (services/generator/vllm_plugin.py). None: 0 on a CPU host, where the spin takes the "
         "model's cores; vLLM's own (1 s) with CUDA",
     )
+    vllm_engine_process: Literal["auto", "inline", "separate"] = Field(
+        "auto", description="vLLM: inline runs its engine in the generator's process, stepped by a thread "
+        "(services/generator/vllm_inline.py: on this project's 2-core CPU host vLLM's process split cost about 16 "
+        "% of decoding); separate uses vLLM's AsyncLLM with its engine-core process (needed for tensor/data "
+        "parallelism). auto: inline without CUDA and without parallelism, separate otherwise",
+    )
     hf_max_batch_size: int = Field(32, ge=1, description="HF backend: sequences per generate() call")
     tensor_parallel_size: int = Field(
         1, ge=1, description="vLLM: GPUs one engine's weights are split over (Megatron-style tensor parallelism)"

@@ -1,4 +1,5 @@
-"""vLLM backend: ``AsyncLLM`` (vLLM v1's async engine) with continuous batching across requests.
+"""vLLM backend: ``AsyncLLM`` (vLLM v1's async engine; on a CPU host its synchronous engine in this process,
+:mod:`services.generator.vllm_inline`) with continuous batching across requests.
 
 Each sample of each prompt is its own engine request (``n=1``) so that completions stream as soon as each one
 finishes, every sample gets its own seed (``seed + sample_index``; the CPU engine rejects a seeded ``n > 1``),
@@ -116,7 +117,8 @@ def engine_options(
 
 
 class VLLMEngine(TokenizerEngine):
-    """A :class:`~services.generator.engine.GenerationEngine` on vLLM's ``AsyncLLM``."""
+    """A :class:`~services.generator.engine.GenerationEngine` on vLLM's ``AsyncLLM`` (or, in process, on
+    :class:`~services.generator.vllm_inline.InlineLLM`, which behaves the same)."""
 
     def __init__(
         self, engine: Any, description: ModelDescription, tokenizer: Any, modules: Mapping[str, tuple[int, int]]
@@ -136,28 +138,32 @@ class VLLMEngine(TokenizerEngine):
         self.cpu_threads = CpuThreads(engine) if engine.vllm_config.device_config.device_type == "cpu" else None
 
     @classmethod
-    def start(cls, model: str, busy_loop_s: float | None = None, **options: Any) -> VLLMEngine:
-        """Start the engine (spawns vLLM's engine-core process; call from a ``__main__``-guarded program).
+    def start(
+        cls, model: str, busy_loop_s: float | None = None, engine_process: str = "auto", **options: Any
+    ) -> VLLMEngine:
+        """Start the engine (``separate`` spawns vLLM's engine-core process: call from a ``__main__`` guard).
 
-        ``options``: keyword arguments of :func:`engine_options` (dtype, max_model_len, seed, KV size, ...);
-        ``busy_loop_s``: seconds vLLM's processes spin after each message before they sleep
-        (:mod:`services.generator.vllm_plugin`; None: 0 without CUDA, where the spin takes the model's cores,
-        vLLM's own with it).
+        ``options``: keyword arguments of :func:`engine_options`; ``busy_loop_s``: seconds vLLM's processes spin
+        after each message before they sleep (:mod:`services.generator.vllm_plugin`; None: 0 without CUDA, vLLM's
+        own with it); ``engine_process``: :func:`~services.generator.vllm_inline.inline_engine`.
         """
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from services.generator.vllm_inline import InlineLLM, inline_engine
         from services.generator.vllm_plugin import set_busy_loop
 
         set_busy_loop(busy_loop_s if busy_loop_s is not None or torch.cuda.is_available() else 0.0)
-        args = AsyncEngineArgs(**engine_options(model, **options))
-        engine = AsyncLLM.from_engine_args(args)
+        if inline_engine(engine_process, options):
+            engine = InlineLLM.from_engine_args(EngineArgs(**engine_options(model, **options)))
+        else:
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_options(model, **options)))
+        logger.info("vLLM's engine runs %s", "in this process" if isinstance(engine, InlineLLM) else "apart")
         tokenizer = engine.get_tokenizer()
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         description = ModelDescription(
-            model_name=model,
-            tokenizer=model,
+            model_name=model, tokenizer=model,
             max_model_len=engine.model_config.max_model_len,
             backend="vllm",
             eos_token_id=int(eos),
@@ -350,22 +356,15 @@ def _sampling_params(options: SamplingOptions, sample_index: int) -> Any:
     from services.generator.vllm_logits import FIRST_TOKEN_TEMPERATURE
 
     return SamplingParams(
-        n=1,
-        temperature=options.temperature,
-        top_p=options.top_p,
-        top_k=options.top_k,
-        max_tokens=options.max_new_tokens,
-        min_tokens=options.min_new_tokens,
-        ignore_eos=options.ignore_eos,
+        n=1, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
+        max_tokens=options.max_new_tokens, min_tokens=options.min_new_tokens, ignore_eos=options.ignore_eos,
         skip_special_tokens=options.skip_special_tokens,
         seed=None if options.seed is None else options.seed + sample_index,
         logprobs=0,
         detokenize=False,  # decoded once at the end (_to_record): per-step detokenizing costs the engine's CPU
         output_kind=RequestOutputKind.FINAL_ONLY,
-        extra_args=(
-            None if options.first_token_temperature is None
-            else {FIRST_TOKEN_TEMPERATURE: options.first_token_temperature}
-        ),
+        extra_args=None if options.first_token_temperature is None else {
+            FIRST_TOKEN_TEMPERATURE: options.first_token_temperature},
     )
 
 

@@ -1,0 +1,70 @@
+"""vLLM's engine in the generator's process (:class:`services.generator.vllm_inline.InlineLLM`): a real engine on the
+tiny Llama, driven by ``tests/support/inline_engine.py`` in a process of its own (see there why)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.generator.vllm_inline import inline_engine
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def seen(tiny_model_path, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("inline") / "seen.json"
+    done = subprocess.run([sys.executable, "-m", "tests.support.inline_engine", tiny_model_path, str(out)],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_concurrent_requests_each_run_to_their_own_end(seen):
+    assert seen["concurrent_tokens"] == [8 + i for i in range(8)]
+
+
+def test_a_consumer_that_gives_up_aborts_its_request(seen):
+    assert (seen["given_up_running"], seen["given_up_after_cancel"]) == (1, 0)
+
+
+def test_a_pause_waits_for_running_requests_and_holds_new_ones_until_resume(seen):
+    assert seen["pause_returned_after_running_request"]
+    assert (seen["held_while_paused"], seen["running_while_paused"]) == (1, 0)
+    assert seen["held_tokens_after_resume"] == 12
+
+
+def test_worker_calls_set_the_model_threads_on_the_engine_thread(seen):
+    assert seen["threads_setup"] == [2]  # one per core of VLLM_CPU_OMP_THREADS_BIND, whatever OMP_NUM_THREADS says
+    assert seen["threads_set_1"] == [1] and seen["threads_read"] == [1]
+
+
+def test_a_step_that_raises_fails_every_stream_and_later_call(seen):
+    assert seen["streams_after_death"] == ["EngineDeadError", "EngineDeadError"]
+    assert seen["errored"] and seen["health_after_death"] == "EngineDeadError"
+    assert seen["request_after_death"] == "EngineDeadError"
+    assert seen["thread_stopped"]
+
+
+@pytest.mark.parametrize(("setting", "options", "cuda", "inline"), [
+    ("auto", {}, False, True),
+    ("auto", {}, True, False),
+    ("auto", {"tensor_parallel_size": 2}, False, False),
+    ("separate", {}, False, False),
+    ("inline", {}, True, True),
+])
+def test_where_the_engine_runs(monkeypatch, setting, options, cuda, inline):
+    import services.generator.vllm_inline as module
+
+    monkeypatch.setattr(module, "_cuda", lambda: cuda)
+    assert inline_engine(setting, options) is inline
+
+
+def test_inline_refuses_parallelism():
+    with pytest.raises(ValueError, match="separate"):
+        inline_engine("inline", {"data_parallel_size": 2})

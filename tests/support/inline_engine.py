@@ -1,0 +1,122 @@
+"""Scenarios on :class:`services.generator.vllm_inline.InlineLLM` over a real vLLM engine, in a process of their own.
+
+``python -m tests.support.inline_engine MODEL OUT`` builds the engine on MODEL, runs each scenario in order and
+writes what it observed to OUT (JSON); the test asserts on it. A process apart because vLLM in process replaces
+``torch.set_num_threads`` and sets process-wide variables that the test process's other services must not see.
+Waits are on conditions read from the engine's own thread (how many requests it runs, how many it holds), never
+on a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+#: How long a condition may take to hold before the scenario fails (seconds; a loaded CI machine is slow).
+WAIT_S = 120.0
+
+
+async def _until(llm: Any, probe: Any, expected: Any) -> Any:
+    """Ask the engine's thread ``probe(engine)`` until it answers ``expected`` (between steps); its last answer."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while (answer := await llm._call(probe)) != expected and loop.time() < deadline:
+        await asyncio.sleep(0.01)  # polling the condition, not waiting for time to pass
+    return answer
+
+
+async def _tokens(llm: Any, prompt: Any, params: Any, request_id: str, lora: Any = None) -> int:
+    final = None
+    async for output in llm.generate(prompt, params, request_id=request_id, lora_request=lora):
+        final = output
+    return len(final.outputs[0].token_ids)
+
+
+async def scenarios(llm: Any) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    from services.generator.vllm_lora import lora_request
+
+    def params(max_tokens: int, **extra: Any) -> Any:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY,
+                              **extra)
+
+    prompt = TokensPrompt(prompt_token_ids=[1, 2, 3, 4, 5])
+    running = lambda engine: engine.get_num_unfinished_requests()  # noqa: E731
+    seen: dict[str, Any] = {}
+
+    def step(name: str) -> None:
+        print(f"scenario: {name}", file=sys.stderr, flush=True)  # where a failed run stopped
+
+    step("concurrent")
+
+    # many requests at once, each to its own end
+    seen["concurrent_tokens"] = await asyncio.gather(*(_tokens(llm, prompt, params(8 + i), f"c{i}") for i in range(8)))
+
+    step("a consumer that gives up aborts its request")
+    task = asyncio.create_task(_tokens(llm, prompt, params(1000), "given-up"))
+    seen["given_up_running"] = await _until(llm, running, 1)
+    task.cancel()
+    seen["given_up_after_cancel"] = await _until(llm, running, 0)
+
+    step("a pause waits for what runs, holds what comes, and adds it at resume")
+    first = asyncio.create_task(_tokens(llm, prompt, params(48), "before-pause"))
+    await _until(llm, running, 1)
+    await llm.pause_generation(mode="wait", clear_cache=True)
+    seen["pause_returned_after_running_request"] = first.done() and first.result() == 48
+    held = asyncio.create_task(_tokens(llm, prompt, params(12), "while-paused"))
+    seen["held_while_paused"] = await _until(llm, lambda engine: len(llm._held), 1)
+    seen["running_while_paused"] = await llm._call(running)
+    await llm.resume_generation()
+    seen["held_tokens_after_resume"] = await asyncio.wait_for(held, WAIT_S)
+
+    step("worker calls run on the engine's thread, between steps: the model's threads set and read back")
+    seen["threads_setup"] = await llm.collective_rpc("fastexp_setup_cpu")
+    seen["threads_set_1"] = await llm.collective_rpc("fastexp_cpu_threads", args=(1,))
+    seen["threads_read"] = await llm.collective_rpc("fastexp_cpu_threads")
+
+    # an adapter load that no worker keeps fails inside the step that schedules it (the worker builds it there):
+    # running streams, new requests and health all report EngineDeadError
+    step("a step that raises kills the engine")
+    victim = asyncio.create_task(_tokens(llm, prompt, params(1000), "victim"))
+    await _until(llm, running, 1)
+    killer = asyncio.create_task(_tokens(llm, prompt, params(4), "killer", lora_request("ghost", 7)))
+    outcomes = await asyncio.gather(victim, killer, return_exceptions=True)
+    seen["streams_after_death"] = [type(outcome).__name__ for outcome in outcomes]
+    seen["errored"] = llm.errored
+    try:
+        await llm.check_health()
+        seen["health_after_death"] = "healthy"
+    except Exception as error:
+        seen["health_after_death"] = type(error).__name__
+    try:
+        await _tokens(llm, prompt, params(4), "after-death")
+        seen["request_after_death"] = "served"
+    except Exception as error:
+        seen["request_after_death"] = type(error).__name__
+    return seen
+
+
+def main(model: str, out: str) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from services.generator.vllm_engine import engine_options
+    from services.generator.vllm_inline import InlineLLM
+
+    llm = InlineLLM.from_engine_args(EngineArgs(**engine_options(
+        model, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 * 1024**2, max_loras=1)))
+    try:
+        seen = asyncio.run(scenarios(llm))
+    finally:
+        llm.shutdown()
+    seen["thread_stopped"] = llm._thread is None
+    Path(out).write_text(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
