@@ -13,13 +13,48 @@ after setting 2 again.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from typing import Any
 
 from services.common import metrics
 from services.common.errors import InvalidRequest
 
+logger = logging.getLogger(__name__)
+
 #: How long the workers may take to answer a change: one engine step (a long prefill on a CPU: seconds) and the call.
 RPC_TIMEOUT_S = 60.0
+
+
+def bind_model_threads() -> None:
+    """Give the calling thread (the engine's: it runs the model) the cores of ``VLLM_CPU_OMP_THREADS_BIND`` that
+    this process may use, and an OpenMP team of one thread per core, as vLLM's multiprocessing executor gives its
+    worker process (through ``OMP_NUM_THREADS``, read once when a process starts: too late here, so torch's setter
+    instead). The team's threads, created by this thread at its first parallel region, inherit its cores; unlike
+    vLLM's worker they are not pinned one per core (a smaller team from ``SetCpuThreads`` may run on any of them).
+    ``auto``: every logical CPU this process may use (vLLM's own ``auto`` takes one per physical core and keeps one
+    for its engine-core process, which this engine does not have); ``nobind``: the team ``OMP_NUM_THREADS`` gives.
+
+    Raises:
+        ValueError: the bind list names no CPU this process may use.
+    """
+    import torch
+    from vllm import envs
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    bind = envs.VLLM_CPU_OMP_THREADS_BIND
+    if bind == "nobind":
+        return
+    allowed = os.sched_getaffinity(0)
+    cores = allowed if bind == "auto" else set(parse_id_list(bind)) & allowed
+    if not cores:
+        raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={bind} names no CPU this process may use ({sorted(allowed)})")
+    if bind != "auto":
+        if cores != set(parse_id_list(bind)):
+            logger.warning("VLLM_CPU_OMP_THREADS_BIND=%s: only %s are this process's", bind, sorted(cores))
+        os.sched_setaffinity(0, cores)  # 0: this thread only
+    torch.set_num_threads(len(cores))
+    logger.info("vLLM's model runs on %d threads (cores %s)", len(cores), sorted(cores))
 
 
 class CpuThreads:

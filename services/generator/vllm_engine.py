@@ -260,12 +260,12 @@ class VLLMEngine(TokenizerEngine):
         """
         self._live.clear()
         try:
-            await self._engine.pause_generation(mode="wait", clear_cache=True)
-            try:
+            try:  # a pause whose caller is cancelled may still hold the engine: resumed either way
+                await self._engine.pause_generation(mode="wait", clear_cache=True)
                 await self._engine.collective_rpc("fastexp_load_weights", args=(kind, folder))
                 self._policy_version = self._policy_version + 1 if version is None else version
             finally:
-                await self._engine.resume_generation()
+                await asyncio.shield(self._engine.resume_generation())
         finally:
             self._live.set()
         logger.info("weights updated from %s (%s); policy version %d", folder, kind, self._policy_version)

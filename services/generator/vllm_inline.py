@@ -1,19 +1,14 @@
-"""vLLM's engine in the generator's own process: vLLM v1's synchronous ``LLMEngine`` (no engine-core process,
-the ``uni`` executor: the model runs in this process too), stepped by one thread that owns it, behind the part of
-``AsyncLLM``'s asynchronous interface that :class:`~services.generator.vllm_engine.VLLMEngine` uses.
+"""vLLM's engine in the generator's own process: vLLM v1's synchronous ``LLMEngine`` (``uni`` executor: the model
+runs here too) stepped by one thread that owns it, behind the part of ``AsyncLLM``'s interface that
+:class:`~services.generator.vllm_engine.VLLMEngine` uses. ``AsyncLLM`` always runs its engine core in a process of
+its own, which on a CPU host takes cores the model's threads want (``vllm.LLM`` in process 704 tokens/s against
+588-599 split, 2-core Intel host; benchmarks/README.md); a GPU host keeps it (setting ``vllm_engine_process``).
 
-Why: ``AsyncLLM`` always runs its engine core in a process of its own, which sends every step's outputs to the
-caller's process; on a CPU host those processes share the cores with the model's OpenMP threads. Measured on 2
-cores (benchmarks/README.md, "Where the rest of the generation gap is"): ``vllm.LLM`` with the engine in process
-decoded 704 tokens/s, the same engine behind vLLM's process split 588-599. On a GPU host the split costs nothing
-(the model runs on the device while the engine core schedules ahead), so there the generator keeps ``AsyncLLM``
-(the setting ``vllm_engine_process``).
-
-One thread owns the engine (vLLM's engine is not thread-safe): it is built there (so the model's OpenMP team and
-its core binding, set at the worker's start, belong to the thread that steps it), and every call
-(add, abort, ``collective_rpc``, pause, sleep) is a command the thread runs between two steps. Outputs go back to
-the event loop of the request that asked (``call_soon_threadsafe``). A step that raises kills the engine: every
-stream and waiting call gets vLLM's ``EngineDeadError``, as with ``AsyncLLM``.
+The engine is built on its thread (the model's OpenMP team belongs to the thread that steps it), and every call
+(add, abort, ``collective_rpc``, pause, sleep) is a command that thread runs between two steps; outputs go back to
+the asking request's event loop (``call_soon_threadsafe``). A step that raises kills the engine: every stream and
+waiting call gets vLLM's ``EngineDeadError``, as with ``AsyncLLM``. Process-wide, as in vLLM's own engine-core
+process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's environment cached at start, ``torch.set_num_threads`` a no-op.
 """
 
 from __future__ import annotations
@@ -21,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
+import itertools
 import logging
 import os
 import queue
@@ -28,13 +25,12 @@ import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from services.generator.cpu_threads import bind_model_threads
+
 logger = logging.getLogger(__name__)
 
 #: How long :meth:`InlineLLM.shutdown` waits for the engine's thread to finish its step and stop (seconds).
 SHUTDOWN_TIMEOUT_S = 60.0
-
-Deliver = Callable[[Any], None]  # hands an output (or the error ending the stream) to its request's event loop
-
 
 def inline_engine(engine_process: str, options: Mapping[str, Any]) -> bool:
     """Whether the engine runs in the generator's process: ``inline``/``separate`` as said; ``auto``: inline on a
@@ -68,10 +64,10 @@ class InlineLLM:
         self._engine: Any = None
         self._dead: BaseException | None = None  # why the engine stopped; set once, by its thread
         self._closing = threading.Lock()  # a command is either queued before the engine stops or refused
+        self._serial = itertools.count()
         # owned by the engine's thread:
-        self._streams: dict[str, Deliver] = {}
-        self._paused = False
-        self._held: dict[str, Callable[[Any], None]] = {}  # requests added while paused: added at resume
+        self._requests: dict[str, _Request] = {}  # by the engine's id of each request
+        self._paused = False  # new requests are held (kept with their add) until resume
         self._idle_waiters: list[concurrent.futures.Future] = []  # pauses waiting for the running requests
         self._stopping = False
 
@@ -117,66 +113,80 @@ class InlineLLM:
         self, prompt: Any, sampling_params: Any, request_id: str, lora_request: Any = None
     ) -> AsyncIterator[Any]:
         """Add one request and yield its ``RequestOutput``s until the one marked ``finished`` (one only with
-        ``RequestOutputKind.FINAL_ONLY``); a consumer that stops early aborts the request.
+        ``RequestOutputKind.FINAL_ONLY``); a consumer that stops early aborts the request, and one whose request
+        :meth:`abort` ends stops without output. Each call is its own request in the engine, even where two share
+        ``request_id`` (the outputs carry ``request_id``).
 
         Raises:
             EngineDeadError: the engine stopped (before or while the request ran).
-            What vLLM raises on adding the request (a prompt too long, bad sampling parameters).
+            What vLLM raises on adding the request (a prompt too long, bad sampling parameters), also when it was
+            held by a pause and added at resume.
         """
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
+        engine_id = f"{request_id}#{next(self._serial)}"  # the engine's own id: unique per call
 
         def deliver(item: Any) -> None:
             with contextlib.suppress(RuntimeError):  # the request's loop is closed: nobody waits for it
                 loop.call_soon_threadsafe(outputs.put_nowait, item)
 
         def add(engine: Any) -> None:
-            engine.add_request(request_id, prompt, sampling_params, lora_request=lora_request)
+            engine.add_request(engine_id, prompt, sampling_params, lora_request=lora_request)
 
-        await self._call(lambda engine: self._add(engine, request_id, add, deliver))
         finished = False
         try:
+            await self._call(lambda engine: self._add(engine, engine_id, _Request(request_id, deliver, add)))
             while not finished:
                 item = await outputs.get()
+                if item is None:  # aborted by abort()
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                item.request_id = request_id
                 yield item
-        finally:
+        finally:  # a cancel during the add too: the abort queues behind it
             if not finished and self._dead is None:
-                self._post(lambda engine: self._abort(engine, [request_id]))
+                self._post(lambda engine: self._drop(engine, [engine_id]))
 
     async def abort(self, request_ids: list[str] | str) -> None:
-        """Abort requests (unknown or finished ids are ignored); their streams end without output."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        """Abort the requests of these ids (unknown or finished ones are ignored); their streams end without
+        output."""
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         await self._call(lambda engine: self._abort(engine, ids))
 
     async def pause_generation(self, *, mode: str = "wait", clear_cache: bool = True) -> None:
-        """Hold new requests and return once the running ones have finished; with ``clear_cache``, then reset the
-        prefix cache. Only ``mode="wait"`` (what the generator uses).
+        """Hold new requests and return once the running ones have finished; with ``clear_cache``, then empty the
+        prefix, multimodal and encoder caches (their entries came from the weights in use). Only ``mode="wait"``
+        (what the generator uses). A caller cancelled while it waits leaves the engine paused (call
+        :meth:`resume_generation`).
 
         Raises:
             ValueError: another ``mode``.
+            RuntimeError: vLLM could not reset its prefix cache.
         """
         if mode != "wait":
             raise ValueError(f"InlineLLM pauses with mode 'wait' only, not {mode!r}")
         idle = await self._call(self._pause)
-        await asyncio.wrap_future(idle)
+        await asyncio.shield(asyncio.wrap_future(idle))
         if clear_cache:
-            await self._call(lambda engine: engine.reset_prefix_cache())
+            await self._call(_clear_caches)
 
     async def resume_generation(self) -> None:
-        """Add the requests held since :meth:`pause_generation` and step again."""
+        """Add the requests held since :meth:`pause_generation` and step again (a held request vLLM rejects now
+        ends its own stream with the error)."""
         await self._call(self._resume)
 
     async def collective_rpc(
-        self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
+        self, method: str | Callable[[Any], Any], timeout: float | None = None, args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Call ``method`` on the worker (the ``worker_extension_cls``'s methods included) between two steps, on
         the engine's thread; a list of the one worker's answer.
 
         Raises:
-            TimeoutError: no answer within ``timeout`` seconds (the call still runs; it cannot be interrupted).
+            TimeoutError: no answer within ``timeout`` seconds, counted from the call (the wait behind the current
+                step and earlier calls included); the call still runs: it cannot be interrupted.
         """
         return await self._call(lambda engine: engine.collective_rpc(method, None, args, kwargs), timeout)
 
@@ -186,21 +196,33 @@ class InlineLLM:
             raise _engine_dead(self._dead)
 
     async def sleep(self, level: int = 1, mode: str = "wait") -> None:
-        """vLLM's sleep mode (where the platform has one)."""
-        await self._call(lambda engine: engine.sleep(level, mode=mode))
+        """vLLM's sleep mode (where the platform has one), after the running requests finish (new ones are held
+        until :meth:`wake_up`). Only ``mode="wait"``: vLLM's in-process engine cannot wait itself, so the pause is
+        this class's."""
+        await self.pause_generation(mode=mode, clear_cache=False)
+        try:
+            await self._call(lambda engine: engine.sleep(level, mode="keep"))
+        except BaseException:
+            await self.resume_generation()
+            raise
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._call(lambda engine: engine.wake_up(tags))
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """vLLM's ``wake_up``, then the requests held since :meth:`sleep` run; whether it is fully awake."""
+        awake = await self._call(lambda engine: engine.wake_up(tags))
+        await self.resume_generation()
+        return awake
 
     def shutdown(self) -> None:
         """Stop stepping (running requests end with ``EngineDeadError``) and release the engine; waits up to
         :data:`SHUTDOWN_TIMEOUT_S` for the current step. Safe to call more than once."""
-        if self._thread is None:
+        thread = self._thread
+        if thread is None:
             return
         self._post(self._stop)
-        self._thread.join(SHUTDOWN_TIMEOUT_S)
-        if self._thread.is_alive():
+        thread.join(SHUTDOWN_TIMEOUT_S)
+        if thread.is_alive():
             logger.warning("vLLM's engine thread did not stop within %.0f s", SHUTDOWN_TIMEOUT_S)
+            return
         self._thread = None
 
     # --- the caller's side of a command ---
@@ -225,7 +247,7 @@ class InlineLLM:
         try:
             from vllm.v1.engine.llm_engine import LLMEngine
 
-            _bind_model_threads()
+            bind_model_threads()
             engine = LLMEngine.from_engine_args(engine_args, enable_multiprocessing=False)
         except BaseException as error:
             with self._closing:
@@ -237,7 +259,7 @@ class InlineLLM:
             while True:
                 if self._idle_waiters and not engine.has_unfinished_requests():  # a pause's running requests ended
                     for waiter in self._idle_waiters:
-                        waiter.set_result(None)
+                        _settle(waiter, None)
                     self._idle_waiters.clear()
                 if not self._take_commands(engine, block=not engine.has_unfinished_requests()):
                     break
@@ -263,28 +285,37 @@ class InlineLLM:
             block = False
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(command(engine))
+                    result = command(engine)
                 except BaseException as error:  # the caller's error (a bad request), not the engine's
-                    future.set_exception(error)
+                    _settle(future, error=error)
+                else:
+                    _settle(future, result)
         return False
 
-    def _add(self, engine: Any, request_id: str, add: Callable[[Any], None], deliver: Deliver) -> None:
-        if self._paused:
-            self._held[request_id] = add
-        else:
-            add(engine)
-        self._streams[request_id] = deliver
+    def _add(self, engine: Any, engine_id: str, request: _Request) -> None:
+        if not self._paused:
+            request.add(engine)
+            request.add = None
+        self._requests[engine_id] = request
 
     def _deliver(self, output: Any) -> None:
-        deliver = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)
-        if deliver is not None:
-            deliver(output)
+        request = self._requests.pop(output.request_id, None) if output.finished else self._requests.get(
+            output.request_id)
+        if request is not None:
+            request.deliver(output)
 
-    def _abort(self, engine: Any, request_ids: list[str]) -> None:
-        engine.abort_request(request_ids)
-        for request_id in request_ids:
-            self._streams.pop(request_id, None)
-            self._held.pop(request_id, None)
+    def _drop(self, engine: Any, engine_ids: list[str]) -> None:
+        """Abort requests whose consumer is gone."""
+        engine.abort_request(engine_ids)
+        for engine_id in engine_ids:
+            self._requests.pop(engine_id, None)
+
+    def _abort(self, engine: Any, request_ids: set[str]) -> None:
+        """Abort the requests of these callers' ids and end their streams without output."""
+        aborted = [engine_id for engine_id, request in self._requests.items() if request.request_id in request_ids]
+        engine.abort_request([engine_id for engine_id in aborted if self._requests[engine_id].add is None])
+        for engine_id in aborted:
+            self._requests.pop(engine_id).deliver(None)
 
     def _pause(self, engine: Any) -> concurrent.futures.Future:
         self._paused = True
@@ -294,9 +325,13 @@ class InlineLLM:
 
     def _resume(self, engine: Any) -> None:
         self._paused = False
-        held, self._held = self._held, {}
-        for add in held.values():
-            add(engine)
+        for engine_id, request in [(i, r) for i, r in self._requests.items() if r.add is not None]:
+            add, request.add = request.add, None
+            try:
+                add(engine)
+            except Exception as error:  # rejected now: its own stream ends with the error, the others go on
+                self._requests.pop(engine_id)
+                request.deliver(error)
 
     def _stop(self, engine: Any) -> None:
         self._stopping = True
@@ -304,40 +339,54 @@ class InlineLLM:
     def _end(self, engine: Any) -> None:
         """The engine stopped: fail every stream, pause and waiting command, then release the engine."""
         error = _engine_dead(self._dead)
-        for deliver in self._streams.values():
-            deliver(error)
-        self._streams.clear()
+        for request in self._requests.values():
+            request.deliver(error)
+        self._requests.clear()
         for waiter in self._idle_waiters:
-            waiter.set_exception(error)
+            _settle(waiter, error=error)
         while True:
             try:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 break
             if future.set_running_or_notify_cancel():
-                future.set_exception(error)
+                _settle(future, error=error)
         try:
             engine.engine_core.shutdown()
         except Exception:
             logger.warning("vLLM's engine did not shut down cleanly", exc_info=True)
 
 
-def _bind_model_threads() -> None:
-    """Give the calling thread (the engine's: it runs the model) the cores of ``VLLM_CPU_OMP_THREADS_BIND`` and an
-    OpenMP team of one thread per core, as vLLM's multiprocessing executor gives its worker process (through
-    ``OMP_NUM_THREADS``, read once when a process starts: too late here, so torch's setter instead). The team's
-    threads, created by this thread at its first parallel region, inherit its cores. ``auto`` or ``nobind``:
-    every core this process may use, unbound."""
-    import torch
-    from vllm import envs
-    from vllm.utils.cpu_resource_utils import parse_id_list
+@dataclasses.dataclass
+class _Request:
+    """One request as the engine's thread keeps it: the caller's id, where its outputs go, and while a pause holds
+    it, how to add it (None once added)."""
 
-    bind = envs.VLLM_CPU_OMP_THREADS_BIND
-    cores = os.sched_getaffinity(0) if bind in ("auto", "nobind") else set(parse_id_list(bind))
-    if bind not in ("auto", "nobind"):
-        os.sched_setaffinity(0, cores)  # 0: this thread only
-    torch.set_num_threads(len(cores))
-    logger.info("vLLM's model runs on %d threads (cores %s)", len(cores), sorted(cores))
+    request_id: str
+    deliver: Callable[[Any], None]  # an output, the error ending the stream, or None (aborted), to its event loop
+    add: Callable[[Any], None] | None
+
+
+def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve ``future`` unless its caller cancelled it meanwhile (then nobody reads it)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
+def _clear_caches(engine: Any) -> None:
+    """Empty what was computed with the weights in use: the prefix cache (KV), the multimodal processor's and the
+    encoder's caches (vision embeddings), as ``AsyncLLM``'s ``pause_generation(clear_cache=True)`` does.
+
+    Raises:
+        RuntimeError: vLLM could not reset the prefix cache (a request still running).
+    """
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("vLLM could not reset its prefix cache")
+    engine.reset_mm_cache()
+    engine.reset_encoder_cache()
 
 
 def _engine_dead(cause: BaseException | None) -> BaseException:

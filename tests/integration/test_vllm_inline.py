@@ -14,19 +14,26 @@ from services.generator.vllm_inline import inline_engine
 
 pytestmark = pytest.mark.vllm
 
+CORES = sorted(os.sched_getaffinity(0))[:2]  # the engine's, whatever OMP_NUM_THREADS says
+BIND = ",".join(map(str, CORES))
+
 
 @pytest.fixture(scope="module")
 def seen(tiny_model_path, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("inline") / "seen.json"
     done = subprocess.run([sys.executable, "-m", "tests.support.inline_engine", tiny_model_path, str(out)],
                           capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": BIND, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 
 
 def test_concurrent_requests_each_run_to_their_own_end(seen):
     assert seen["concurrent_tokens"] == [8 + i for i in range(8)]
+
+
+def test_two_calls_with_one_id_are_two_requests(seen):
+    assert seen["twin_tokens"] == [5, 9]
 
 
 def test_a_consumer_that_gives_up_aborts_its_request(seen):
@@ -39,8 +46,20 @@ def test_a_pause_waits_for_running_requests_and_holds_new_ones_until_resume(seen
     assert seen["held_tokens_after_resume"] == 12
 
 
+def test_held_requests_end_alone_when_aborted_or_rejected_at_resume(seen):
+    # aborted: no output; rejected by vLLM at resume (a token id past the vocabulary): its own error; the third runs
+    assert seen["held_outcomes"][0] == 0 and seen["held_outcomes"][2] == 6
+    assert seen["held_outcomes"][1] not in ("EngineDeadError", 6)
+
+
+def test_a_pause_whose_caller_is_cancelled_leaves_the_engine_serving(seen):
+    # the running request aborted (no output) to end the pause, then a new one served
+    assert seen["after_cancelled_pause"] == [0, 1, False]
+
+
 def test_worker_calls_set_the_model_threads_on_the_engine_thread(seen):
-    assert seen["threads_setup"] == [2]  # one per core of VLLM_CPU_OMP_THREADS_BIND, whatever OMP_NUM_THREADS says
+    assert seen["rpc_on_engine_thread"]
+    assert seen["threads_setup"] == [len(CORES)]  # one per core of VLLM_CPU_OMP_THREADS_BIND
     assert seen["threads_set_1"] == [1] and seen["threads_read"] == [1]
 
 

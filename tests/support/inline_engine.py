@@ -10,8 +10,10 @@ on a fixed sleep.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,11 @@ async def _tokens(llm: Any, prompt: Any, params: Any, request_id: str, lora: Any
     return len(final.outputs[0].token_ids)
 
 
+async def _outputs(llm: Any, prompt: Any, params: Any, request_id: str) -> int:
+    """How many outputs the stream gave before it ended (0: aborted)."""
+    return len([output async for output in llm.generate(prompt, params, request_id=request_id)])
+
+
 async def scenarios(llm: Any) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -48,6 +55,7 @@ async def scenarios(llm: Any) -> dict[str, Any]:
 
     prompt = TokensPrompt(prompt_token_ids=[1, 2, 3, 4, 5])
     running = lambda engine: engine.get_num_unfinished_requests()  # noqa: E731
+    held_count = lambda engine: sum(r.add is not None for r in llm._requests.values())  # noqa: E731
     seen: dict[str, Any] = {}
 
     def step(name: str) -> None:
@@ -58,11 +66,17 @@ async def scenarios(llm: Any) -> dict[str, Any]:
     # many requests at once, each to its own end
     seen["concurrent_tokens"] = await asyncio.gather(*(_tokens(llm, prompt, params(8 + i), f"c{i}") for i in range(8)))
 
+    step("two calls with one id are two requests")
+    seen["twin_tokens"] = await asyncio.gather(_tokens(llm, prompt, params(5), "twin"),
+                                               _tokens(llm, prompt, params(9), "twin"))
+
     step("a consumer that gives up aborts its request")
     task = asyncio.create_task(_tokens(llm, prompt, params(1000), "given-up"))
     seen["given_up_running"] = await _until(llm, running, 1)
     task.cancel()
-    seen["given_up_after_cancel"] = await _until(llm, running, 0)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    seen["given_up_after_cancel"] = await llm._call(running)  # the abort was queued before this question
 
     step("a pause waits for what runs, holds what comes, and adds it at resume")
     first = asyncio.create_task(_tokens(llm, prompt, params(48), "before-pause"))
@@ -70,12 +84,39 @@ async def scenarios(llm: Any) -> dict[str, Any]:
     await llm.pause_generation(mode="wait", clear_cache=True)
     seen["pause_returned_after_running_request"] = first.done() and first.result() == 48
     held = asyncio.create_task(_tokens(llm, prompt, params(12), "while-paused"))
-    seen["held_while_paused"] = await _until(llm, lambda engine: len(llm._held), 1)
+    seen["held_while_paused"] = await _until(llm, held_count, 1)
     seen["running_while_paused"] = await llm._call(running)
     await llm.resume_generation()
-    seen["held_tokens_after_resume"] = await asyncio.wait_for(held, WAIT_S)
+    async with asyncio.timeout(WAIT_S):
+        seen["held_tokens_after_resume"] = await held
+
+    step("a held request aborted ends its stream; one vLLM rejects at resume fails alone")
+    await llm.pause_generation(mode="wait", clear_cache=True)
+    aborted = asyncio.create_task(_outputs(llm, prompt, params(6), "held-aborted"))
+    rejected = asyncio.create_task(_tokens(llm, TokensPrompt(prompt_token_ids=[10**7]), params(6), "held-rejected"))
+    kept = asyncio.create_task(_tokens(llm, prompt, params(6), "held-kept"))
+    await _until(llm, held_count, 3)
+    await llm.abort("held-aborted")
+    await llm.resume_generation()
+    async with asyncio.timeout(WAIT_S):
+        results = await asyncio.gather(aborted, rejected, kept, return_exceptions=True)
+    seen["held_outcomes"] = [r if isinstance(r, int) else type(r).__name__ for r in results]
+
+    step("a pause whose caller is cancelled leaves the engine alive")
+    long = asyncio.create_task(_outputs(llm, prompt, params(1000), "long"))
+    await _until(llm, running, 1)
+    pausing = asyncio.create_task(llm.pause_generation(mode="wait", clear_cache=True))
+    await _until(llm, lambda engine: llm._paused, True)
+    pausing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await pausing
+    await llm.abort("long")
+    await llm.resume_generation()
+    seen["after_cancelled_pause"] = [await long, await _outputs(llm, prompt, params(6), "after"), llm.errored]
 
     step("worker calls run on the engine's thread, between steps: the model's threads set and read back")
+    seen["rpc_on_engine_thread"] = await llm.collective_rpc(lambda worker: threading.get_ident()) == [
+        llm._thread.ident]
     seen["threads_setup"] = await llm.collective_rpc("fastexp_setup_cpu")
     seen["threads_set_1"] = await llm.collective_rpc("fastexp_cpu_threads", args=(1,))
     seen["threads_read"] = await llm.collective_rpc("fastexp_cpu_threads")
@@ -110,11 +151,12 @@ def main(model: str, out: str) -> None:
 
     llm = InlineLLM.from_engine_args(EngineArgs(**engine_options(
         model, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 * 1024**2, max_loras=1)))
+    thread = llm._thread
     try:
         seen = asyncio.run(scenarios(llm))
     finally:
         llm.shutdown()
-    seen["thread_stopped"] = llm._thread is None
+    seen["thread_stopped"] = not thread.is_alive()
     Path(out).write_text(json.dumps(seen))
 
 
