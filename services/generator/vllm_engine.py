@@ -63,13 +63,11 @@ def engine_options(
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
 ) -> dict[str, Any]:
-    """vLLM engine arguments of the generator (``AsyncEngineArgs``/``LLM`` keywords); benchmarks build their
-    in-process baseline from the same dict.
+    """vLLM engine arguments of the generator (``AsyncEngineArgs``/``LLM`` keywords; benchmarks use them too).
 
     Args:
         model: model folder (or hub id where a hub is reachable).
-        kv_cache_memory_bytes: KV-cache size in bytes (host memory on CPU); ``None`` uses
-            ``gpu_memory_utilization`` of the device's memory instead.
+        kv_cache_memory_bytes: KV-cache bytes (host memory on CPU); ``None``: ``gpu_memory_utilization``.
         max_num_seqs: most sequences in one scheduler step (``None``: vLLM's default).
         max_images_per_prompt, max_videos_per_prompt: vLLM's ``limit_mm_per_prompt`` for a vision-language
             model (ignored for text-only ones).
@@ -256,16 +254,19 @@ class VLLMEngine(TokenizerEngine):
 
         On GPUs, vLLM's weight-transfer engine (``init_weight_transfer_engine``: NCCL broadcast from the trainer's
         ranks, or CUDA IPC handles on the same node) replaces the folder read; the pause/resume and versioning
-        here stay the same.
+        here stay the same. A caller cancelled meanwhile leaves the update to end whole (loaded, versioned, resumed).
         """
+        return await asyncio.shield(self._update_weights(kind, folder, version))
+
+    async def _update_weights(self, kind: str, folder: str, version: int | None) -> int:
         self._live.clear()
         try:
-            try:  # a pause whose caller is cancelled may still hold the engine: resumed either way
-                await self._engine.pause_generation(mode="wait", clear_cache=True)
+            await self._engine.pause_generation(mode="wait", clear_cache=True)
+            try:
                 await self._engine.collective_rpc("fastexp_load_weights", args=(kind, folder))
                 self._policy_version = self._policy_version + 1 if version is None else version
             finally:
-                await asyncio.shield(self._engine.resume_generation())
+                await self._engine.resume_generation()
         finally:
             self._live.set()
         logger.info("weights updated from %s (%s); policy version %d", folder, kind, self._policy_version)

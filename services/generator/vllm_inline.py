@@ -32,31 +32,37 @@ logger = logging.getLogger(__name__)
 #: How long :meth:`InlineLLM.shutdown` waits for the engine's thread to finish its step and stop (seconds).
 SHUTDOWN_TIMEOUT_S = 60.0
 
+
 def inline_engine(engine_process: str, options: Mapping[str, Any]) -> bool:
     """Whether the engine runs in the generator's process: ``inline``/``separate`` as said; ``auto``: inline on a
     host without CUDA with one engine copy on one device (on CPU vLLM's process split costs the model cores:
     :mod:`services.generator.vllm_inline`), apart otherwise (on GPUs it overlaps scheduling with the device).
+    ``options``: :func:`~services.generator.vllm_engine.engine_options`'s keywords.
 
     Raises:
-        ValueError: ``inline`` with tensor or data parallelism (several workers need vLLM's processes).
+        ValueError: ``inline`` with tensor or data parallelism (several workers need vLLM's processes), or with
+            ``enable_sleep_mode`` where the platform has sleep mode (it needs vLLM's engine-core process).
     """
+    cuda, sleep_mode = _platform()
     parallel = options.get("tensor_parallel_size", 1) * options.get("data_parallel_size", 1) > 1
-    if engine_process == "inline" and parallel:
-        raise ValueError("vllm_engine_process inline runs one worker: tensor/data parallelism needs 'separate'")
-    return engine_process == "inline" or (engine_process == "auto" and not parallel and not _cuda())
+    sleeps = bool(options.get("enable_sleep_mode")) and sleep_mode
+    if engine_process == "inline" and (parallel or sleeps):
+        raise ValueError("vllm_engine_process inline runs one worker without sleep mode: tensor/data parallelism "
+                         "and enable_sleep_mode need 'separate'")
+    return engine_process == "inline" or (engine_process == "auto" and not (parallel or sleeps or cuda))
 
 
-def _cuda() -> bool:
+def _platform() -> tuple[bool, bool]:
+    """(CUDA available, vLLM's sleep mode available) on this host."""
     import torch
+    from vllm.platforms import current_platform
 
-    return torch.cuda.is_available()
+    return torch.cuda.is_available(), current_platform.is_sleep_mode_available()
 
 
 class InlineLLM:
     """vLLM's ``LLMEngine`` in this process, stepped by a thread of its own; methods named and behaving as
-    ``AsyncLLM``'s: :meth:`generate`, :meth:`abort`, :meth:`pause_generation`/:meth:`resume_generation`
-    (mode ``wait`` only), :meth:`collective_rpc`, :meth:`check_health`, :meth:`sleep`/:meth:`wake_up`,
-    :meth:`shutdown`, :attr:`errored`, :attr:`vllm_config`, :attr:`model_config`, :meth:`get_tokenizer`."""
+    ``AsyncLLM``'s (pauses in mode ``wait`` only, no sleep mode)."""
 
     def __init__(self) -> None:
         self._commands: queue.SimpleQueue[tuple[Callable[[Any], Any], concurrent.futures.Future]] = queue.SimpleQueue()
@@ -113,7 +119,8 @@ class InlineLLM:
         self, prompt: Any, sampling_params: Any, request_id: str, lora_request: Any = None
     ) -> AsyncIterator[Any]:
         """Add one request and yield its ``RequestOutput``s until the one marked ``finished`` (one only with
-        ``RequestOutputKind.FINAL_ONLY``); a consumer that stops early aborts the request, and one whose request
+        ``RequestOutputKind.FINAL_ONLY``; ``CUMULATIVE`` outputs share lists the engine's thread still appends to:
+        use ``FINAL_ONLY`` or ``DELTA``); a consumer that stops early aborts the request, and one whose request
         :meth:`abort` ends stops without output. Each call is its own request in the engine, even where two share
         ``request_id`` (the outputs carry ``request_id``).
 
@@ -196,21 +203,16 @@ class InlineLLM:
             raise _engine_dead(self._dead)
 
     async def sleep(self, level: int = 1, mode: str = "wait") -> None:
-        """vLLM's sleep mode (where the platform has one), after the running requests finish (new ones are held
-        until :meth:`wake_up`). Only ``mode="wait"``: vLLM's in-process engine cannot wait itself, so the pause is
-        this class's."""
-        await self.pause_generation(mode=mode, clear_cache=False)
-        try:
-            await self._call(lambda engine: engine.sleep(level, mode="keep"))
-        except BaseException:
-            await self.resume_generation()
-            raise
+        """Refused: vLLM's sleep mode needs its engine-core process (an in-process engine cannot wait for running
+        requests, and :func:`inline_engine` never runs one in process where the platform has sleep mode).
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError("sleep mode needs vllm_engine_process 'separate'")
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
-        """vLLM's ``wake_up``, then the requests held since :meth:`sleep` run; whether it is fully awake."""
-        awake = await self._call(lambda engine: engine.wake_up(tags))
-        await self.resume_generation()
-        return awake
+        raise RuntimeError("sleep mode needs vllm_engine_process 'separate'")  # as sleep()
 
     def shutdown(self) -> None:
         """Stop stepping (running requests end with ``EngineDeadError``) and release the engine; waits up to
