@@ -92,11 +92,13 @@ def _greedy_forwards(reference, seed: int | None) -> tuple[list[int], torch.Tens
 
 @pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
 async def engine(request, smollm2_path):
-    """One engine per backend for the module: vLLM with 2 adapter slots and 2 built adapters kept."""
+    """One engine per backend for the module: vLLM with 2 adapter slots and 2 built adapters kept. vLLM's engine
+    runs apart (``AsyncLLM``, what GPU hosts run; the services' own tests run it in process): in process it would
+    take over this test process's torch (``torch.set_num_threads`` made a no-op for the tests after it)."""
     if request.param == "vllm":
         from services.generator.vllm_engine import VLLMEngine
 
-        started = VLLMEngine.start(smollm2_path, dtype="float32", max_model_len=512,
+        started = VLLMEngine.start(smollm2_path, dtype="float32", max_model_len=512, engine_process="separate",
                                    kv_cache_memory_bytes=256 * 1024**2, max_loras=2, max_cpu_loras=2)
     else:
         from services.generator.hf_engine import HFEngine

@@ -17,11 +17,15 @@ from tests.support.inprocess import serving_generator
 pytestmark = pytest.mark.smollm2
 
 SAY_HI = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+MAX = 48  # new tokens: room past the greedy answer's EOS
 
 
-@pytest.fixture(scope="module")
-async def smollm2_generator(smollm2_path):
-    engine = HFEngine.start(smollm2_path, dtype="bfloat16", max_model_len=512, max_batch_size=4)
+@pytest.fixture(scope="module", params=["float32"])
+async def smollm2_generator(request, smollm2_path):
+    """float32 for the sampling tests: greedy bf16 depends on the CPU's bf16 arithmetic (on a CPU without native
+    bf16 SmolLM2 greedily loops past 60 tokens without EOS; in float32 it ends "Say hi." at 33 tokens). The sleep
+    test asks for bf16 (its memory figures are the bf16 model's)."""
+    engine = HFEngine.start(smollm2_path, dtype=request.param, max_model_len=512, max_batch_size=4)
     async with serving_generator(engine, 512, checkpoint_roots=[smollm2_path]) as (stub, _):
         yield stub
 
@@ -34,25 +38,26 @@ async def _generate(stub, sampling: Sampling) -> list[generation_pb2.Completion]
 
 async def test_ignore_eos_samples_past_eos_to_max_new_tokens(smollm2_generator):
     eos = (await smollm2_generator.GetModelInfo(generation_pb2.GetModelInfoRequest())).eos_token_id
-    stopped = await _generate(smollm2_generator, Sampling(temperature=0.0, max_new_tokens=40))
+    stopped = await _generate(smollm2_generator, Sampling(temperature=0.0, max_new_tokens=MAX))
     assert all(c.finish_reason == generation_pb2.FINISH_REASON_STOP for c in stopped)
-    assert all(c.output_token_ids[-1] == eos and len(c.output_token_ids) < 40 for c in stopped)
-    ignored = await _generate(smollm2_generator, Sampling(temperature=0.0, max_new_tokens=40, ignore_eos=True))
+    assert all(c.output_token_ids[-1] == eos and len(c.output_token_ids) < MAX for c in stopped)
+    ignored = await _generate(smollm2_generator, Sampling(temperature=0.0, max_new_tokens=MAX, ignore_eos=True))
     for before, after in zip(stopped, ignored, strict=True):
-        assert after.finish_reason == generation_pb2.FINISH_REASON_LENGTH and len(after.output_token_ids) == 40
+        assert after.finish_reason == generation_pb2.FINISH_REASON_LENGTH and len(after.output_token_ids) == MAX
         # greedy: the same answer up to and with EOS, then the model goes on
         assert list(after.output_token_ids[: len(before.output_token_ids)]) == list(before.output_token_ids)
-        assert len(after.output_log_probs.data) == 4 * 40
+        assert len(after.output_log_probs.data) == 4 * MAX
 
 
 async def test_skip_special_tokens_defaults_to_false_as_in_the_seed(smollm2_generator):
     assert Sampling().skip_special_tokens is False and generation_pb2.SamplingParams().skip_special_tokens is False
-    kept = await _generate(smollm2_generator, Sampling(temperature=0.0, max_new_tokens=40))
+    kept = await _generate(smollm2_generator, Sampling(temperature=0.0, max_new_tokens=MAX))
     assert all(c.text.endswith("<|im_end|>") for c in kept)  # what reward models and rule functions see
-    skipped = await _generate(smollm2_generator, Sampling(temperature=0.0, max_new_tokens=40, skip_special_tokens=True))
+    skipped = await _generate(smollm2_generator, Sampling(temperature=0.0, max_new_tokens=MAX, skip_special_tokens=True))
     assert [c.text + "<|im_end|>" for c in skipped] == [c.text for c in kept]
 
 
+@pytest.mark.parametrize("smollm2_generator", ["bfloat16"], indirect=True)
 async def test_sleep_level_2_frees_the_weights_and_a_full_update_brings_generation_back(smollm2_generator,
                                                                                         smollm2_path):
     """The seed's enable_engine_sleep on the HF backend: level 1 has nothing to move on a CPU engine (refused,

@@ -96,3 +96,12 @@ def test_sleep_mode_keeps_the_engine_apart(monkeypatch):
 def test_inline_refuses_parallelism():
     with pytest.raises(ValueError, match="separate"):
         inline_engine("inline", {"data_parallel_size": 2})
+
+
+def test_no_earlier_test_ran_vllm_in_this_process():
+    """vLLM's CPU worker in process makes ``torch.set_num_threads`` a no-op for the whole process: a test that
+    started one here (the in-process generator tests: ``engine_process="separate"``) broke the thread counts of the
+    tests after it (CI of 2026-11-26)."""
+    import torch
+
+    assert torch.set_num_threads.__name__ != "skip_set_num_threads"
