@@ -46,12 +46,13 @@ def bind_model_threads() -> None:
     if bind == "nobind":
         return
     allowed = os.sched_getaffinity(0)
-    cores = allowed if bind == "auto" else set(parse_id_list(bind)) & allowed
+    asked = allowed if bind == "auto" else set(parse_id_list(bind))
+    cores = asked & allowed
     if not cores:
         raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={bind} names no CPU this process may use ({sorted(allowed)})")
+    if cores != asked:
+        logger.warning("VLLM_CPU_OMP_THREADS_BIND=%s: only %s are this process's", bind, sorted(cores))
     if bind != "auto":
-        if cores != set(parse_id_list(bind)):
-            logger.warning("VLLM_CPU_OMP_THREADS_BIND=%s: only %s are this process's", bind, sorted(cores))
         os.sched_setaffinity(0, cores)  # 0: this thread only
     torch.set_num_threads(len(cores))
     logger.info("vLLM's model runs on %d threads (cores %s)", len(cores), sorted(cores))
