@@ -21,20 +21,18 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
-from fastexp.sampling import SamplingOptions
 from services.common.errors import FailedPrecondition, NotReady
 from services.common.generation import CompletionRecord, GenerationRequest
 from services.common.lora import AdapterConfig, check_adapter, linear_modules
-from services.common.media import DecodedMedia
 from services.common.models import is_vision_language
 from services.common.weights import model_spec
 from services.generator.adapters import AdapterSlot, AdapterTable
 from services.generator.cpu_threads import CpuThreads
 from services.generator.engine import ModelDescription, SleepState, TokenizerEngine
 from services.generator.vllm_lora import WorkerAdapters, lora_options, lora_request
+from services.generator.vllm_requests import multi_modal_data, sampled_version, sampling_params, to_record
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +177,7 @@ class VLLMEngine(TokenizerEngine):
         """
         if self._engine.errored:
             raise NotReady("the vLLM engine has died")
-        await self._live.wait()  # a request never straddles a weight update: its version is the one it runs on
+        await self._live.wait()  # new requests wait out an update (ones it holds in the engine: vllm_requests)
         slot = self.adapters.acquire(adapter) if adapter is not None else None
         try:
             async with contextlib.aclosing(self._generate(request, slot)) as records:  # aborts what is unfinished
@@ -220,8 +218,10 @@ class VLLMEngine(TokenizerEngine):
         self, request: GenerationRequest, prompt_index: int, sample_index: int, engine_request_id: str,
         on: tuple[int, Any], queue: asyncio.Queue[CompletionRecord | BaseException],
     ) -> None:
-        """One sample as its own engine request (``n=1``, its own seed) on ``on`` (the version its record carries,
-        and the adapter's ``LoRARequest`` or None); its record or error goes to ``queue``."""
+        """One sample as its own engine request (``n=1``, its own seed) on ``on`` (the policy or adapter version when
+        it arrived, and the adapter's ``LoRARequest`` or None); its record or error goes to ``queue``. A base-model
+        record carries the version of the weights that sampled it (:func:`~services.generator.vllm_requests.sampled_version`),
+        an adapter's the version of the adapter load it holds."""
         version, lora = on
         from vllm.inputs import TokensPrompt
 
@@ -229,8 +229,8 @@ class VLLMEngine(TokenizerEngine):
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         media = request.decoded_media_of(prompt_index)
         if media is not None:  # vLLM's processor expands each placeholder to its item's patch count
-            prompt["multi_modal_data"] = _multi_modal_data(media)
-        params = _sampling_params(request.sampling, sample_index)
+            prompt["multi_modal_data"] = multi_modal_data(media)
+        params = sampling_params(request.sampling, sample_index)
         try:
             final = None
             async for output in self._engine.generate(prompt, params, request_id=engine_request_id, lora_request=lora):
@@ -238,7 +238,9 @@ class VLLMEngine(TokenizerEngine):
             assert final is not None, "vLLM returned no output"
             if media is not None:
                 prompt_ids = tuple(int(t) for t in final.prompt_token_ids)
-            record = _to_record(final, prompt_index, sample_index, prompt_ids, version)
+            if lora is None:  # the base model's: the weights that sampled it (held by an update: the new ones)
+                version = sampled_version(final, version)
+            record = to_record(final, prompt_index, sample_index, prompt_ids, version)
             text = self._tokenizer.decode(record.output_token_ids, skip_special_tokens=params.skip_special_tokens)
             await queue.put(dataclasses.replace(record, text=text))
         except asyncio.CancelledError:
@@ -250,7 +252,7 @@ class VLLMEngine(TokenizerEngine):
         """Pause the scheduler once in-flight requests finish (under the old weights and version), load the update
         in every worker (``collective_rpc`` → :class:`~services.generator.vllm_worker.WeightLoaderExtension`),
         clear the prefix cache (its KV came from the old weights), set the version (``version``, or the previous
-        + 1) and resume.
+        + 1), which vLLM labels every later token with (:mod:`services.generator.vllm_requests`), and resume.
 
         On GPUs, vLLM's weight-transfer engine (``init_weight_transfer_engine``: NCCL broadcast from the trainer's
         ranks, or CUDA IPC handles on the same node) replaces the folder read; the pause/resume and versioning
@@ -264,7 +266,9 @@ class VLLMEngine(TokenizerEngine):
             await self._engine.pause_generation(mode="wait", clear_cache=True)
             try:
                 await self._engine.collective_rpc("fastexp_load_weights", args=(kind, folder))
-                self._policy_version = self._policy_version + 1 if version is None else version
+                version = self._policy_version + 1 if version is None else version
+                await self._engine.update_weight_version(str(version))  # the label of every later token
+                self._policy_version = version
             finally:
                 await self._engine.resume_generation()
         finally:
@@ -346,55 +350,3 @@ class VLLMEngine(TokenizerEngine):
 def _free_accelerator_bytes() -> int:
     """The device's free memory (0 without CUDA)."""
     return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
-
-
-def _sampling_params(options: SamplingOptions, sample_index: int) -> Any:
-    """vLLM ``SamplingParams`` of one sample: ``n=1``, seed ``seed + sample_index``, raw log-probs of the sampled
-    token, FIRE's first-token temperature through the logits processor's extra argument."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    from services.generator.vllm_logits import FIRST_TOKEN_TEMPERATURE
-
-    return SamplingParams(
-        n=1, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
-        max_tokens=options.max_new_tokens, min_tokens=options.min_new_tokens, ignore_eos=options.ignore_eos,
-        skip_special_tokens=options.skip_special_tokens,
-        seed=None if options.seed is None else options.seed + sample_index,
-        logprobs=0,
-        detokenize=False,  # decoded once at the end (_to_record): per-step detokenizing costs the engine's CPU
-        output_kind=RequestOutputKind.FINAL_ONLY,
-        extra_args=None if options.first_token_temperature is None else {
-            FIRST_TOKEN_TEMPERATURE: options.first_token_temperature},
-    )
-
-
-def _multi_modal_data(media: DecodedMedia) -> dict[str, Any]:
-    """vLLM's ``multi_modal_data`` for one prompt: PIL images and (T, H, W, 3) uint8 frame arrays, in order."""
-    data: dict[str, Any] = {}
-    if media.images:
-        data["image"] = list(media.images)
-    if media.videos:
-        data["video"] = [v.frames for v in media.videos]
-    return data
-
-
-def _to_record(
-    output: Any, prompt_index: int, sample_index: int, prompt_ids: tuple[int, ...], version: int
-) -> CompletionRecord:
-    completion = output.outputs[0]
-    token_ids = tuple(int(t) for t in completion.token_ids)
-    log_probs = np.empty(len(token_ids), dtype=np.float32)
-    for i, (token, candidates) in enumerate(zip(token_ids, completion.logprobs or [], strict=True)):
-        log_probs[i] = candidates[token].logprob
-    reason = completion.finish_reason
-    return CompletionRecord(
-        prompt_index=prompt_index,
-        sample_index=sample_index,
-        prompt_token_ids=prompt_ids,
-        output_token_ids=token_ids,
-        output_log_probs=log_probs,
-        finish_reason="stop" if reason == "stop" else "abort" if reason == "abort" else "length",
-        text=completion.text,
-        policy_version=version,
-    )

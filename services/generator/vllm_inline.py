@@ -5,7 +5,7 @@ its own, which on a CPU host takes cores the model's threads want (``vllm.LLM`` 
 588-599 split, 2-core Intel host; benchmarks/README.md); a GPU host keeps it (setting ``vllm_engine_process``).
 
 The engine is built on its thread (the model's OpenMP team belongs to the thread that steps it), and every call
-(add, abort, ``collective_rpc``, pause, sleep) is a command that thread runs between two steps; outputs go back to
+(add, abort, ``collective_rpc``, pause, the weights' label) is a command that thread runs between two steps; outputs go back to
 the asking request's event loop (``call_soon_threadsafe``). A step that raises kills the engine: every stream and
 waiting call gets vLLM's ``EngineDeadError``, as with ``AsyncLLM``. Process-wide, as in vLLM's own engine-core
 process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's environment cached at start, ``torch.set_num_threads`` a no-op.
@@ -157,8 +157,7 @@ class InlineLLM:
                 self._post(lambda engine: self._drop(engine, [engine_id]))
 
     async def abort(self, request_ids: list[str] | str) -> None:
-        """Abort the requests of these ids (unknown or finished ones are ignored); their streams end without
-        output."""
+        """Abort the requests of these ids (unknown or finished ones ignored); their streams end without output."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         await self._call(lambda engine: self._abort(engine, ids))
 
@@ -183,6 +182,10 @@ class InlineLLM:
         """Add the requests held since :meth:`pause_generation` and step again (a held request vLLM rejects now
         ends its own stream with the error)."""
         await self._call(self._resume)
+
+    async def update_weight_version(self, new_version: str) -> None:
+        """Label the tokens of every later step ``new_version`` (vLLM's ``set_weight_version``)."""
+        await self._call(lambda engine: engine.set_weight_version(new_version))
 
     async def collective_rpc(
         self, method: str | Callable[[Any], Any], timeout: float | None = None, args: tuple = (),
@@ -220,7 +223,7 @@ class InlineLLM:
         thread = self._thread
         if thread is None:
             return
-        self._post(self._stop)
+        self._post(lambda engine: setattr(self, "_stopping", True))
         thread.join(SHUTDOWN_TIMEOUT_S)
         if thread.is_alive():
             logger.warning("vLLM's engine thread did not stop within %.0f s", SHUTDOWN_TIMEOUT_S)
@@ -334,9 +337,6 @@ class InlineLLM:
             except Exception as error:  # rejected now: its own stream ends with the error, the others go on
                 self._requests.pop(engine_id)
                 request.deliver(error)
-
-    def _stop(self, engine: Any) -> None:
-        self._stopping = True
 
     def _end(self, engine: Any) -> None:
         """The engine stopped: fail every stream, pause and waiting command, then release the engine."""

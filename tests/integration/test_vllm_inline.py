@@ -62,6 +62,16 @@ def test_worker_calls_set_the_model_threads_on_the_engine_thread(seen):
     assert seen["threads_set_1"] == [1] and seen["threads_read"] == [1]
 
 
+def test_records_carry_the_version_of_the_weights_that_sampled_them(seen):
+    # the running request ended on the old weights; the held one's samples ran after the load, on version 1 (its
+    # request arrived while the generator still said 0)
+    assert seen["version_held_at_resume"] == [3]  # the three samples reached the engine during the pause
+    assert seen["version_updated"] == 1
+    assert seen["version_running"] == [0]
+    assert seen["version_held"] == [1, 1, 1]
+    assert seen["version_after"] == [1]
+
+
 def test_a_step_that_raises_fails_every_stream_and_later_call(seen):
     assert seen["streams_after_death"] == ["EngineDeadError", "EngineDeadError"]
     assert seen["errored"] and seen["health_after_death"] == "EngineDeadError"

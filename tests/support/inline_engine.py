@@ -42,7 +42,52 @@ async def _outputs(llm: Any, prompt: Any, params: Any, request_id: str) -> int:
     return len([output async for output in llm.generate(prompt, params, request_id=request_id)])
 
 
-async def scenarios(llm: Any) -> dict[str, Any]:
+async def _versions(llm: Any, model: str) -> dict[str, Any]:
+    """Through :class:`~services.generator.vllm_engine.VLLMEngine` on this engine: a request running when a weight
+    update starts (it finishes on the old weights), and one whose samples reach the engine only after the update's
+    pause began (asyncio runs tasks in the order they were made: the request's sample tasks after the update's), so
+    the pause holds them and they run on the new weights. The update reloads the model's own checkpoint. Also
+    counted: how many requests the pause held (so the scenario did race).
+    """
+    from fastexp.sampling import SamplingOptions
+    from services.common.generation import GenerationRequest
+    from services.generator.engine import ModelDescription
+    from services.generator.vllm_engine import VLLMEngine
+
+    tokenizer = llm.get_tokenizer()
+    engine = VLLMEngine(llm, ModelDescription(model, model, 1024, "vllm", tokenizer.eos_token_id,
+                                              tokenizer.eos_token_id), tokenizer, {})
+
+    def request(request_id: str, max_new_tokens: int, n: int) -> GenerationRequest:
+        sampling = SamplingOptions(temperature=1.0, max_new_tokens=max_new_tokens, ignore_eos=True, seed=3)
+        return GenerationRequest(request_id, ((1, 2, 3, 4, 5),), sampling, n)
+
+    async def versions(records: Any) -> list[int]:
+        return [record.policy_version async for record in records]
+
+    held_at_resume: list[int] = []
+    resume = llm._resume
+
+    def counted_resume(e: Any) -> None:  # on the engine's thread: how many adds the pause held
+        held_at_resume.append(sum(r.add is not None for r in llm._requests.values()))
+        resume(e)
+
+    llm._resume = counted_resume
+    running = asyncio.create_task(versions(engine.generate(request("running", 48, 1))))
+    await _until(llm, lambda e: e.get_num_unfinished_requests(), 1)
+    held = engine.generate(request("held", 6, 3))
+    first = asyncio.create_task(anext(held))  # runs first: reads the version, makes the sample tasks
+    # the body update_weights shields (the shield's own task would start after the sample tasks): its pause is
+    # posted in this task's first step, before the sample tasks add their requests
+    update = asyncio.create_task(engine._update_weights("checkpoint", model, None))
+    async with asyncio.timeout(WAIT_S):
+        held_versions = [(await first).policy_version] + await versions(held)
+        return {"version_running": await running, "version_held": held_versions, "version_updated": await update,
+                "version_after": await versions(engine.generate(request("after", 4, 1))),
+                "version_held_at_resume": held_at_resume}
+
+
+async def scenarios(llm: Any, model: str) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -121,6 +166,9 @@ async def scenarios(llm: Any) -> dict[str, Any]:
     seen["threads_set_1"] = await llm.collective_rpc("fastexp_cpu_threads", args=(1,))
     seen["threads_read"] = await llm.collective_rpc("fastexp_cpu_threads")
 
+    step("a request held by a weight update's pause carries the version of the weights it ran on")
+    seen.update(await _versions(llm, model))
+
     # an adapter load that no worker keeps fails inside the step that schedules it (the worker builds it there):
     # running streams, new requests and health all report EngineDeadError
     step("a step that raises kills the engine")
@@ -153,7 +201,7 @@ def main(model: str, out: str) -> None:
         model, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 * 1024**2, max_loras=1)))
     thread = llm._thread
     try:
-        seen = asyncio.run(scenarios(llm))
+        seen = asyncio.run(scenarios(llm, model))
     finally:
         llm.shutdown()
     seen["thread_stopped"] = not thread.is_alive()
