@@ -21,9 +21,10 @@ from services.common.lora import check_name
 from services.common.media import MediaLimits, check_pixel_budget, decode_media
 from services.common.media_wire import media_from_pb
 from services.common.sampling import validate_batch
+from services.common.tasks import run_to_end
 from services.common.weights import UpdateBounds, check_complete, check_update, model_spec
-from services.common.weights.wire import staged_update
-from services.generator.adapter_wire import receive_adapter
+from services.common.weights.wire import ReceivedUpdate, staged_update
+from services.generator.adapter_wire import ReceivedAdapter, receive_adapter
 from services.generator.engine import GenerationEngine
 from services.generator.settings import GeneratorSettings
 
@@ -177,11 +178,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 check_update(update.entries, self._spec)
                 if self._engine.sleep_state.needs_weights:
                     check_complete(update.entries, self._spec)
-                version = await self._engine.update_weights(update.kind, update.folder, update.policy_version)
-                self._engine.sleep_state.needs_weights = False
+                # ends whole before the folder and the lock go, even when the caller has gone
+                version = await run_to_end(self._apply_update(update), "a weight update")
         return generation_pb2.UpdateWeightsResponse(
             policy_version=version, num_tensors=len(update.entries), num_bytes=update.num_bytes
         )
+
+    async def _apply_update(self, update: ReceivedUpdate) -> int:
+        version = await self._engine.update_weights(update.kind, update.folder, update.policy_version)
+        self._engine.sleep_state.needs_weights = False
+        return version
+
+    async def _load_adapter(self, received: ReceivedAdapter) -> int:
+        version = await self._engine.load_adapter(received.name, received.config, received.tensors, received.version)
+        self._adapter_digests[received.name] = received.weights_digest
+        return version
 
     async def LoadAdapter(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[generation_pb2.AdapterChunk], context: grpc.aio.ServicerContext
@@ -193,9 +204,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise FailedPrecondition("LoadAdapter: this generator takes no LoRA adapters (max_loras 0)")
         received = await receive_adapter(request_iterator, self._engine.lora_modules, self._engine.max_lora_rank)
         async with self._loading_adapter:
-            version = await self._engine.load_adapter(received.name, received.config, received.tensors,
-                                                      received.version)
-            self._adapter_digests[received.name] = received.weights_digest
+            # a caller gone leaves no half-kept load
+            version = await run_to_end(self._load_adapter(received), f"adapter {received.name}'s load")
         return generation_pb2.LoadAdapterResponse(name=received.name, version=version,
                                                   num_tensors=len(received.tensors), num_bytes=received.num_bytes)
 

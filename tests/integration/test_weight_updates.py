@@ -4,6 +4,8 @@ exactly as predicted, versions tag completions, and a bad update is rejected as 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import zlib
 
 import grpc
@@ -13,6 +15,7 @@ import torch
 from fastexp import update_generator_weights, weight_chunks
 from fastexp.tensor_codec import to_numpy
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, tensor_pb2
+from services.common.metrics import GRPC_HANDLED
 from services.generator.hf_engine import HFEngine
 from tests.support.inprocess import serving_generator
 
@@ -24,7 +27,7 @@ async def generator(tiny_model_path, tmp_path_factory):
     engine = HFEngine.start(tiny_model_path, dtype="float32", max_model_len=256, max_batch_size=4)
     roots = [tmp_path_factory.getbasetemp()]  # each test's tmp_path is under it
     async with serving_generator(engine, 256, checkpoint_roots=roots) as (stub, address):
-        yield {"stub": stub, "address": address}
+        yield {"stub": stub, "address": address, "engine": engine}
 
 
 def perturbed(model_path: str, seed: int) -> torch.nn.Module:
@@ -169,6 +172,78 @@ async def test_a_batched_update_applies_as_one_tensor_per_message_does(generator
         await stub.UpdateWeights(iter([_header(num_tensors=1), generation_pb2.WeightsChunk()]), timeout=60)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("kind: ")
+
+
+class _LogLine(logging.Handler):
+    """Sets ``seen`` when a record containing ``text`` is logged (on the event loop's thread, as the services log)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text, self.seen = text, asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
+
+
+async def test_an_update_whose_caller_goes_ends_whole_before_its_folder_and_lock_go(generator, tiny_model_path):
+    stub, engine = generator["stub"], generator["engine"]
+    info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    model = perturbed(tiny_model_path, seed=4)
+    applying, release, interrupted, seen = asyncio.Event(), asyncio.Event(), asyncio.Event(), {}
+    update_weights = engine.update_weights
+
+    async def held(kind, folder, version=None):  # the real update, held once it has started until the test says
+        seen["folder"] = folder
+        applying.set()
+        try:
+            await release.wait()
+        except asyncio.CancelledError:  # the caller's cancellation reached the update itself
+            interrupted.set()
+            raise
+        return await update_weights(kind, folder, version)
+
+    gone, tasks_log = _LogLine("goes on to its end"), logging.getLogger("services.common.tasks")
+    tasks_log.addHandler(gone)
+    level = tasks_log.level
+    tasks_log.setLevel(logging.INFO)
+    cancelled = GRPC_HANDLED.labels("fastexp.v1.GenerationService", "UpdateWeights", "CANCELLED")
+    cancelled_before = cancelled._value.get()
+    engine.update_weights = held
+    try:
+        call = stub.UpdateWeights(weight_chunks(list(model.state_dict().items()), chunk_bytes=1 << 20), timeout=60)
+        await _within(applying.wait())
+        call.cancel()
+        waits = [asyncio.ensure_future(event.wait()) for event in (gone.seen, interrupted)]
+        try:  # the service saw its caller go: it says so, or it interrupted the update
+            async with asyncio.timeout(60):
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        assert not interrupted.is_set()
+        assert os.path.isdir(seen["folder"]) and os.listdir(seen["folder"])  # the update still reads its folder
+        with pytest.raises(grpc.aio.AioRpcError) as second:  # and still holds the one-update-at-a-time lock
+            await stub.UpdateWeights(iter([_header(num_tensors=0)]), timeout=30)
+        assert second.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        release.set()
+        async with asyncio.timeout(60):  # the handler ends (counted CANCELLED) once the update has
+            while cancelled._value.get() == cancelled_before:
+                await asyncio.sleep(0.01)  # polling for that count, not waiting for time to pass
+    finally:
+        engine.update_weights = update_weights
+        tasks_log.removeHandler(gone)
+        tasks_log.setLevel(level)
+        release.set()
+    assert not os.path.exists(seen["folder"])
+    after = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert after.policy_version == info.policy_version + 1  # applied whole, though nobody was left to hear
+    assert_sampled_by(model, await sample(stub))
+
+
+async def _within(awaitable, seconds: float = 60.0):
+    async with asyncio.timeout(seconds):
+        return await awaitable
 
 
 class _OlderExperienceServer(experience_pb2_grpc.ExperienceServiceServicer):

@@ -33,6 +33,7 @@ from services.common.logs import bind_request_id, current_request_id
 from services.common.lora import AdapterConfig
 from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits
+from services.common.tasks import run_to_end
 from services.common.weights import TensorSpec, UpdateBounds
 from services.common.weights.wire import staged_update
 from services.experience.api.prompts import InvalidPrompts
@@ -299,15 +300,16 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
                              "of that id, is in progress" if key else "another weight update is in progress")
         self._updating.add(key)
         deadline = Deadline.from_remaining(context.time_remaining())
-        try:
+        try:  # once received, an update is applied whole (or fails whole) even if its caller goes meanwhile
             if run is not None and run.lora is not None:
                 config = adapter_config(run.lora)
                 bounds = UpdateBounds(functools.partial(self._adapter_spec, config))
                 async with staged_update(request_iterator, self._weights_staging_dir, bounds=bounds) as update:
-                    version = await self._maker.update_adapter(run.run_id, config, update, deadline)
+                    version = await run_to_end(self._maker.update_adapter(run.run_id, config, update, deadline),
+                                               f"run {run.run_id}'s adapter update")
             else:
                 async with staged_update(request_iterator, self._weights_staging_dir, bounds=self._update_bounds) as update:
-                    await self._maker.update_weights(update, deadline)
+                    await run_to_end(self._maker.update_weights(update, deadline), "a weight update")
                 version = self._maker.policy.version
         finally:
             self._updating.discard(key)

@@ -23,6 +23,7 @@ from services.common import metrics
 from services.common.errors import FailedPrecondition
 from services.common.generation import CompletionRecord
 from services.common.lora import AdapterConfig
+from services.common.tasks import run_to_end
 from services.common.weights import TensorEntry, copy_into
 from services.experience.config import ExperienceConfig, ExperienceRequest
 from services.experience.pipeline.assembly import concat_forward, split_forward
@@ -130,7 +131,7 @@ class Forwarder:
         adapters = self._require_adapters()
         async with self._lock:
             self._weights_epoch += 1
-            await asyncio.shield(asyncio.to_thread(adapters.load, name, config, tensors, version))
+            await run_to_end(asyncio.to_thread(adapters.load, name, config, tensors, version), f"run {name}'s adapter load")
 
     async def remove_adapter(self, name: str) -> bool:
         """Delete a LoRA run's adapter between forward passes; returns whether it was loaded."""
@@ -221,14 +222,18 @@ class Forwarder:
         """Copy a checked policy update into the actor between forward passes; it is then ``version``."""
         async with self._lock:
             self._weights_epoch += 1
-            await asyncio.to_thread(copy_into, tensors, entries)
-            self.actor_version = version
+            await run_to_end(self._copy_actor(entries, version, tensors), "the actor's copy")
+
+    async def _copy_actor(self, entries: Sequence[TensorEntry], version: int,
+                          tensors: Mapping[str, torch.Tensor]) -> None:
+        await asyncio.to_thread(copy_into, tensors, entries)
+        self.actor_version = version
 
     async def load_critic(self, entries: Sequence[TensorEntry], tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy a checked critic update into the critic between forward passes (not cancelled half-way)."""
         async with self._lock:
             self._weights_epoch += 1
-            await asyncio.shield(asyncio.to_thread(copy_into, tensors, entries))
+            await run_to_end(asyncio.to_thread(copy_into, tensors, entries), "the critic's copy")
 
     def assemble(self, groups: Sequence[ForwardedGroup], request: ExperienceRequest) -> Assembled:
         """The batch of ``groups`` (see :class:`Assembled`); counts vision placeholder repairs."""

@@ -28,6 +28,7 @@ from services.common import metrics
 from services.common.deadlines import Deadline
 from services.common.errors import FailedPrecondition, InvalidRequest, UpstreamTimeout
 from services.common.lora import AdapterConfig, check_adapter, expected_tensors
+from services.common.tasks import run_to_end
 from services.common.versions import Claim, Live, Snapshot
 from services.common.weights import ReceivedUpdate, TensorEntry, TensorSpec, check_update
 from services.common.weights.staging import module_spec, tensor_entries
@@ -48,10 +49,8 @@ INFO_TIMEOUT_S = 30.0
 class WeightSync:
     """Applies updates to the generator and the forwarder's models, in step (module docs)."""
 
-    def __init__(
-        self, generator: Generator, forwarder: Forwarder, clocks: PolicyClocks, sync_timeout_s: float = 600.0,
-        ledger: VersionLedger | None = None,
-    ) -> None:
+    def __init__(self, generator: Generator, forwarder: Forwarder, clocks: PolicyClocks, sync_timeout_s: float = 600.0,
+                 ledger: VersionLedger | None = None) -> None:
         self._generator = generator
         self._forwarder = forwarder
         self.clocks = clocks
@@ -104,7 +103,7 @@ class WeightSync:
                 await self._forwarder.load_critic(update.entries, tensors)
                 version = max(claim.live.version, self.critic_version) + 1
             finally:
-                await asyncio.shield(self._commit(claim, version, tensor_entries(tensors), "critic"))
+                await run_to_end(self._commit(claim, version, tensor_entries(tensors), "critic"), "the critic's commit")
             self.critic_version = version
 
     def adapter_spec(self, config: AdapterConfig) -> dict[str, TensorSpec]:
@@ -146,11 +145,11 @@ class WeightSync:
                 try:
                     live = await self._generator.load_adapter(name, config, tensors, version, deadline,
                                                               weights_digest=digest or "")
-                    await asyncio.shield(self._forwarder.load_adapter(name, config, tensors, live))
+                    await run_to_end(self._forwarder.load_adapter(name, config, tensors, live), f"run {name}'s adapter load")
                 finally:
                     await clock.end_update(live)
             finally:
-                await asyncio.shield(self._commit(claim, live, update.entries, f"adapter/{name}", digest))
+                await run_to_end(self._commit(claim, live, update.entries, f"adapter/{name}", digest), f"run {name}'s commit")
         logger.info("run %s: adapter version %d live (%d tensors, %d bytes)", name, live, len(tensors), update.num_bytes)
         return live
 
@@ -220,12 +219,12 @@ class WeightSync:
                 try:
                     version = await self._generator.update_weights(update, deadline, requested)
                     # the generator serves it now: the replica must follow even if the caller goes away
-                    await asyncio.shield(self._forwarder.load_actor(update.entries, version, tensors))
+                    await run_to_end(self._forwarder.load_actor(update.entries, version, tensors), "the actor's update")
                 finally:
                     await self.policy.end_update(version)
             finally:
                 # by reference: the actor's every tensor (an update may carry only the tensors a step changed)
-                await asyncio.shield(self._commit(claim, version, tensor_entries(tensors), "policy"))
+                await run_to_end(self._commit(claim, version, tensor_entries(tensors), "policy"), "the policy's commit")
         logger.info("policy version %d live (%d tensors, %d bytes)", version, len(update.entries), update.num_bytes)
 
     async def sync_replica(self, replica: ReplicaClient, version: Callable[[], int]) -> int:
@@ -354,7 +353,7 @@ class WeightSync:
         await self.policy.begin_update()
         loaded = None
         try:
-            await asyncio.shield(self._forwarder.load_actor(entries, live.version, tensors))
+            await run_to_end(self._forwarder.load_actor(entries, live.version, tensors), "the actor's catch-up")
             loaded = live.version
         finally:
             await self.policy.end_update(loaded)
@@ -390,7 +389,8 @@ class WeightSync:
             await clock.begin_update()
             loaded = None
             try:
-                await asyncio.shield(self._forwarder.load_adapter(name, snapshot.configs[name], tensors, live.version))
+                await run_to_end(self._forwarder.load_adapter(name, snapshot.configs[name], tensors, live.version),
+                                 f"run {name}'s adapter catch-up")
                 loaded = live.version
             finally:
                 await clock.end_update(loaded)
