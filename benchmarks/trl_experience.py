@@ -1,7 +1,9 @@
 """fastexp's experience stream against TRL's own experience making, per token, on the same prompts (issue 45).
 
 TRL side, in a process of its own: TRL 1.16.0's ``GRPOTrainer`` with vLLM in colocate mode (the engine in the
-trainer's process, on every core), bf16, ``beta`` 0.04 (a reference model), on the demo's prompts (16
+trainer's process, on every core), the trainer's model in the dtype fastexp's ``dtype: auto`` picks on this CPU
+(bf16 where it multiplies bf16 natively, float32 where it does not: :mod:`services.common.dtypes`; TRL's own vLLM
+keeps its ``auto``), ``beta`` 0.04 (a reference model), on the demo's prompts (16
 ``gsm_symbolic`` chat prompts x 4 samples, temperature 1, up to 256 tokens); one call of its experience making
 (``_generate_and_score_completions``: generation, rewards, log-probs) is timed after a warm-up call of one prompt:
 
@@ -60,6 +62,7 @@ def child(spec_path: str, out_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from services.common.dtypes import resolve_dtype
     from services.demo.datasets import task_problems
     from services.scorer.rules import math_verify_reward
 
@@ -72,14 +75,15 @@ def child(spec_path: str, out_path: str) -> None:
         return [math_verify_reward(c[0]["content"], a)[0] for c, a in zip(completions, answer, strict=True)]
 
     n = workload.n_samples_per_prompt
+    dtype = resolve_dtype("auto", "cpu")  # what a TRL user picks on this CPU too: emulated bf16 is slower than float32
     args = GRPOConfig(
         output_dir=str(Path(out_path).parent / "trl_experience_trainer"), use_vllm=True, vllm_mode="colocate",
         per_device_train_batch_size=len(rows) * n, num_generations=n, max_completion_length=workload.max_new_tokens,
-        temperature=1.0, beta=0.04, bf16=True, use_cpu=True, report_to=[], save_strategy="no", seed=workload.seed,
+        temperature=1.0, beta=0.04, bf16=dtype == "bfloat16", use_cpu=True, report_to=[], save_strategy="no", seed=workload.seed,
         vllm_max_model_length=1024, disable_tqdm=True,
     )
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16), reward_funcs=[reward],
+        model=AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, dtype)), reward_funcs=[reward],
         processing_class=AutoTokenizer.from_pretrained(spec["model"]), args=args,
         train_dataset=datasets.Dataset.from_list(rows),
     )
@@ -100,7 +104,7 @@ def child(spec_path: str, out_path: str) -> None:
         tokens = int(out["completion_mask"].sum())
         paths[name] = {"seconds": seconds, "generation_s": sum(generating), "tokens": tokens,
                        "tokens_per_s": tokens / seconds, "old_log_probs": out.get("old_per_token_logps") is not None}
-    Path(out_path).write_text(json.dumps({**paths, "torch_threads": torch.get_num_threads()}, indent=2))
+    Path(out_path).write_text(json.dumps({**paths, "torch_threads": torch.get_num_threads(), "dtype": dtype}, indent=2))
 
 
 def _timed(owner, name: str) -> list[float]:
