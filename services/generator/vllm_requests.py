@@ -5,11 +5,13 @@ sampling parameters, the prompt's media, and the policy version of the weights t
 a finished completion lists them as ``weight_versions`` spans). :class:`~services.generator.vllm_engine.VLLMEngine`
 sets that label to the policy version inside each update's pause, after the load and before the requests it held
 are added, so a record carries the version of the weights that sampled its tokens, whatever version the generator
-reported when the request arrived (a request held by an update's pause runs on the new weights).
+reported when the request arrived (a request held by an update's pause runs on the new weights; one preempted
+during the pause resumes on them: :func:`sampled_version`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,8 @@ import numpy as np
 from fastexp.sampling import SamplingOptions
 from services.common.generation import CompletionRecord
 from services.common.media import DecodedMedia
+
+logger = logging.getLogger(__name__)
 
 #: vLLM's weight label before the first update: the generator's first policy version, 0.
 INITIAL_WEIGHT_LABEL = "default"
@@ -57,17 +61,21 @@ def sampled_version(output: Any, expected: int) -> int:
     """The policy version whose weights sampled ``output``'s tokens (a finished ``RequestOutput``), from vLLM's
     weight labels (module docs); ``expected`` (the version when the request arrived) where no token was sampled.
 
-    Raises:
-        RuntimeError: the tokens came from two versions (a request straddled an update: the update's pause should
-            make that impossible, and a record labelled with either version would be silently wrong).
+    Where the tokens came from two versions, the oldest, as for a multi-turn episode's turns (logged): ``AsyncLLM``'s
+    pause waits for the requests it runs, not for one it preempted, which resumes on the new weights.
     """
-    labels = {span.version for span in output.outputs[0].weight_versions or ()}
-    if not labels:
+    spans = output.outputs[0].weight_versions
+    if spans is None:  # tokens no step labelled (every engine path labels them): the version at arrival
+        if output.outputs[0].token_ids:
+            logger.warning("request %s: vLLM labelled none of its tokens with a weight version", output.request_id)
         return expected
-    if len(labels) > 1:
-        raise RuntimeError(f"request {output.request_id} was sampled by weight versions {sorted(labels)}")
-    label = labels.pop()
-    return 0 if label == INITIAL_WEIGHT_LABEL else int(label)
+    versions = {0 if span.version == INITIAL_WEIGHT_LABEL else int(span.version) for span in spans}
+    if not versions:
+        return expected
+    if len(versions) > 1:
+        logger.warning("request %s was sampled by policy versions %s (preempted across an update): it carries %d",
+                       output.request_id, sorted(versions), min(versions))
+    return min(versions)
 
 
 def to_record(
