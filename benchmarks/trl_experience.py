@@ -1,9 +1,9 @@
 """fastexp's experience stream against TRL's own experience making, per token, on the same prompts (issue 45).
 
 TRL side, in a process of its own: TRL 1.16.0's ``GRPOTrainer`` with vLLM in colocate mode (the engine in the
-trainer's process, on every core), the trainer's model in the dtype fastexp's ``dtype: auto`` picks on this CPU
-(bf16 where it multiplies bf16 natively, float32 where it does not: :mod:`services.common.dtypes`; TRL's own vLLM
-keeps its ``auto``), ``beta`` 0.04 (a reference model), on the demo's prompts (16
+trainer's process, on every core), the model (trainer and vLLM alike) in the dtype fastexp's ``dtype: auto`` picks
+on this CPU (bf16 where it multiplies bf16 natively, float32 where it does not: :mod:`services.common.dtypes`),
+``beta`` 0.04 (a reference model), on the demo's prompts (16
 ``gsm_symbolic`` chat prompts x 4 samples, temperature 1, up to 256 tokens); one call of its experience making
 (``_generate_and_score_completions``: generation, rewards, log-probs) is timed after a warm-up call of one prompt:
 
@@ -17,7 +17,9 @@ fastexp side: :mod:`benchmarks.stream_overhead`'s ``stream`` (actor and referenc
 Figures (fastexp's tokens per second / TRL's, each path against its match; target >= 1.5):
 ``fastexp_vs_trl_tokens_per_s_full``, ``fastexp_vs_trl_tokens_per_s_reference``; ``trl_experience_inputs`` has
 TRL's times (the call's, and its generation's within it) and tokens. The two sample different tokens (different samplers and seeds), hence per token.
-Alone: ``python -m benchmarks.trl_experience [out]`` (runs stream_overhead too, and writes its figures with these).
+Alone: ``python -m benchmarks.trl_experience [out]`` (runs stream_overhead too, and writes its figures with these);
+``python -m benchmarks.trl_experience OUT --fastexp RESULTS`` runs TRL's side again against the stream figures in an
+earlier run's ``results.json``.
 """
 
 from __future__ import annotations
@@ -82,8 +84,13 @@ def child(spec_path: str, out_path: str) -> None:
         temperature=1.0, beta=0.04, bf16=dtype == "bfloat16", use_cpu=True, report_to=[], save_strategy="no", seed=workload.seed,
         vllm_max_model_length=1024, disable_tqdm=True,
     )
+    # TRL's vLLM loads the model's folder in its config's dtype (SmolLM2's: bf16): a copy saved in ``dtype`` keeps
+    # its generation in the same dtype as its forwards (and as fastexp's engine)
+    folder = Path(out_path).parent / f"trl_experience_model_{dtype}"
+    AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, dtype)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(spec["model"]).save_pretrained(folder)  # vLLM reads it from the same folder
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, dtype)), reward_funcs=[reward],
+        model=AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)), reward_funcs=[reward],
         processing_class=AutoTokenizer.from_pretrained(spec["model"]), args=args,
         train_dataset=datasets.Dataset.from_list(rows),
     )
@@ -131,7 +138,10 @@ if __name__ == "__main__":
 
         out = Path(sys.argv[1] if len(sys.argv) > 1 else "out/bench/trl_experience")
         model, workload = resolve_model(SMOLLM2_ALIAS), stream_overhead.DemoWorkload()
-        ours = stream_overhead.run(model, workload, out / "logs")  # its figures too (the compute floor among them)
+        if len(sys.argv) > 3 and sys.argv[2] == "--fastexp":  # TRL again against an earlier run's stream figures
+            ours = {k: v for k, v in json.loads(Path(sys.argv[3]).read_text()).items() if not k.startswith("fastexp_vs")}
+        else:
+            ours = stream_overhead.run(model, workload, out / "logs")  # its figures too (the compute floor among them)
         figures = {**ours, **run(model, workload, out / "logs", fastexp=ours)}
         (out / "results.json").write_text(json.dumps(figures, indent=2) + "\n")
         print(json.dumps(figures, indent=2))
