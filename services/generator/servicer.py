@@ -21,7 +21,7 @@ from services.common.lora import check_name
 from services.common.media import MediaLimits, check_pixel_budget, decode_media
 from services.common.media_wire import media_from_pb
 from services.common.sampling import validate_batch
-from services.common.tasks import run_to_end
+from services.common.tasks import lingering, run_to_end
 from services.common.weights import UpdateBounds, check_complete, check_update, model_spec
 from services.common.weights.wire import ReceivedUpdate, staged_update
 from services.generator.adapter_wire import ReceivedAdapter, receive_adapter
@@ -169,6 +169,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def UpdateWeights(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext
     ) -> generation_pb2.UpdateWeightsResponse:
+        async with lingering(request_iterator):  # a refusal's status reaches a client still sending
+            return await self._update_weights_call(request_iterator)
+
+    async def _update_weights_call(
+        self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk]
+    ) -> generation_pb2.UpdateWeightsResponse:
         if self._updating.locked():
             raise Overloaded("another weight update is in progress")
         self._engine.sleep_state.require_awake("UpdateWeights")
@@ -199,6 +205,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> generation_pb2.LoadAdapterResponse:
         """Receive the adapter into memory, checked as it arrives (:func:`receive_adapter`), and load it; loads
         apply one at a time."""
+        async with lingering(request_iterator):  # a refusal's status reaches a client still sending
+            return await self._load_adapter_call(request_iterator)
+
+    async def _load_adapter_call(
+        self, request_iterator: AsyncIterator[generation_pb2.AdapterChunk]
+    ) -> generation_pb2.LoadAdapterResponse:
         self._engine.sleep_state.require_weights("LoadAdapter")
         if not self._engine.max_lora_rank:
             raise FailedPrecondition("LoadAdapter: this generator takes no LoRA adapters (max_loras 0)")

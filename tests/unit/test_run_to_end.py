@@ -68,3 +68,36 @@ async def test_the_error_of_work_whose_caller_has_gone_is_logged(caplog):
     messages = [record.getMessage() for record in caplog.records]
     assert "a weight update goes on to its end: its caller has gone" in messages
     assert "a weight update failed after its caller had gone" in messages
+
+
+async def test_a_refused_upload_is_read_to_its_end_before_the_error_ends_the_call():
+    from services.common.tasks import lingering
+
+    read = []
+
+    async def upload():
+        for i in range(100):
+            read.append(i)
+            yield i
+
+    messages = upload()
+    with pytest.raises(ValueError, match="bad tensor"):
+        async with lingering(messages):
+            assert await anext(messages) == 0
+            raise ValueError("bad tensor")
+    assert read == list(range(100))  # the client could send everything before the status went out
+
+
+async def test_a_client_that_never_ends_its_upload_is_read_for_a_bounded_time():
+    from services.common.tasks import lingering
+
+    forever = asyncio.Event()
+
+    async def stalled():
+        yield 0
+        await forever.wait()  # never set: a client that neither sends nor half-closes
+        yield 1
+
+    with pytest.raises(ValueError, match="bad tensor"):  # the call's own error, once the drain gives up
+        async with lingering(stalled(), linger_s=0.05):
+            raise ValueError("bad tensor")

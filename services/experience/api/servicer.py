@@ -33,7 +33,7 @@ from services.common.logs import bind_request_id, current_request_id
 from services.common.lora import AdapterConfig
 from services.common.media import MediaLimits
 from services.common.sampling import RequestLimits
-from services.common.tasks import run_to_end
+from services.common.tasks import lingering, run_to_end
 from services.common.weights import TensorSpec, UpdateBounds
 from services.common.weights.wire import staged_update
 from services.experience.api.prompts import InvalidPrompts
@@ -288,6 +288,12 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         asyncio.get_running_loop().call_later(after, self._drained.set)
 
     async def UpdateWeights(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext
+    ) -> generation_pb2.UpdateWeightsResponse:
+        async with lingering(request_iterator):  # a refusal's status reaches a client still sending
+            return await self._update_weights(request_iterator, context)
+
+    async def _update_weights(
         self, request_iterator: AsyncIterator[generation_pb2.WeightsChunk], context: grpc.aio.ServicerContext
     ) -> generation_pb2.UpdateWeightsResponse:
         run_id = dict(context.invocation_metadata() or ()).get(RUN_ID_KEY)
