@@ -18,7 +18,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     async def StartEpisode(  # noqa: N802 - gRPC method name
         self, request: environment_pb2.StartEpisodeRequest, context: grpc.aio.ServicerContext
     ) -> environment_pb2.StartEpisodeResponse:
-        start = EpisodeStart(request.prompt, request.reference, request.label, request.max_turns)
+        start = EpisodeStart(request.prompt, request.reference, request.label, request.max_turns, request.tenant)
         session_id, observation = await self._host.start(request.environment, start)
         return environment_pb2.StartEpisodeResponse(
             session_id=session_id, observation=observation, observation_role="user"

@@ -39,16 +39,21 @@ from services.scorer.sandbox import Sandbox, SandboxLimits, SandboxResult, Sandb
 
 logger = logging.getLogger(__name__)
 
+#: The longest tenant name a request may carry (an experience run's id: at most 256 ASCII characters).
+MAX_TENANT_BYTES = 256
+
 
 @dataclass(frozen=True)
 class EpisodeStart:
     """What an environment is reset with: the prompt as text (rendered), the reference answer, the label, and the
-    turn budget (``max_turns`` model turns at most)."""
+    turn budget (``max_turns`` model turns at most); ``tenant``: who the episode runs for (the experience run's id;
+    ``""``: not said), whose share of the tool sandbox its tool calls use."""
 
     prompt: str
     reference: str
     label: str
     max_turns: int
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,35 +85,56 @@ class Environment(Protocol):
         ...
 
 
+@dataclass
+class _Shared:
+    """What every episode's context shares: the verification worker pool (started on first use), the sandbox and
+    why it cannot run (``""``: it can)."""
+
+    workers: int
+    verify_timeout_s: float
+    sandbox: Sandbox | None
+    sandbox_problem: str
+    pool: ProcessPool | None = None
+
+
 class EnvironmentContext:
     """What environments may use: answer verification in worker processes and the tool sandbox (``None``: no
     tool code can run). The worker pool starts with the first verification (a scorer no episode reaches spawns
     nothing); :meth:`close` stops it and the sandbox's connections.
+
+    The host gives each episode's environment the view :meth:`for_tenant` of the episode's tenant
+    (``StartEpisodeRequest.tenant``): its ``run_python`` calls then share the sandbox's slots fairly with other
+    tenants' (:mod:`services.scorer.sandbox.slots`), with nothing for the environment to pass.
     """
 
     def __init__(self, workers: int = 2, verify_timeout_s: float = 10.0, sandbox: Sandbox | None = None) -> None:
-        self._workers = workers
-        self._verify_timeout_s = verify_timeout_s
-        self._pool: ProcessPool | None = None
-        self._sandbox = sandbox
-        self._sandbox_problem = "no tool sandbox is configured" if sandbox is None else ""
+        problem = "no tool sandbox is configured" if sandbox is None else ""
+        self._shared = _Shared(workers, verify_timeout_s, sandbox, problem)
+        self.tenant = ""
+
+    def for_tenant(self, tenant: str) -> EnvironmentContext:
+        """This context for the episodes of ``tenant`` (the same pool and sandbox)."""
+        view = EnvironmentContext.__new__(EnvironmentContext)
+        view._shared, view.tenant = self._shared, tenant
+        return view
 
     async def check_sandbox(self) -> str:
         """Probe the sandbox once; returns ``""`` when tool code can run, else the cause and the fix (and every
         later :meth:`run_python` raises :class:`SandboxUnavailable` with it)."""
-        if self._sandbox is not None and not self._sandbox_problem:
+        shared = self._shared
+        if shared.sandbox is not None and not shared.sandbox_problem:
             try:
-                await self._sandbox.check()
+                await shared.sandbox.check()
             except SandboxUnavailable as error:
-                self._sandbox_problem = str(error)
-        return self._sandbox_problem
+                shared.sandbox_problem = str(error)
+        return shared.sandbox_problem
 
     @property
     def sandbox_description(self) -> str:
         """What runs tool code (e.g. ``bubblewrap 0.8.0 (...)``), or why nothing does."""
-        if self._sandbox is None or self._sandbox_problem:
-            return f"unavailable: {self._sandbox_problem}"
-        return self._sandbox.description
+        if self._shared.sandbox is None or self._shared.sandbox_problem:
+            return f"unavailable: {self._shared.sandbox_problem}"
+        return self._shared.sandbox.description
 
     async def verify(self, response: str, reference: str) -> tuple[float, dict[str, float]]:
         """math-verify's ``(reward, {"correct", "answer_found"})`` for ``response`` against ``reference``
@@ -117,28 +143,31 @@ class EnvironmentContext:
         Raises:
             TimeoutError: the check ran past ``verify_timeout_s`` (its worker is replaced).
         """
-        if self._pool is None:
-            self._pool = ProcessPool(max_workers=self._workers, context=multiprocessing.get_context("spawn"))
-        future = self._pool.schedule(math_verify_reward, args=(response, reference), timeout=self._verify_timeout_s)
+        shared = self._shared
+        if shared.pool is None:
+            shared.pool = ProcessPool(max_workers=shared.workers, context=multiprocessing.get_context("spawn"))
+        future = shared.pool.schedule(math_verify_reward, args=(response, reference), timeout=shared.verify_timeout_s)
         return await asyncio.wrap_future(future)
 
     async def run_python(self, code: str, limits: SandboxLimits) -> SandboxResult:
-        """Run ``code`` in the tool sandbox under ``limits``.
+        """Run ``code`` in the tool sandbox under ``limits``, in a slot of this context's tenant.
 
         Raises:
             SandboxUnavailable: there is no working sandbox (nothing is run).
             SandboxError: the sandbox could not carry this run out.
         """
-        if self._sandbox is None or self._sandbox_problem:
-            raise SandboxUnavailable(self._sandbox_problem)
-        return await self._sandbox.run(code, limits)
+        shared = self._shared
+        if shared.sandbox is None or shared.sandbox_problem:
+            raise SandboxUnavailable(shared.sandbox_problem)
+        return await shared.sandbox.run(code, limits, self.tenant)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            self._pool.stop()
-            await asyncio.to_thread(self._pool.join)
-        if self._sandbox is not None:
-            await self._sandbox.close()
+        shared = self._shared
+        if shared.pool is not None:
+            shared.pool.stop()
+            await asyncio.to_thread(shared.pool.join)
+        if shared.sandbox is not None:
+            await shared.sandbox.close()
 
 
 @dataclass(frozen=True)
@@ -214,7 +243,7 @@ class EnvironmentHost:
 
         Raises:
             InvalidRequest: ``environment``: no environment of that name is configured (the configured ones are
-                listed); ``max_turns`` < 1.
+                listed); ``max_turns`` < 1; ``tenant`` over :data:`MAX_TENANT_BYTES`.
             Overloaded: ``max_sessions`` episodes are open.
             EpisodeFailed: the environment failed to start or reset.
         """
@@ -225,11 +254,13 @@ class EnvironmentHost:
             raise InvalidRequest("environment", f"no environment {name!r} here (configured: {', '.join(self.names)})")
         if start.max_turns < 1:
             raise InvalidRequest("max_turns", "must be >= 1")
+        if len(start.tenant.encode()) > MAX_TENANT_BYTES:
+            raise InvalidRequest("tenant", f"over {MAX_TENANT_BYTES} bytes")
         self._expire()
         if len(self._sessions) >= self._max_sessions:
             raise Overloaded(f"max_sessions: {len(self._sessions)} episodes are open; retry later")
         try:
-            environment = spec.cls(self._context, **spec.options)
+            environment = spec.cls(self._context.for_tenant(start.tenant), **spec.options)
             async with asyncio.timeout(spec.step_timeout_s):
                 first = await environment.reset(start)
         except Exception as error:  # noqa: BLE001 - an environment's failure is that episode's, named

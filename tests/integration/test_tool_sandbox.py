@@ -666,6 +666,28 @@ async def test_cancelled_calls_leave_nothing_running_even_queued_under_load():
     assert result.stdout.strip() == "free"
 
 
+async def test_a_call_cancelled_while_its_sandbox_starts_leaves_nothing_running():
+    # a run cancelled while bwrap's monitor set its sandbox up had its monitor killed before the init it was forking
+    # was found: the init ran on, orphaned, holding the run's pipes, so the cancellation never completed (seen when
+    # an episode ended while its queued call was starting). Cancelled after 0..39 turns of the event loop, and after
+    # a few ms, each start covers a different point of the set-up; each cancellation completes, leaving nothing
+    sandbox = BubblewrapSandbox(BubblewrapOptions(max_concurrent=1))
+    for point in [*range(40), 0.002, 0.005, 0.01, 0.02, 0.05]:
+        marker = f"3600.{secrets.randbelow(10**6):06d}9"
+        call = asyncio.create_task(sandbox.run(f"import os\nos.execvp('sleep', ['sleep', {marker!r}])",
+                                               SandboxLimits(timeout_s=600.0)))
+        if isinstance(point, int):
+            for _ in range(point):  # where the cancel lands, not a wait for anything
+                await asyncio.sleep(0)
+        else:
+            await asyncio.wait({call}, timeout=point)
+        call.cancel()
+        async with asyncio.timeout(60):  # an orphaned init held the run's pipes, and its end waited for them
+            await asyncio.wait({call})
+        assert call.cancelled() and _host_processes_with(marker) == [], f"cancelled at {point}: its run is left"
+    assert (await sandbox.run("print('free')", SandboxLimits(timeout_s=30.0))).stdout.strip() == "free"
+
+
 async def test_the_system_call_filter_refuses_the_keyring_and_kernel_interfaces():
     # tool code calls the kernel directly (libc's syscall): every one of these is EPERM inside a run, the keyring
     # included (a key the scorer's session holds, or one a previous call left, is out of reach); forks, threads

@@ -299,9 +299,11 @@ class EnvironmentClient:
         self._retry_wait_max_s = retry_wait_max_s
 
     async def start(
-        self, environment: str, prompt: str, reference: str, label: str, max_turns: int, deadline: Deadline
+        self, environment: str, prompt: str, reference: str, label: str, max_turns: int, deadline: Deadline,
+        tenant: str = "",
     ) -> tuple[str, str | None, str]:
-        """Open an episode; returns (session id, first observation or None, its role).
+        """Open an episode for ``tenant`` (the run's id: its tool calls' share of the scorer's sandbox); returns
+        (session id, first observation or None, its role).
 
         Raises:
             InvalidRequest: no such environment.
@@ -312,6 +314,7 @@ class EnvironmentClient:
         """
         message = environment_pb2.StartEpisodeRequest(
             environment=environment, prompt=prompt, reference=reference, label=label, max_turns=max_turns,
+            tenant=tenant,
         )
         retries = stamina.retry_context(on=NotReady, attempts=None, timeout=deadline.timeout(self._timeout_s),
                                         wait_initial=0.1, wait_max=self._retry_wait_max_s)

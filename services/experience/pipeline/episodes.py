@@ -147,8 +147,9 @@ class EpisodeRunner:
         """One episode from the prompt to the environment's ``done`` or a budget (module docs)."""
         spec, options = request.prompts[prompt_index], request.config.episodes
         assert options is not None, "an episode needs the request's environment"
-        session, first, role = await self._environments.start(
-            options.environment, spec.text, spec.reference, spec.label, options.max_turns, deadline
+        session, first, role = await self._environments.start(  # the run is the tenant, as for the generator
+            options.environment, spec.text, spec.reference, spec.label, options.max_turns, deadline,
+            tenant=request.config.run_id,
         )
         trace, closed = _Trace(list(spec.token_ids)), False
         try:

@@ -106,7 +106,8 @@ class Environments(Protocol):
     """Where multi-turn episodes run (the scorer's ``EnvironmentService``, through ``EnvironmentClient``)."""
 
     async def start(
-        self, environment: str, prompt: str, reference: str, label: str, max_turns: int, deadline: Deadline
+        self, environment: str, prompt: str, reference: str, label: str, max_turns: int, deadline: Deadline,
+        tenant: str = "",
     ) -> tuple[str, str | None, str]: ...
 
     async def step(self, session_id: str, action: str, deadline: Deadline) -> EpisodeStep: ...

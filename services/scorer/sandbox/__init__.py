@@ -6,6 +6,7 @@
 - :mod:`.supervise`: how a local backend watches a run (streams, wall clock, per-run limits);
 - :mod:`.gvisor_usage`: what a gVisor run uses, from its host processes and its kernel's memory file;
 - :mod:`.cgroup`: a memory cgroup per run where the host lets the scorer make one (the gVisor backend's);
+- :mod:`.slots`: the run slots a local backend shares fairly between tenants (experience runs);
 - :mod:`.remote`: a SandboxFusion-compatible HTTP endpoint;
 - :mod:`.settings`: the scorer's ``sandbox:`` block and the backend it builds;
 - :mod:`.server`: ``fastexp serve sandbox``, that endpoint over the bubblewrap backend.

@@ -81,8 +81,9 @@ class Sandbox(Protocol):
     #: What it is, for logs and health (e.g. ``"bubblewrap 0.8.0, uid 65534"``).
     description: str
 
-    async def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
-        """Run ``code`` as a Python program under ``limits``. Never raises for what the code does.
+    async def run(self, code: str, limits: SandboxLimits, tenant: str = "") -> SandboxResult:
+        """Run ``code`` as a Python program under ``limits``, for ``tenant`` (whose runs share the backend's slots
+        fairly with other tenants': :mod:`.slots`; ``""``: the shared default). Never raises for what the code does.
 
         Raises:
             SandboxError: the backend could not carry the run out (named).

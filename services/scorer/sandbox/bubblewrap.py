@@ -73,8 +73,9 @@ from services.scorer.sandbox.bwrap_args import (
     root_links,
 )
 from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
+from services.scorer.sandbox.slots import FairSlots
 from services.scorer.sandbox.supervise import Watch, collect
-from services.scorer.sandbox.tree import RunTree
+from services.scorer.sandbox.tree import RunTree, start_run
 from services.scorer.sandbox.usage import TreeUsage, files_used, tree_usage
 
 _NOBODY = 65534
@@ -89,7 +90,8 @@ class BubblewrapOptions:
     when it lies under ``/usr``, else ``/usr/bin/python3``), the host ``uid``/``gid`` runs use (``None``: 65534 when
     the scorer is root, else the scorer's own), ``max_processes`` the tool may have (itself included),
     ``tmpfs_bytes`` of its writable ``/tmp``, ``mount_proc`` (a private ``/proc``; off where the container
-    runtime masks ``/proc``), ``max_concurrent`` runs at once (more wait), and ``usage_poll_s``, the seconds
+    runtime masks ``/proc``), ``max_concurrent`` runs at once (more wait, each tenant in a queue of its own:
+    :mod:`.slots`; ``max_concurrent_per_tenant`` of them for one tenant, ``None``: all), and ``usage_poll_s``, the seconds
     between two samples of a run's tree's CPU time, memory and files (its per-run limits); ``max_files`` the
     files (inodes) a run's tmpfs may hold."""
 
@@ -103,6 +105,7 @@ class BubblewrapOptions:
     max_concurrent: int = 4
     usage_poll_s: float = 0.1
     max_files: int = 10_000
+    max_concurrent_per_tenant: int | None = None
 
 
 class BubblewrapSandbox:
@@ -114,7 +117,7 @@ class BubblewrapSandbox:
         running_as_root = os.geteuid() == 0
         self._uid = options.uid if options.uid is not None else (_NOBODY if running_as_root else None)
         self._gid = options.gid if options.gid is not None else (_NOBODY if running_as_root else None)
-        self._slots = asyncio.Semaphore(options.max_concurrent)
+        self._slots = FairSlots(options.max_concurrent, options.max_concurrent_per_tenant)
         # resolved once, on this process's PATH: runs start with an empty environment, where a bare name that is
         # not in the default path (/bin, /usr/bin) would not be found; start-up and runs use the same program
         self._bwrap = shutil.which(options.bwrap)
@@ -142,13 +145,13 @@ class BubblewrapSandbox:
                     "give the sandbox the security options of deploy/ (its `sandbox` service), or set sandbox.backend "
                     "to 'remote'")
 
-    async def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
-        """Run ``code`` in a fresh sandbox (module docs) under ``limits``.
+    async def run(self, code: str, limits: SandboxLimits, tenant: str = "") -> SandboxResult:
+        """Run ``code`` in a fresh sandbox (module docs) under ``limits``, in one of ``tenant``'s slots.
 
         Raises:
             SandboxError: ``bwrap`` could not set the sandbox up (its message).
         """
-        async with self._slots:
+        async with self._slots.hold(tenant):
             return await self._run(code, limits)
 
     async def close(self) -> None:
@@ -165,11 +168,11 @@ class BubblewrapSandbox:
         empties = [os.open(os.devnull, os.O_RDONLY) for _ in masked]  # what the host-wide /proc files read as
         status_read, status_write = os.pipe()
         try:
-            process = await asyncio.create_subprocess_exec(
+            process = await start_run(asyncio.create_subprocess_exec(
                 *self._command(limits, source, status_write, rules, empties),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(source, status_write, rules, *empties), start_new_session=True, env={},
-            )
+            ))
         except BaseException as error:  # bwrap missing, the uid/gid cannot be taken, or the caller gave up
             os.close(status_read)
             if isinstance(error, OSError):

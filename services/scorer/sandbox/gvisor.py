@@ -60,8 +60,9 @@ from services.scorer.sandbox.base import (
 from services.scorer.sandbox.bubblewrap import default_python
 from services.scorer.sandbox.cgroup import MemoryGroup, MemoryGroups
 from services.scorer.sandbox.gvisor_usage import SentryUsage
+from services.scorer.sandbox.slots import FairSlots
 from services.scorer.sandbox.supervise import Watch, collect
-from services.scorer.sandbox.tree import RunTree
+from services.scorer.sandbox.tree import RunTree, start_run
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ class GvisorOptions:
     """How runs are isolated: the ``runsc`` program (name on PATH or path), its ``platform`` (``ptrace`` or
     ``kvm``), the interpreter inside (``None``: as :mod:`.bubblewrap`; it must lie under ``/usr``),
     ``max_processes`` the tool may have (itself included), ``tmpfs_bytes`` of its ``/tmp``, ``max_concurrent``
-    runs at once (more wait), ``usage_poll_s`` between two samples of a run's use."""
+    runs at once (more wait, each tenant in a queue of its own: :mod:`.slots`; ``max_concurrent_per_tenant`` of
+    them for one tenant, ``None``: all), ``usage_poll_s`` between two samples of a run's use."""
 
     runsc: str = "runsc"
     platform: str = "ptrace"
@@ -105,6 +107,7 @@ class GvisorOptions:
     tmpfs_bytes: int = 64 * MIB
     max_concurrent: int = 4
     usage_poll_s: float = 0.1
+    max_concurrent_per_tenant: int | None = None
 
 
 def oci_spec(python: str, rootfs: str, limits: SandboxLimits, options: GvisorOptions,
@@ -176,7 +179,7 @@ class GvisorSandbox:
         self._options = options
         self._python = options.python or default_python()
         self._runsc = shutil.which(options.runsc)  # resolved once: start-up and runs use the same program
-        self._slots = asyncio.Semaphore(options.max_concurrent)
+        self._slots = FairSlots(options.max_concurrent, options.max_concurrent_per_tenant)
         self._home: Path | None = None  # this backend's folder: the root's skeleton and each run's bundle and state
         self._rootless = os.geteuid() != 0
         self._groups = None if self._rootless else MemoryGroups.find()  # a memory cgroup per run where it may
@@ -202,13 +205,13 @@ class GvisorSandbox:
                     "runtime's default seccomp profile refuses it: see docs/operations/security.md), kvm needs "
                     "/dev/kvm; a root scorer also needs CAP_SYS_ADMIN for the run's mount namespace (unshare, mount)")
 
-    async def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
-        """Run ``code`` in a fresh gVisor sandbox (module docs) under ``limits``.
+    async def run(self, code: str, limits: SandboxLimits, tenant: str = "") -> SandboxResult:
+        """Run ``code`` in a fresh gVisor sandbox (module docs) under ``limits``, in one of ``tenant``'s slots.
 
         Raises:
             SandboxError: ``runsc`` could not set the sandbox up (its message).
         """
-        async with self._slots:
+        async with self._slots.hold(tenant):
             try:
                 run = Path(tempfile.mkdtemp(prefix="run-", dir=self._folder()))
             except OSError as error:  # e.g. /dev/shm full: this run fails, not the scorer
@@ -257,10 +260,10 @@ class GvisorSandbox:
         spec = oci_spec(self._python, root, limits, self._options, usr=usr)
         (run / "config.json").write_text(json.dumps(spec))
         try:
-            process = await asyncio.create_subprocess_exec(
+            process = await start_run(asyncio.create_subprocess_exec(
                 *self._command(run, group), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
-            )
+            ))
         except OSError as error:
             raise SandboxError(f"cannot start {self._runsc or self._options.runsc}: {error}") from error
         with RunTree(process) as tree:

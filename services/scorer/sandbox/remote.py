@@ -1,9 +1,10 @@
 """Tool runs on a remote sandbox over HTTP, in SandboxFusion's API (what verl and SkyRL call).
 
-``POST {url}/run_code`` with ``{"code", "language": "python", "run_timeout", "memory_limit_MB"}`` answers
+``POST {url}/run_code`` with ``{"code", "language": "python", "run_timeout", "memory_limit_MB", "tenant"}`` answers
 ``{"status": "Success" | "Failed" | "SandboxError", "message", "run_result": {"status": "Finished" |
 "TimeLimitExceeded" | "Error", "return_code", "stdout", "stderr", "execution_time"}}``. SandboxFusion itself or
-fastexp's own ``fastexp serve sandbox`` (:mod:`services.scorer.sandbox.server`) answer it. For clusters that must not
+fastexp's own ``fastexp serve sandbox`` (:mod:`services.scorer.sandbox.server`) answer it. ``tenant`` is fastexp's
+own field (who the run is for: the server shares its slots fairly between tenants); SandboxFusion ignores it. For clusters that must not
 run untrusted code in the scorer's container at all.
 
 Every call has one total deadline (the run's ``timeout_s`` plus ``margin_s``, not a per-read timeout) and the
@@ -42,16 +43,16 @@ class RemoteSandbox:
         self._client = httpx.AsyncClient(headers=headers, verify=verify, timeout=None)
         self.description = f"remote sandbox {self._url}"
 
-    async def run(self, code: str, limits: SandboxLimits) -> SandboxResult:
-        """Run ``code`` remotely under ``limits`` (wall clock and memory travel; the remote side keeps its own
-        CPU, file and process limits).
+    async def run(self, code: str, limits: SandboxLimits, tenant: str = "") -> SandboxResult:
+        """Run ``code`` remotely under ``limits`` for ``tenant`` (wall clock, memory and the tenant travel; the
+        remote side keeps its own CPU, file and process limits).
 
         Raises:
             SandboxError: unreachable, an HTTP error, past the deadline, a body over the cap, or a sandbox error
                 reported by the remote side (each named).
         """
         request = {"code": code, "language": "python", "run_timeout": limits.timeout_s,
-                   "memory_limit_MB": max(1, limits.memory_bytes // MIB)}
+                   "memory_limit_MB": max(1, limits.memory_bytes // MIB), "tenant": tenant}
         try:
             async with asyncio.timeout(limits.timeout_s + self._margin_s):
                 body = await self._post(request)

@@ -79,6 +79,8 @@ class RunCodeRequest(BaseModel):
     stdin: str = ""
     files: dict[str, str] = Field(default_factory=dict)
     fetch_files: list[str] = Field(default_factory=list)
+    tenant: str = Field("", max_length=256, description="fastexp's: who the run is for (the scorer sends the "
+                        "experience run's id); the server's slots are shared fairly between tenants")
 
 
 def limits_for(request: RunCodeRequest, settings: SandboxServerSettings) -> SandboxLimits:
@@ -137,7 +139,7 @@ def create_app(sandbox: Sandbox, settings: SandboxServerSettings) -> FastAPI:
             raise HTTPException(400, str(error)) from error
         started = time.monotonic()
         try:
-            result = await while_connected(sandbox.run(request.code, limits), http)
+            result = await while_connected(sandbox.run(request.code, limits, request.tenant), http)
         except SandboxError as error:
             logger.error("sandbox run failed: %s", error)
             return {"status": "SandboxError", "message": str(error), "run_result": None}

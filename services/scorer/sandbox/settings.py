@@ -38,7 +38,11 @@ class SandboxSettings(BaseModel):
     max_processes: int = Field(16, ge=1, le=4096, description="processes one run may have, itself included")
     tmpfs_bytes: int = Field(64 * MIB, ge=MIB, description="size of the run's only writable place, /tmp")
     mount_proc: bool = Field(True, description="a private /proc (turn off where the runtime masks /proc)")
-    max_concurrent: int = Field(4, ge=1, description="runs at once; more wait")
+    max_concurrent: int = Field(4, ge=1, description="runs at once; more wait, each tenant (experience run) in a "
+                                "queue of its own, a freed slot going to the tenant with the fewest runs in progress")
+    max_concurrent_per_tenant: int | None = Field(
+        None, ge=1, description="most runs one tenant holds at once (default: max_concurrent); below "
+        "max_concurrent it keeps slots free for other tenants, so that one never waits for another's runs to end")
     usage_poll_s: float = Field(0.1, ge=0.01, le=5.0, description="seconds between two samples of a run's whole "
                                 "tree (CPU seconds, resident memory) against its per-run limits")
     max_files: int = Field(10_000, ge=16, description="files (inodes) a run's /tmp may hold; each costs the kernel "
@@ -72,9 +76,11 @@ def build_sandbox(settings: SandboxSettings) -> Sandbox:
             runsc=settings.runsc, platform=settings.runsc_platform, python=settings.python,
             max_processes=settings.max_processes, tmpfs_bytes=settings.tmpfs_bytes,
             max_concurrent=settings.max_concurrent, usage_poll_s=settings.usage_poll_s,
+            max_concurrent_per_tenant=settings.max_concurrent_per_tenant,
         ))
     return BubblewrapSandbox(BubblewrapOptions(
         bwrap=settings.bwrap, python=settings.python, uid=settings.uid, gid=settings.gid,
         max_processes=settings.max_processes, tmpfs_bytes=settings.tmpfs_bytes, mount_proc=settings.mount_proc,
         max_concurrent=settings.max_concurrent, usage_poll_s=settings.usage_poll_s, max_files=settings.max_files,
+        max_concurrent_per_tenant=settings.max_concurrent_per_tenant,
     ))

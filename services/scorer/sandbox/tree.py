@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Awaitable
 from pathlib import Path
 
 from services.scorer.sandbox.usage import parse_stat, process_stats, tree_of
@@ -20,6 +21,37 @@ from services.scorer.sandbox.usage import parse_stat, process_stats, tree_of
 #: Seconds bwrap's monitor has, once the run's processes were killed, to reap the sandbox's init and exit, before it
 #: is killed too (a process stuck in the kernel can hold an init's exit up).
 END_GRACE_S = 10.0
+
+#: Seconds between two looks for the sandbox's init while bwrap's monitor sets it up (:meth:`RunTree.end`).
+SET_UP_POLL_S = 0.005
+
+
+async def start_run(spawn: Awaitable[asyncio.subprocess.Process]) -> asyncio.subprocess.Process:
+    """The run's first process once ``spawn`` (``asyncio.create_subprocess_exec``) has started it, even when the
+    caller is cancelled meanwhile: then the start is waited for, the run's whole tree ended
+    (:meth:`RunTree.end`), and ``CancelledError`` raised.
+
+    Cancelled inside its own start, asyncio kills only the process it was starting (bwrap's monitor, ``runsc``), and
+    the sandbox's init it had already forked was left running with nothing to reap or kill it (``--die-with-parent``
+    did not end it: seen when an episode ended while its queued call was being started).
+
+    Raises:
+        OSError: the program could not be started.
+        asyncio.CancelledError: the caller was cancelled (once the run's tree is gone).
+    """
+    task = asyncio.ensure_future(spawn)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait({task})  # a cancelled wait leaves the start running
+        except asyncio.CancelledError:
+            cancelled = True
+    process = task.result()
+    if cancelled:
+        with RunTree(process) as tree:
+            await tree.end()
+        raise asyncio.CancelledError
+    return process
 
 
 class RunTree:
@@ -50,14 +82,25 @@ class RunTree:
         kills every process of a pid namespace whose init died, and that init reaps them before it is gone); the
         monitor then reaps the init and exits, so once it is reaped nothing of the run is left, not even a zombie
         for the host's init (or a scorer that is PID 1 of its container) to collect. A monitor with nothing started
-        yet is killed at once, and one still there after :data:`END_GRACE_S` is killed with the tree again. The wait
-        is shielded and taken up again after each cancel.
+        yet is watched until it has (then that is killed) or has exited; one that does neither, or is still there
+        after :data:`END_GRACE_S`, is killed (with the tree again). The wait is shielded and taken up again after
+        each cancel.
         """
-        if not self._kill_inner():
-            self._kill_monitor()
-        reaped = asyncio.ensure_future(self._process.wait())
         loop = asyncio.get_running_loop()
         grace, cancelled = loop.time() + END_GRACE_S, False
+        # a monitor still setting up has not forked the sandbox's init yet, or has just done so: killed now, it would
+        # leave that init orphaned and running, its namespace and the run's output pipes with it (--die-with-parent
+        # did not end it: seen when a call was cancelled as its sandbox started). So its init is waited for, and
+        # killed, or the monitor's own exit; a monitor that does neither within the grace is killed
+        while not self._kill_inner() and self._monitor_alive():
+            if loop.time() >= grace:
+                self._kill_monitor()
+                break
+            try:
+                await asyncio.sleep(SET_UP_POLL_S)  # polling the process table for the init, not a delay
+            except asyncio.CancelledError:
+                cancelled = True
+        reaped = asyncio.ensure_future(self._process.wait())
         while not reaped.done():
             try:
                 left = grace - loop.time()

@@ -1,0 +1,166 @@
+"""The sandbox's slots shared between tenants (services/scorer/sandbox/slots.py): who gets a freed slot, the
+per-tenant cap, and cancellations that neither leak nor lose a slot. Order is observed through events: each holder
+records when it got its slot and holds it until the test releases it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.scorer.sandbox.slots import FairSlots
+
+
+class Holders:
+    """Calls that take a slot for a tenant, record the order they got it in, and hold it until released."""
+
+    def __init__(self, slots: FairSlots) -> None:
+        self.slots = slots
+        self.order: list[str] = []
+        self._release: dict[str, asyncio.Event] = {}
+        self._got: dict[str, asyncio.Event] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def start(self, name: str) -> asyncio.Task:
+        """``name`` is ``<tenant><n>``, e.g. ``a1``."""
+        self._release[name], self._got[name] = asyncio.Event(), asyncio.Event()
+        self.tasks[name] = asyncio.create_task(self._hold(name))
+        return self.tasks[name]
+
+    async def _hold(self, name: str) -> None:
+        async with self.slots.hold(name[0]):
+            self.order.append(name)
+            self._got[name].set()
+            await self._release[name].wait()
+
+    async def got(self, name: str) -> None:
+        async with asyncio.timeout(5):
+            await self._got[name].wait()
+
+    async def release(self, name: str) -> None:
+        self._release[name].set()
+        await self.tasks[name]
+
+    async def close(self) -> None:
+        """Cancel every call still waiting or holding, and wait for each to end."""
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def settle(self) -> None:
+        """Let every task that can run, run (the slots grant synchronously on release)."""
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+
+async def test_a_freed_slot_goes_to_the_tenant_with_fewest_runs_not_the_oldest_waiter():
+    holders = Holders(FairSlots(2))
+    for name in ("a1", "a2"):
+        holders.start(name)
+        await holders.got(name)
+    for name in ("a3", "a4", "b1", "c1"):  # a's backlog queued first, then b and c
+        holders.start(name)
+    await holders.settle()
+    assert holders.slots.waiting("a") == 2 and holders.slots.waiting("b") == 1
+    await holders.release("a1")
+    await holders.got("b1")  # a holds one, b and c none: b (never served, its waiter before c's), not a's backlog
+    await holders.release("a2")
+    await holders.got("c1")  # a, b, c hold 0, 1, 0: a and c tie, and c was never served
+    await holders.release("b1")
+    await holders.got("a3")  # a holds none, c one
+    assert holders.order == ["a1", "a2", "b1", "c1", "a3"]
+    await holders.close()
+
+
+async def test_a_tenant_whose_run_just_ended_does_not_go_before_one_waiting_behind_its_backlog():
+    holders = Holders(FairSlots(1))
+    holders.start("a1")
+    await holders.got("a1")
+    for name in ("a2", "a3", "b1"):
+        holders.start(name)
+    await holders.settle()
+    await holders.release("a1")  # a and b both hold none now: a was just served, b never
+    await holders.got("b1")
+    await holders.release("b1")
+    await holders.got("a2")
+    assert holders.order == ["a1", "b1", "a2"]
+    await holders.close()
+
+
+async def test_ties_go_round_robin_then_to_the_oldest_waiter():
+    holders = Holders(FairSlots(1))
+    holders.start("a1")
+    await holders.got("a1")
+    for name in ("b1", "c1", "b2"):
+        holders.start(name)
+    await holders.settle()
+    await holders.release("a1")
+    await holders.got("b1")  # a's slot: a has none waiting; b and c never served: b's waiter came first
+    await holders.release("b1")  # b and c hold none again: c, not served yet, before b, just served
+    await holders.got("c1")
+    await holders.release("c1")
+    await holders.got("b2")
+    assert holders.order == ["a1", "b1", "c1", "b2"]
+
+
+async def test_a_tenant_alone_gets_every_slot_unless_capped():
+    alone = Holders(FairSlots(3))
+    for name in ("a1", "a2", "a3"):
+        alone.start(name)
+        await alone.got(name)
+    assert alone.slots.running("a") == 3
+    capped = Holders(FairSlots(3, max_per_tenant=2))
+    for name in ("a1", "a2", "a3", "b1"):
+        capped.start(name)
+    await capped.got("b1")  # the slot a may not take waits for another tenant: b never waits for a's runs
+    await capped.settle()
+    assert capped.order == ["a1", "a2", "b1"] and capped.slots.waiting("a") == 1
+    await capped.release("a1")
+    await capped.got("a3")
+    await alone.close()
+    await capped.close()
+
+
+async def test_a_cancelled_waiter_leaves_its_queue():
+    holders = Holders(FairSlots(1))
+    holders.start("a1")
+    await holders.got("a1")
+    waiting = holders.start("b1")
+    holders.start("c1")
+    await holders.settle()
+    waiting.cancel()  # b1 gives up while it waits
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert holders.slots.waiting("b") == 0 and holders.slots.waiting("c") == 1
+    await holders.release("a1")
+    await holders.got("c1")
+    assert holders.order == ["a1", "c1"]
+    await holders.release("c1")
+    assert holders.slots.running("b") == 0
+
+
+async def test_a_waiter_cancelled_just_after_its_grant_passes_the_slot_on():
+    slots = FairSlots(1)
+    holders = Holders(slots)
+    held = slots.hold("a")
+    await held.__aenter__()
+    granted = holders.start("c1")
+    holders.start("d1")
+    await holders.settle()
+    await held.__aexit__(None, None, None)  # releases without yielding: c1 is granted but has not run yet
+    granted.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await granted
+    await holders.got("d1")
+    assert holders.order == ["d1"] and slots.running("c") == 0
+    await holders.release("d1")
+    holders.start("e1")
+    await holders.got("e1")  # no slot was lost
+    await holders.release("e1")
+
+
+def test_capacity_and_cap_must_be_positive():
+    with pytest.raises(ValueError, match="capacity 0"):
+        FairSlots(0)
+    with pytest.raises(ValueError, match="max_per_tenant 0"):
+        FairSlots(2, max_per_tenant=0)
