@@ -14,7 +14,10 @@ adapter, B ~ N(0, 0.01), through ``update_weights(..., run_id=)`` before streami
 
 Figures (ratios taken here, in this run): ``runs_adapter_vs_full_update_s`` (the second update of run a's adapter,
 the trainer's call to the service's answer once every replica and the forwards have it, against the same call with
-every tensor of the base model, sent before the LoRA runs exist; target <= 0.05) and ``runs_adapter_vs_full_update_bytes``;
+every tensor of the base model in the dtype a trainer here trains and sends it in (``dtype: auto``: bfloat16 where the
+CPU has it natively, float32 where not; the adapter is float32, peft's), sent before the LoRA runs exist; target <=
+0.05) and ``runs_adapter_vs_full_update_bytes``; ``runs_adapter_vs_stored_full_update_s`` against the model as stored
+(bfloat16 for SmolLM2) whatever the host, the figure before 2026-11-26;
 ``runs_adapter_qv_vs_full_update_s``, the same for a third run's adapter of that rank on ``q_proj``/``v_proj`` only
 (peft's default target modules for Llama models);
 ``runs_concurrent_vs_sequential_tokens_per_s`` (aggregate sampled tokens
@@ -36,6 +39,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastexp import ExperienceClient, RequestOptions, Sampling
+from services.common.dtypes import resolve_dtype
 from services.common.lora import AdapterConfig, expected_tensors, linear_modules
 from services.common.weights import model_spec
 from services.demo.datasets import task_problems
@@ -69,10 +73,14 @@ def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
     )
     prompts = [list(p.messages) for p in problems]
     batch = prompts[: workload.throughput_prompts]
+    # a trainer sends its weights in the dtype it trains in: the one `dtype: auto` picks here, as the services do
+    precision = getattr(torch, resolve_dtype("auto", "cpu"))
     config = AdapterConfig(workload.lora_rank, float(workload.lora_rank), DEFAULT_LORA_TARGET_MODULES)
     adapters = {run_id: random_adapter(model, config, seed) for seed, run_id in enumerate(WEIGHTS)}
     with _services(model, workload.backend, log_dir / "runs-throughput", None) as address:
-        full_s, full_bytes = _timed_update(address, list(load_file(str(Path(model) / "model.safetensors")).items()))
+        stored = load_file(str(Path(model) / "model.safetensors"))
+        full_s, full_bytes = _timed_update(address, [(k, v.to(precision)) for k, v in stored.items()])
+        stored_s, stored_bytes = _timed_update(address, list(stored.items()))
         _create_runs(address, config, adapters)
         adapter_s, adapter_bytes = _timed_update(address, list(adapters["a"].items()), run_id="a")
         qv_s, qv_bytes = _qv_update(address, model, workload.lora_rank)
@@ -91,9 +99,12 @@ def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
         "runs_adapter_vs_full_update_s": adapter_s / full_s,
         "runs_adapter_vs_full_update_bytes": adapter_bytes / full_bytes,
         "runs_adapter_qv_vs_full_update_s": qv_s / full_s,
+        "runs_adapter_vs_stored_full_update_s": adapter_s / stored_s,
         "runs_concurrent_vs_sequential_tokens_per_s": (tokens / concurrent_s) / (tokens / sequential_s),
         "runs_share_vs_weight_a": share / (WEIGHTS["a"] / sum(WEIGHTS.values())),
-        "runs_inputs": {"full_update_s": full_s, "full_update_bytes": full_bytes, "adapter_update_s": adapter_s,
+        "runs_inputs": {"full_update_s": full_s, "full_update_bytes": full_bytes, "full_update_dtype": str(precision),
+                        "stored_full_update_s": stored_s, "stored_full_update_bytes": stored_bytes,
+                        "adapter_update_s": adapter_s,
                         "adapter_update_bytes": adapter_bytes, "adapter_qv_update_s": qv_s,
                         "adapter_qv_update_bytes": qv_bytes, "sequential_s": sequential_s,
                         "concurrent_s": concurrent_s, "tokens_per_pass": tokens,
