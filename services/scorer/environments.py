@@ -39,15 +39,15 @@ from services.scorer.sandbox import Sandbox, SandboxLimits, SandboxResult, Sandb
 
 logger = logging.getLogger(__name__)
 
-#: The longest tenant name a request may carry (an experience run's id: at most 256 ASCII characters).
+#: The longest tenant name a request may carry, in bytes (the experience service hashes a longer key).
 MAX_TENANT_BYTES = 256
 
 
 @dataclass(frozen=True)
 class EpisodeStart:
     """What an environment is reset with: the prompt as text (rendered), the reference answer, the label, and the
-    turn budget (``max_turns`` model turns at most); ``tenant``: who the episode runs for (the experience run's id;
-    ``""``: not said), whose share of the tool sandbox its tool calls use."""
+    turn budget (``max_turns`` model turns at most); ``tenant``: who the episode runs for (the experience run's or
+    request's id; ``""``: not said), whose share of the tool sandbox its tool calls use."""
 
     prompt: str
     reference: str

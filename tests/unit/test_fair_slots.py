@@ -42,10 +42,11 @@ class Holders:
         await self.tasks[name]
 
     async def close(self) -> None:
-        """Cancel every call still waiting or holding, and wait for each to end."""
+        """Cancel every call still waiting or holding, wait for each to end, and check each ended cleanly."""
         for task in self.tasks.values():
             task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        results = await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        assert all(r is None or isinstance(r, asyncio.CancelledError) for r in results), results
 
     async def settle(self) -> None:
         """Let every task that can run, run (the slots grant synchronously on release)."""
@@ -101,6 +102,7 @@ async def test_ties_go_round_robin_then_to_the_oldest_waiter():
     await holders.release("c1")
     await holders.got("b2")
     assert holders.order == ["a1", "b1", "c1", "b2"]
+    await holders.close()
 
 
 async def test_a_tenant_alone_gets_every_slot_unless_capped():
@@ -159,8 +161,72 @@ async def test_a_waiter_cancelled_just_after_its_grant_passes_the_slot_on():
     await holders.release("e1")
 
 
+async def test_a_tenant_with_a_backlog_is_not_starved_by_tenants_that_call_one_at_a_time():
+    # l and m each have one call at a time (a tool call per model turn); x a backlog. Each tenant's last grant is
+    # remembered while it is idle: m, back after its first call, ranks behind x, whose last grant is older
+    holders = Holders(FairSlots(1))
+    holders.start("x1")
+    await holders.got("x1")
+    holders.start("x2")
+    holders.start("x3")
+    holders.start("l1")
+    await holders.settle()
+    await holders.release("x1")
+    await holders.got("l1")  # never served, before x
+    await holders.release("l1")
+    await holders.got("x2")
+    holders.start("m1")
+    await holders.settle()
+    holders.start("l2")
+    await holders.settle()
+    await holders.release("x2")
+    await holders.got("m1")  # never served
+    await holders.release("m1")
+    await holders.got("l2")  # l's last grant (l1) is older than x's (x2)
+    holders.start("m2")
+    await holders.settle()
+    await holders.release("l2")
+    await holders.got("x3")  # x's last grant (x2) is older than m's (m1): m, idle in between, does not go first
+    assert holders.order == ["x1", "l1", "x2", "m1", "l2", "x3"]
+    await holders.close()
+
+
+async def test_a_waiter_cancelled_in_the_same_turn_as_a_release_is_passed_over_and_no_slot_is_lost():
+    slots = FairSlots(1)
+    holders = Holders(slots)
+    held = slots.hold("a")
+    await held.__aenter__()
+    cancelled = holders.start("b1")
+    holders.start("c1")
+    await holders.settle()
+    cancelled.cancel()  # b1's future is cancelled now; its own handler runs on a later turn
+    await held.__aexit__(None, None, None)  # the release in between: b1 is passed over, c1 granted
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await holders.got("c1")
+    assert holders.order == ["c1"] and slots.waiting("b") == 0 and slots.running("b") == 0
+    await holders.release("c1")
+    holders.start("d1")
+    await holders.got("d1")  # the slot is free again
+    await holders.close()
+
+
 def test_capacity_and_cap_must_be_positive():
     with pytest.raises(ValueError, match="capacity 0"):
         FairSlots(0)
     with pytest.raises(ValueError, match="max_per_tenant 0"):
         FairSlots(2, max_per_tenant=0)
+
+
+def test_the_experience_service_keys_episodes_as_it_keys_the_generators_share():
+    from types import SimpleNamespace
+
+    from services.experience.pipeline.episodes import tenant_of
+
+    def request(run_id: str, request_id: str = "req-1"):
+        return SimpleNamespace(config=SimpleNamespace(run_id=run_id), request_id=request_id)
+
+    assert tenant_of(request("run-a")) == "run-a"
+    assert tenant_of(request("")) == "req-1"  # no run: the request is its own tenant, not one shared by all
+    long = tenant_of(request("é" * 200))  # 400 bytes: past the field's 256
+    assert len(long) == 64 and long == tenant_of(request("é" * 200))

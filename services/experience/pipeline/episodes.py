@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -107,6 +108,14 @@ class _Trace:
         self.log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
 
 
+def tenant_of(request: ExperienceRequest) -> str:
+    """Whose share of the scorer's tool sandbox ``request``'s episodes use (``StartEpisodeRequest.tenant``): the
+    same key as its share of the generator, the run's id or, without one, the request's id; a key past the field's
+    256 bytes is sent as its SHA-256 (hex)."""
+    key = request.config.run_id or request.request_id
+    return key if len(key.encode()) <= 256 else hashlib.sha256(key.encode()).hexdigest()
+
+
 class EpisodeRunner:
     """Runs the episodes of prompt groups over a generator and the environments (module docs)."""
 
@@ -147,9 +156,9 @@ class EpisodeRunner:
         """One episode from the prompt to the environment's ``done`` or a budget (module docs)."""
         spec, options = request.prompts[prompt_index], request.config.episodes
         assert options is not None, "an episode needs the request's environment"
-        session, first, role = await self._environments.start(  # the run is the tenant, as for the generator
+        session, first, role = await self._environments.start(
             options.environment, spec.text, spec.reference, spec.label, options.max_turns, deadline,
-            tenant=request.config.run_id,
+            tenant=tenant_of(request),
         )
         trace, closed = _Trace(list(spec.token_ids)), False
         try:

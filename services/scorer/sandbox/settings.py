@@ -42,7 +42,8 @@ class SandboxSettings(BaseModel):
                                 "queue of its own, a freed slot going to the tenant with the fewest runs in progress")
     max_concurrent_per_tenant: int | None = Field(
         None, ge=1, description="most runs one tenant holds at once (default: max_concurrent); below "
-        "max_concurrent it keeps slots free for other tenants, so that one never waits for another's runs to end")
+        "max_concurrent it keeps slots free for other tenants: one then waits for no other's runs to end while the "
+        "others, each at most at this cap, hold fewer than max_concurrent")
     usage_poll_s: float = Field(0.1, ge=0.01, le=5.0, description="seconds between two samples of a run's whole "
                                 "tree (CPU seconds, resident memory) against its per-run limits")
     max_files: int = Field(10_000, ge=16, description="files (inodes) a run's /tmp may hold; each costs the kernel "

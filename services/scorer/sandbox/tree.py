@@ -46,12 +46,12 @@ async def start_run(spawn: Awaitable[asyncio.subprocess.Process]) -> asyncio.sub
             await asyncio.wait({task})  # a cancelled wait leaves the start running
         except asyncio.CancelledError:
             cancelled = True
-    process = task.result()
     if cancelled:
-        with RunTree(process) as tree:
-            await tree.end()
-        raise asyncio.CancelledError
-    return process
+        if task.exception() is None:
+            with RunTree(task.result()) as tree:
+                await tree.end()
+        raise asyncio.CancelledError  # whatever the start's outcome: the caller has gone
+    return task.result()
 
 
 class RunTree:
