@@ -1,7 +1,8 @@
 """fastexp's experience stream against TRL's own experience making, per token, on the same prompts (issue 45).
 
 TRL side, in a process of its own: TRL 1.16.0's ``GRPOTrainer`` with vLLM in colocate mode (the engine in the
-trainer's process, on every core), the model (trainer and vLLM alike) in the dtype fastexp's ``dtype: auto`` picks
+trainer's process, on every core), the model (trainer and vLLM alike: TRL's ``LLM`` is given the dtype, which TRL
+itself does not pass, see :func:`child`) in the dtype fastexp's ``dtype: auto`` picks
 on this CPU (bf16 where it multiplies bf16 natively, float32 where it does not: :mod:`services.common.dtypes`),
 ``beta`` 0.04 (a reference model), on the demo's prompts (16
 ``gsm_symbolic`` chat prompts x 4 samples, temperature 1, up to 256 tokens); one call of its experience making
@@ -24,6 +25,7 @@ earlier run's ``results.json``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -63,6 +65,7 @@ def child(spec_path: str, out_path: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
+    from trl.generation import vllm_generation
 
     from services.common.dtypes import resolve_dtype
     from services.demo.datasets import task_problems
@@ -89,6 +92,11 @@ def child(spec_path: str, out_path: str) -> None:
     folder = Path(out_path).parent / f"trl_experience_model_{dtype}"
     AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, dtype)).save_pretrained(folder)
     AutoTokenizer.from_pretrained(spec["model"]).save_pretrained(folder)  # vLLM reads it from the same folder
+    # TRL 1.16 builds its colocated vLLM without a dtype, and vLLM's "auto" downcasts a float32 checkpoint to bf16
+    # ("Downcasting torch.float32 to torch.bfloat16" in its log): without native bf16 that decodes 3.7x slower than
+    # float32 (50 against 187 tokens/s on 32 prompts x 128 tokens, 2026-11-26). Given the trainer's dtype here, so
+    # that both sides generate in the same arithmetic; TRL offers no setting for it
+    vllm_generation.LLM = functools.partial(vllm_generation.LLM, dtype=dtype)
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)), reward_funcs=[reward],
         processing_class=AutoTokenizer.from_pretrained(spec["model"]), args=args,
@@ -111,7 +119,9 @@ def child(spec_path: str, out_path: str) -> None:
         tokens = int(out["completion_mask"].sum())
         paths[name] = {"seconds": seconds, "generation_s": sum(generating), "tokens": tokens,
                        "tokens_per_s": tokens / seconds, "old_log_probs": out.get("old_per_token_logps") is not None}
-    Path(out_path).write_text(json.dumps({**paths, "torch_threads": torch.get_num_threads(), "dtype": dtype}, indent=2))
+    Path(out_path).write_text(json.dumps({**paths, "torch_threads": torch.get_num_threads(), "dtype": dtype,
+                                          "engine_dtype": str(trainer.vllm_generation.llm.llm_engine.model_config.dtype)
+                                          if hasattr(trainer, "vllm_generation") else None}, indent=2))
 
 
 def _timed(owner, name: str) -> list[float]:
