@@ -16,6 +16,7 @@ import signal
 from collections.abc import Awaitable
 from pathlib import Path
 
+from services.common.tasks import run_to_end
 from services.scorer.sandbox.usage import parse_stat, process_stats, tree_of
 
 #: Seconds bwrap's monitor has, once the run's processes were killed, to reap the sandbox's init and exit, before it
@@ -31,27 +32,22 @@ async def start_run(spawn: Awaitable[asyncio.subprocess.Process]) -> asyncio.sub
     caller is cancelled meanwhile: then the start is waited for, the run's whole tree ended
     (:meth:`RunTree.end`), and ``CancelledError`` raised.
 
-    Cancelled inside its own start, asyncio kills only the process it was starting (bwrap's monitor, ``runsc``), and
-    the sandbox's init it had already forked was left running with nothing to reap or kill it (``--die-with-parent``
-    did not end it: seen when an episode ended while its queued call was being started).
+    Cancelled inside its own start, asyncio kills only the process it was starting (bwrap's monitor, ``runsc``): an
+    init the monitor had already forked would be left running with nothing to reap or kill it, as when
+    :meth:`RunTree.end` killed a monitor first (seen: ``--die-with-parent`` did not end that init).
 
     Raises:
         OSError: the program could not be started.
         asyncio.CancelledError: the caller was cancelled (once the run's tree is gone).
     """
     task = asyncio.ensure_future(spawn)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.wait({task})  # a cancelled wait leaves the start running
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        if task.exception() is None:
+    try:
+        return await run_to_end(task, "a tool run's start")
+    except asyncio.CancelledError:  # the caller has gone (raised whatever the start's outcome)
+        if not task.cancelled() and task.exception() is None:
             with RunTree(task.result()) as tree:
                 await tree.end()
-        raise asyncio.CancelledError  # whatever the start's outcome: the caller has gone
-    return task.result()
+        raise
 
 
 class RunTree:
