@@ -87,8 +87,8 @@ def child(spec_path: str, out_path: str) -> None:
         temperature=1.0, beta=0.04, bf16=dtype == "bfloat16", use_cpu=True, report_to=[], save_strategy="no", seed=workload.seed,
         vllm_max_model_length=1024, disable_tqdm=True,
     )
-    # TRL's vLLM loads the model's folder in its config's dtype (SmolLM2's: bf16): a copy saved in ``dtype`` keeps
-    # its generation in the same dtype as its forwards (and as fastexp's engine)
+    # the trainer and TRL's vLLM load a copy saved in ``dtype``; the engine's dtype itself comes from the patch below
+    # (vLLM's auto would take a float32 copy down to bf16)
     folder = Path(out_path).parent / f"trl_experience_model_{dtype}"
     AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, dtype)).save_pretrained(folder)
     AutoTokenizer.from_pretrained(spec["model"]).save_pretrained(folder)  # vLLM reads it from the same folder

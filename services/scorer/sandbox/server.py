@@ -80,7 +80,7 @@ class RunCodeRequest(BaseModel):
     files: dict[str, str] = Field(default_factory=dict)
     fetch_files: list[str] = Field(default_factory=list)
     tenant: str = Field("", max_length=256, description="fastexp's: who the run is for (the scorer sends the "
-                        "experience run's id); the server's slots are shared fairly between tenants")
+                        "experience run's or request's id); the server's slots are shared fairly between tenants")
 
 
 def limits_for(request: RunCodeRequest, settings: SandboxServerSettings) -> SandboxLimits:
