@@ -22,6 +22,7 @@ Nothing here imports grpc.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import multiprocessing
@@ -114,8 +115,8 @@ class EnvironmentContext:
 
     def for_tenant(self, tenant: str) -> EnvironmentContext:
         """This context for the episodes of ``tenant`` (the same pool and sandbox)."""
-        view = EnvironmentContext.__new__(EnvironmentContext)
-        view._shared, view.tenant = self._shared, tenant
+        view = copy.copy(self)  # shallow: the same _Shared
+        view.tenant = tenant
         return view
 
     async def check_sandbox(self) -> str:

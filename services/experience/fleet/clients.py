@@ -302,8 +302,8 @@ class EnvironmentClient:
         self, environment: str, prompt: str, reference: str, label: str, max_turns: int, deadline: Deadline,
         tenant: str = "",
     ) -> tuple[str, str | None, str]:
-        """Open an episode for ``tenant`` (the run's id: its tool calls' share of the scorer's sandbox); returns
-        (session id, first observation or None, its role).
+        """Open an episode for ``tenant`` (the run's or request's id, ``episodes.tenant_of``: its tool calls' share
+        of the scorer's sandbox); returns (session id, first observation or None, its role).
 
         Raises:
             InvalidRequest: no such environment.
