@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.common.errors import InvalidRequest
@@ -98,13 +99,33 @@ def check_adapter(
     expected = check_config(name, config, modules, max_rank)
     for tensor_name, tensor in tensors.items():
         check_tensor(tensor_name, tensor.dtype, tuple(tensor.shape), expected)
-        if not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             raise InvalidRequest(f"tensors[{tensor_name}]", "holds NaN or infinite values")
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise InvalidRequest(f"tensors[{missing[0]}]", f"missing: target_modules {list(config.target_modules)} "
                              f"adapt this module ({len(missing)} of {len(expected)} tensors absent)")
     return targets(modules, config.target_modules)
+
+
+#: The exponent bits of the 16-bit floats numpy has no type for: all of them set is an infinity or a NaN (IEEE 754
+#: binary16; bfloat16, whose exponent is float32's).
+_EXPONENT_BITS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (any shape) holds no NaN and no infinity. A CPU tensor of float32, float64 or a 16-bit
+    float is checked by numpy on its memory as it is (a rank-16 adapter on every projection of SmolLM2, 420 float32
+    tensors: 6 ms here against 30 ms for ``torch.isfinite(t).all()`` per tensor); any other, by torch."""
+    if tensor.device.type != "cpu" or tensor.requires_grad:
+        return bool(torch.isfinite(tensor).all())
+    mask = _EXPONENT_BITS.get(tensor.dtype)
+    if mask is not None:
+        bits = tensor.contiguous().view(torch.int16).numpy()
+        return not bool(np.any((bits & np.int16(mask)) == np.int16(mask)))
+    if tensor.dtype in (torch.float32, torch.float64):
+        return bool(np.isfinite(tensor.numpy()).all())
+    return bool(torch.isfinite(tensor).all())
 
 
 def check_config(

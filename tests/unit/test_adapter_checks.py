@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.common.errors import InvalidRequest
-from services.common.lora import AdapterConfig, check_adapter, expected_tensors, linear_modules
+from services.common.lora import AdapterConfig, all_finite, check_adapter, expected_tensors, linear_modules
 from services.common.weights import TensorSpec
 from services.generator.adapters import AdapterTable
 
@@ -72,6 +72,21 @@ def test_a_bad_tensor_is_named(change, field, reason):
         check_adapter("run-a", CONFIG, tensors, MODULES, max_rank=16)
     assert raised.value.field == field
     assert reason in raised.value.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_finds_every_nan_and_infinity_and_passes_extreme_finite_values(dtype):
+    values = torch.linspace(-3, 3, 1001).to(dtype).reshape(7, 143)
+    info = torch.finfo(dtype)
+    for finite in (info.max, info.min, info.tiny, info.tiny / 4, 0.0, -0.0):  # subnormals included
+        changed = values.clone()
+        changed[3, 5] = finite
+        assert all_finite(changed) and all_finite(changed.t())  # a transposed view read in place
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        changed = values.clone()
+        changed[6, 142] = bad
+        assert not all_finite(changed) and not all_finite(changed.t()) and not all_finite(changed[6])
+    assert all_finite(torch.empty(0, 4, dtype=dtype))
 
 
 @pytest.mark.parametrize(("name", "config", "field"), [
