@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import grpc
 import torch
@@ -15,6 +16,8 @@ _WIRE_DTYPES = {torch_dtype: getattr(tensor_pb2, f"DTYPE_{name.upper()}") for na
 #: The feature a receiver lists (``ModelInfo.features``, ``ServerInfo.features``) when it takes ``TensorBatch``
 #: messages (:func:`weight_chunks` with ``batch``).
 TENSOR_BATCHES = "tensor-batches"
+#: The messages :func:`tensor_messages` builds.
+M = TypeVar("M", generation_pb2.WeightsChunk, generation_pb2.AdapterChunk)
 #: ``WeightsTarget`` enum value -> target.
 TARGETS: dict[int, Target] = {
     generation_pb2.WEIGHTS_TARGET_POLICY: "policy", generation_pb2.WEIGHTS_TARGET_CRITIC: "critic",
@@ -54,37 +57,54 @@ def weight_chunks(
             policy_version=policy_version,
         )
     )
-    pending: list[generation_pb2.TensorChunk] = []  # whole small tensors waiting for their batch
+    yield from tensor_messages(generation_pb2.WeightsChunk, tensors, chunk_bytes=chunk_bytes, batch=batch)
+
+
+def tensor_messages(
+    message_type: type[M], tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = 4 * 1024 * 1024,
+    batch: bool = False,
+) -> Iterator[M]:
+    """The data messages of :func:`weight_chunks` (no header) as ``message_type``: any message with the fields
+    ``tensor`` (``TensorChunk``) and ``tensors`` (``TensorBatch``), e.g. ``WeightsChunk`` or ``AdapterChunk``.
+    Each chunk is built inside its message: a tensor's bytes are copied once on the way (a rank-16 adapter's
+    messages built 3x faster than from separate ``TensorChunk`` messages, which each enclosing message copies).
+
+    Raises:
+        ValueError: a tensor is not floating point.
+    """
+    pending: M | None = None  # whole small tensors waiting for their batch
     pending_bytes = 0
     for name, tensor in tensors:
         size = tensor.numel() * tensor.element_size()
         if batch and size < chunk_bytes:
-            if pending and pending_bytes + size > chunk_bytes:
-                yield generation_pb2.WeightsChunk(tensors=generation_pb2.TensorBatch(tensors=pending))
-                pending, pending_bytes = [], 0
-            pending.extend(_tensor_chunks(name, tensor, chunk_bytes))  # its one chunk
+            if pending is not None and pending_bytes + size > chunk_bytes:
+                yield pending
+                pending, pending_bytes = None, 0
+            if pending is None:
+                pending = message_type()
+            for fields in _tensor_chunks(name, tensor, chunk_bytes):  # its one chunk
+                pending.tensors.tensors.add(**fields)
             pending_bytes += size
             continue
-        if pending:  # tensors go in order
-            yield generation_pb2.WeightsChunk(tensors=generation_pb2.TensorBatch(tensors=pending))
-            pending, pending_bytes = [], 0
-        yield from (generation_pb2.WeightsChunk(tensor=chunk) for chunk in _tensor_chunks(name, tensor, chunk_bytes))
-    if pending:
-        yield generation_pb2.WeightsChunk(tensors=generation_pb2.TensorBatch(tensors=pending))
+        if pending is not None:  # tensors go in order
+            yield pending
+            pending, pending_bytes = None, 0
+        yield from (message_type(tensor=fields) for fields in _tensor_chunks(name, tensor, chunk_bytes))
+    if pending is not None:
+        yield pending
 
 
-def _tensor_chunks(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[generation_pb2.TensorChunk]:
-    """One tensor's chunks, ``chunk_bytes`` of data each, the first with the CRC-32 of all its bytes."""
+def _tensor_chunks(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[dict]:
+    """One tensor's chunks as ``TensorChunk`` fields, ``chunk_bytes`` of data each, the first with the CRC-32 of all
+    its bytes."""
     if tensor.dtype not in _WIRE_DTYPES:
         raise ValueError(f"{name}: dtype {tensor.dtype} is not a floating-point weight dtype")
     data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
     shape = list(tensor.shape)
     crc32 = zlib.crc32(data)
     for start in range(0, max(len(data), 1), chunk_bytes):
-        yield generation_pb2.TensorChunk(
-            name=name, dtype=_WIRE_DTYPES[tensor.dtype], shape=shape,
-            data=data[start : start + chunk_bytes].tobytes(), crc32=crc32 if start == 0 else None,
-        )
+        yield {"name": name, "dtype": _WIRE_DTYPES[tensor.dtype], "shape": shape,
+               "data": data[start : start + chunk_bytes].tobytes(), "crc32": crc32 if start == 0 else None}
 
 
 def server_features(stub: experience_pb2_grpc.ExperienceServiceStub, timeout_s: float) -> frozenset[str]:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 import torch
 
 from fastexp.v1 import generation_pb2, tensor_pb2
-from fastexp.weights import TARGETS, weight_chunks
+from fastexp.weights import TARGETS, tensor_messages, weight_chunks
 from services.common.errors import InvalidRequest
 from services.common.lora import AdapterConfig
 from services.common.weights.checks import allowed_checkpoint_dir
@@ -158,10 +158,6 @@ def adapter_chunks(
         name=name, rank=config.rank, alpha=config.alpha, target_modules=list(config.target_modules),
         use_rslora=config.use_rslora, num_tensors=len(tensors), version=version, weights_digest=weights_digest,
     ))
-    chunks = weight_chunks(list(tensors.items()), chunk_bytes=chunk_bytes, batch=batch)
-    next(chunks)  # its WeightsHeader: the adapter's header went first
-    for chunk in chunks:
-        if chunk.WhichOneof("kind") == "tensors":
-            yield generation_pb2.AdapterChunk(tensors=chunk.tensors)
-        else:
-            yield generation_pb2.AdapterChunk(tensor=chunk.tensor)
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    yield from tensor_messages(generation_pb2.AdapterChunk, tensors.items(), chunk_bytes=chunk_bytes, batch=batch)
