@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -154,6 +156,35 @@ async def test_a_tenants_adapter_is_the_same_on_every_replica_and_nobody_elses(r
     fourth = make_adapter(base, again.lora, seed=4)
     assert (await _call(replicas["A"], ALICE, "update_weights", fourth.items(), run_id="alice-lora")).policy_version == 1
     _assert_rows_follow(await _stream(replicas["B"], "alice-lora"), peft_model(base, again.lora, fourth), 1)
+
+
+async def test_an_adapter_whose_blob_cannot_be_written_is_live_nowhere_and_its_run_serves_on(replicas, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    run = await _call(replicas["A"], ALICE, "create_run", "alice-unstored", lora_rank=8)
+    first = make_adapter(base, run.lora, seed=5)
+    assert (await _call(replicas["A"], ALICE, "update_weights", first.items(), run_id="alice-unstored")).policy_version == 1
+    # the weights folder gone, a file in its place: version 2's blob cannot be written while the generator loads it
+    folder = Path(os.environ["FASTEXP_EXPERIENCE_WEIGHTS_DIR"])
+    aside = folder.with_name("weights-aside")
+    folder.rename(aside)
+    folder.write_text("not a folder")
+    try:
+        second = make_adapter(base, run.lora, seed=6)
+        with pytest.raises(grpc.RpcError) as raised:
+            await _call(replicas["A"], ALICE, "update_weights", second.items(), run_id="alice-unstored")
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and "could not be stored" in raised.value.details()
+    finally:
+        folder.unlink()
+        aside.rename(folder)
+    # the generator, which had loaded version 2, samples version 1 again, as both replicas forward
+    for address in replicas.values():
+        _assert_rows_follow(await _stream(address, "alice-unstored"), peft_model(base, run.lora, first), 1)
+    # and the run takes its next update: the claim was released
+    assert (await _call(replicas["A"], ALICE, "update_weights", second.items(), run_id="alice-unstored")).policy_version == 2
+    _assert_rows_follow(await _stream(replicas["B"], "alice-unstored"), peft_model(base, run.lora, second), 2)
+    await _call(replicas["A"], ALICE, "delete_run", "alice-unstored")
 
 
 async def test_a_partial_update_through_a_replica_that_lags_applies_to_the_live_version(tiny_model_path, tmp_path):

@@ -14,7 +14,7 @@ import torch
 from fastexp.errors import AlreadyExists, FailedPrecondition, NotReady, Overloaded, PermissionDenied
 from fastexp.rl.running import KLController, RunningMoments, RunState
 from services.common.identity import caller_of
-from services.common.weights import TensorEntry, WeightsBlobs
+from services.common.weights import TensorEntry, WeightsBlobs, blob_digest
 from services.experience.pipeline.statistics import StatisticsKey
 from services.experience.runs.limits import LoraSpec, OperatorLimits, RunLimits
 from services.experience.runs.registry import ReplicaIdentity, RunRegistry
@@ -138,6 +138,7 @@ async def test_versions_are_issued_once_and_their_weights_found_by_reference(sto
         a.weights(snapshot.policy.weights_digest)
     # blobs no live version names are collected; the live one stays
     digest = blobs.put(_tensors(2))
+    assert await a.digest(_tensors(2)) == blob_digest(_tensors(2)) == digest  # what names a blob before it is written
     assert await a.collect(grace_s=0.0) == [digest]
 
 

@@ -17,7 +17,7 @@ The path of an ``UpdateWeights`` stream, each step in one module:
 protobuf). Imports go one way: records ← checks ← staging ← blobs, wire.
 """
 
-from services.common.weights.blobs import WeightsBlobs
+from services.common.weights.blobs import WeightsBlobs, blob_digest
 from services.common.weights.checks import (
     accepts_dtype,
     allowed_checkpoint_dir,
@@ -48,7 +48,7 @@ from services.common.weights.staging import (
 
 __all__ = [
     "DATA_FILE", "MANIFEST", "ReceivedUpdate", "TensorEntry", "TensorSpec", "UpdateBounds", "UpdateKind",
-    "WeightStager", "WeightsBlobs", "accepts_dtype", "allowed_checkpoint_dir", "check_complete", "check_entry",
+    "WeightStager", "WeightsBlobs", "accepts_dtype", "blob_digest", "allowed_checkpoint_dir", "check_complete", "check_entry",
     "check_update", "checkpoint_entries", "copy_into", "max_update_bytes", "model_spec", "module_spec",
     "staged_entries", "tensor_entries", "update_entries",
 ]

@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -60,20 +60,11 @@ class WeightsBlobs:
 
     def _put(self, entries: Iterable[TensorEntry], temporary: Path) -> str:
         try:
-            manifest, data_hash, offset = [], hashlib.sha256(), 0
             with open(temporary / DATA_FILE, "wb") as data:
-                for entry in entries:
-                    raw = entry.load().contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes()
-                    data.write(raw)
-                    data_hash.update(raw)
-                    manifest.append({"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape),
-                                     "offset": offset})
-                    offset += len(raw)
+                manifest_bytes, digest = _encode(entries, data.write)
                 data.flush()
                 os.fsync(data.fileno())
-            manifest_bytes = json.dumps(manifest).encode()
             (temporary / MANIFEST).write_bytes(manifest_bytes)
-            digest = _digest(manifest_bytes, data_hash.hexdigest())
             target = self.path(digest)
             if target.exists():
                 return digest
@@ -133,6 +124,27 @@ class WeightsBlobs:
         if removed:
             logger.info("weights blobs collected: %d no live version needs", len(removed))
         return removed
+
+
+def blob_digest(entries: Iterable[TensorEntry]) -> str:
+    """The digest :meth:`WeightsBlobs.put` gives ``entries`` (each loaded once, in order), computed without
+    writing anything: what names an update's weights on the replicas while its blob is being written."""
+    return _encode(entries, None)[1]
+
+
+def _encode(entries: Iterable[TensorEntry], write: Callable[[memoryview], object] | None) -> tuple[bytes, str]:
+    """The blob of ``entries``: its data (each tensor's bytes in order, handed to ``write``), its manifest's bytes
+    and its digest."""
+    manifest, data_hash, offset = [], hashlib.sha256(), 0
+    for entry in entries:
+        raw = memoryview(entry.load().contiguous().view(-1).view(dtype=torch.uint8).numpy())
+        if write is not None:
+            write(raw)
+        data_hash.update(raw)
+        manifest.append({"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape), "offset": offset})
+        offset += raw.nbytes
+    manifest_bytes = json.dumps(manifest).encode()
+    return manifest_bytes, _digest(manifest_bytes, data_hash.hexdigest())
 
 
 def _digest(manifest: bytes, data_hexdigest: str) -> str:

@@ -31,6 +31,7 @@ from services.common.weights.checks import check_entry, max_update_bytes
 from services.common.weights.records import (
     DATA_FILE,
     MANIFEST,
+    ReceivedUpdate,
     TensorEntry,
     TensorSpec,
 )
@@ -201,11 +202,28 @@ def staged_entries(folder: str | Path) -> list[TensorEntry]:
 
         def load(dtype: str = dtype, shape: tuple = shape, offset: int = offset) -> torch.Tensor:
             count = math.prod(shape) * FLOAT_DTYPES[dtype].itemsize
+            if not count:  # numpy gives an empty read a stride torch cannot view
+                return torch.empty(shape, dtype=FLOAT_DTYPES[dtype])
             raw = np.fromfile(folder / DATA_FILE, dtype=np.uint8, count=count, offset=offset)
             return torch.from_numpy(raw).view(FLOAT_DTYPES[dtype]).reshape(shape)
 
         entries.append(TensorEntry(tensor["name"], dtype, shape, load))
     return entries
+
+
+def update_tensors(update: ReceivedUpdate) -> dict[str, torch.Tensor]:
+    """A received update's tensors in memory, by name, in order (for updates small enough to hold whole, such as an
+    adapter's): a staged one from a single read of its data file, each tensor a view of that buffer where its
+    offset is aligned to its dtype (a copy where not); a checkpoint's read one by one."""
+    if update.kind != "staged":
+        return {entry.name: entry.load() for entry in update.entries}
+    data = torch.from_numpy(np.fromfile(Path(update.folder) / DATA_FILE, dtype=np.uint8))
+    tensors = {}
+    for tensor in json.loads((Path(update.folder) / MANIFEST).read_text()):
+        dtype, shape, offset = FLOAT_DTYPES[tensor["dtype"]], tuple(tensor["shape"]), tensor["offset"]
+        raw = data[offset : offset + math.prod(shape) * dtype.itemsize]
+        tensors[tensor["name"]] = (raw if offset % dtype.itemsize == 0 else raw.clone()).view(dtype).reshape(shape)
+    return tensors
 
 
 def update_entries(kind: str, folder: str) -> list[TensorEntry]:

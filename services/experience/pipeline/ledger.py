@@ -14,12 +14,13 @@ experience replica and kept across restarts, with each version's weights written
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from services.common.errors import FailedPrecondition, Overloaded
+from services.common.errors import FailedPrecondition, InvalidRequest, Overloaded
 from services.common.versions import Claim, Live, Snapshot
 from services.common.weights import TensorEntry
 
@@ -47,6 +48,11 @@ class VersionLedger(Protocol):
         Raises:
             NotReady: the weights' folder cannot be written.
         """
+        ...
+
+    async def digest(self, entries: Sequence[TensorEntry]) -> str | None:
+        """The digest :meth:`put` would return for ``entries``, computed without storing them (None: not by
+        reference): an update names its weights on the replicas with it while they are stored."""
         ...
 
     async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None, *,
@@ -78,6 +84,30 @@ class VersionLedger(Protocol):
         ...
 
 
+async def claim_update(ledger: VersionLedger, *, target: str | None = None, run_id: str | None = None) -> Claim:
+    """``ledger``'s claim of an update (:meth:`VersionLedger.claim`); an update cancelled while it is being claimed
+    releases it once the claim is made (else it would hold the model or run until the claim expires)."""
+    claiming = asyncio.ensure_future(ledger.claim(target=target, run_id=run_id))
+    try:
+        return await asyncio.shield(claiming)
+    except asyncio.CancelledError:
+        claiming.add_done_callback(lambda done: None if done.cancelled() or done.exception() else
+                                   asyncio.ensure_future(ledger.commit(done.result(), None)))
+        raise
+
+
+def next_version(requested: int | None, current: int) -> int:
+    """The version an update makes live: the sender's ``requested``, else the live one (``current``) + 1.
+
+    Raises:
+        InvalidRequest: ``header.policy_version`` is not after the live one.
+    """
+    version = current + 1 if requested is None else requested
+    if version <= current:
+        raise InvalidRequest("header.policy_version", f"{version} is not after the live version {current}")
+    return version
+
+
 class LocalLedger:
     """:class:`VersionLedger` of one process: versions in memory, weights not kept (the models hold the live
     ones: ``by_reference`` False). ``lora_runs()`` names the LoRA runs that exist (a base update refuses)."""
@@ -107,6 +137,9 @@ class LocalLedger:
         return claim
 
     async def put(self, entries: Sequence[TensorEntry]) -> str | None:
+        return None
+
+    async def digest(self, entries: Sequence[TensorEntry]) -> str | None:
         return None
 
     async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None, *,

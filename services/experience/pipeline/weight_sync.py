@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING
 
 from services.common import metrics
 from services.common.deadlines import Deadline
-from services.common.errors import FailedPrecondition, InvalidRequest, UpstreamTimeout
+from services.common.errors import FailedPrecondition, InvalidRequest, NotReady, UpstreamTimeout
 from services.common.lora import AdapterConfig, check_adapter, expected_tensors
 from services.common.tasks import run_to_end
 from services.common.versions import Claim, Live, Snapshot
 from services.common.weights import ReceivedUpdate, TensorEntry, TensorSpec, check_update
-from services.common.weights.staging import module_spec, tensor_entries
+from services.common.weights.staging import module_spec, tensor_entries, update_tensors
 from services.experience.pipeline.events import Generator
 from services.experience.pipeline.forwarder import Forwarder
-from services.experience.pipeline.ledger import LocalLedger, VersionLedger
+from services.experience.pipeline.ledger import LocalLedger, VersionLedger, claim_update, next_version
 from services.experience.pipeline.versions import PolicyClocks
 
 if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
@@ -66,8 +66,7 @@ class WeightSync:
         self._applying = asyncio.Lock()  # a policy update or a replica sync; the actor replica is stable outside it
 
     def spec(self, target: str) -> dict[str, TensorSpec]:
-        """The tensors an update of ``target`` is checked against as it arrives (the actor replica's, or the
-        critic's).
+        """The tensors an update of ``target`` is checked against as it arrives (the actor replica's or the critic's).
 
         Raises:
             InvalidRequest: ``header.target`` is the critic and this service runs none.
@@ -96,7 +95,7 @@ class WeightSync:
             raise InvalidRequest("header.target", "this experience service runs no critic (set critic_model)")
         check_update(update.entries, module_spec(tensors))
         async with self._applying:
-            claim = await self._claim(target="critic")
+            claim = await claim_update(self.ledger, target="critic")
             version = None
             try:
                 await self._catch_up_critic(claim.live)  # the update applies to the live critic (as the policy's)
@@ -119,39 +118,65 @@ class WeightSync:
     async def update_adapter(self, name: str, config: AdapterConfig, update: ReceivedUpdate, deadline: Deadline) -> int:
         """Apply a LoRA run's adapter update: checked whole, loaded on every generator replica, then into the
         forwarder's adapters; live as ``update.policy_version`` (else the run's version + 1). Returns that version.
-        Only the run's own clock moves: another run's groups neither abort nor wait.
+        Only the run's own clock moves: another run's groups neither abort nor wait. By reference, the replicas
+        are told the adapter's digest first and its blob is written while they load it (committed once written).
 
         Raises:
             InvalidRequest: a missing, unknown, misshapen or non-finite tensor (named), a ``policy_version`` not
                 after the run's live one, or the generator's refusal; nothing was applied anywhere.
             FailedPrecondition: no LoRA runs here, or the generator takes no adapters.
             NotReady, UpstreamTimeout, Overloaded: no generator replica loaded it; nothing changed here.
+            NotReady: its blob could not be written (the generator replicas were put back: nothing changed).
         """
         modules = self._forwarder.adapter_modules()
         check_update(update.entries, self.adapter_spec(config))
-        tensors = await asyncio.to_thread(lambda: {entry.name: entry.load() for entry in update.entries})
+        tensors = await asyncio.to_thread(update_tensors, update)
         check_adapter(name, config, tensors, modules, config.rank)  # every tensor there, finite
+        entries = tensor_entries(tensors)  # stored from memory, not read back from the staging folder
+        digest = await self.ledger.digest(entries)  # generator replicas hold it under its blob's digest
         clock = self.clocks.of(name)
         async with self._applying:
-            claim = await self._claim(run_id=name)
-            live = digest = None
+            claim = await claim_update(self.ledger, run_id=name)
+            live = stored = None
             try:
                 # the ledger's version when it has one: a run of this name deleted and made again through another
                 # replica starts again at 0, whatever this replica's clock of the old run says
                 current = claim.live.version if self.ledger.by_reference else clock.version
-                version = self._next_version(update, current)
-                digest = await self.ledger.put(update.entries)  # generator replicas hold it under its digest
+                version = next_version(update.policy_version, current)
+                stored = None if digest is None else asyncio.ensure_future(self.ledger.put(entries))
                 await clock.begin_update()
                 try:
-                    live = await self._generator.load_adapter(name, config, tensors, version, deadline,
-                                                              weights_digest=digest or "")
+                    loaded = await self._generator.load_adapter(name, config, tensors, version, deadline,
+                                                                weights_digest=digest or "")
+                    if stored is not None:
+                        await self._stored_or_restore(name, stored, loaded, clock.version, deadline)
+                    live = loaded
                     await run_to_end(self._forwarder.load_adapter(name, config, tensors, live), f"run {name}'s adapter load")
                 finally:
                     await clock.end_update(live)
             finally:
-                await run_to_end(self._commit(claim, live, update.entries, f"adapter/{name}", digest), f"run {name}'s commit")
+                if stored is not None:  # ended before the claim is (a failed update's blob is collected unused)
+                    await run_to_end(asyncio.gather(stored, return_exceptions=True), f"run {name}'s blob")
+                await run_to_end(self._commit(claim, live, entries, f"adapter/{name}", digest), f"run {name}'s commit")
         logger.info("run %s: adapter version %d live (%d tensors, %d bytes)", name, live, len(tensors), update.num_bytes)
         return live
+
+    async def _stored_or_restore(self, name: str, stored: asyncio.Future, loaded: int, previous: int,
+                                 deadline: Deadline) -> None:
+        """Wait until run ``name``'s new adapter (version ``loaded``) is in its blob (``stored``). Raises NotReady
+        where the blob could not be written, once the generator replicas, which loaded it, are put back on this
+        replica's copy (version ``previous``; none: unloaded): nothing serves a version the ledger lacks."""
+        try:
+            await run_to_end(stored, f"run {name}'s blob")
+        except NotReady as error:
+            logger.warning("run %s: adapter version %d not stored (%s): the generators go back", name, loaded, error)
+            if name in self._forwarder.adapter_versions():
+                await run_to_end(self._generator.load_adapter(
+                    name, self._forwarder.adapter_config(name), await self._forwarder.adapter_tensors(name), previous,
+                    deadline, weights_digest=self._held.get(f"adapter/{name}", "")), f"run {name}'s restore")
+            else:
+                await run_to_end(self._generator.unload_adapter(name), f"run {name}'s restore")
+            raise NotReady(f"run {name}'s adapter could not be stored, so it is not live anywhere: {error}") from error
 
     def settled_adapters(self) -> dict[str, tuple[int, str | None]]:
         """What a generator replica must hold to serve: each live adapter no update is being applied to, name →
@@ -166,29 +191,6 @@ class WeightSync:
         async with self._applying:
             await self._forwarder.remove_adapter(name)
             self.clocks.forget(name)
-
-    async def _claim(self, *, target: str | None = None, run_id: str | None = None) -> Claim:
-        """The ledger's claim of an update; an update cancelled while it is being claimed releases it once the
-        claim is made (else it would hold the model or run until the claim expires)."""
-        claiming = asyncio.ensure_future(self.ledger.claim(target=target, run_id=run_id))
-        try:
-            return await asyncio.shield(claiming)
-        except asyncio.CancelledError:
-            claiming.add_done_callback(lambda done: None if done.cancelled() or done.exception() else
-                                       asyncio.ensure_future(self.ledger.commit(done.result(), None)))
-            raise
-
-    @staticmethod
-    def _next_version(update: ReceivedUpdate, current: int) -> int:
-        """The version an update makes live: the sender's, else the live one (``current``) + 1.
-
-        Raises:
-            InvalidRequest: ``header.policy_version`` is not after the live one.
-        """
-        requested = current + 1 if update.policy_version is None else update.policy_version
-        if requested <= current:
-            raise InvalidRequest("header.policy_version", f"{requested} is not after the live version {current}")
-        return requested
 
     async def _commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry], key: str,
                       digest: str | None = None) -> None:
@@ -207,14 +209,14 @@ class WeightSync:
                 raise FailedPrecondition(
                     f"header.target: LoRA runs {', '.join(runs)} sample adapters over the base model; updating it "
                     "would change their policies under them (delete them first)")
-            claim = await self._claim(target="policy")  # FailedPrecondition: LoRA runs on any replica
+            claim = await claim_update(self.ledger, target="policy")  # FailedPrecondition: LoRA runs on any replica
             version = None
             try:
                 # an update may carry only the tensors a step changed: it applies to the live version, which this
                 # replica loads first when another replica made it
                 await self._catch_up_policy(claim.live)
                 # the generator's version adopted at start may be ahead of a store that never saw an update
-                requested = self._next_version(update, max(self.policy.version, claim.live.version))
+                requested = next_version(update.policy_version, max(self.policy.version, claim.live.version))
                 await self.policy.begin_update()
                 try:
                     version = await self._generator.update_weights(update, deadline, requested)
@@ -279,8 +281,7 @@ class WeightSync:
             await asyncio.sleep(poll_s)  # polling the store: it has no notifications common to both backends
 
     def _follow(self, snapshot: Snapshot) -> None:
-        """Tell :attr:`on_policy_live` a settled live policy version it was not told yet (version 0, nothing
-        committed, is the generator's own)."""
+        """Tell :attr:`on_policy_live` a settled live policy version not told yet (0: the generator's own)."""
         live = snapshot.policy
         if live.version and live.weights_digest and not live.updating and live.version != self._followed:
             self._followed = live.version
@@ -307,11 +308,10 @@ class WeightSync:
         return applied
 
     async def catch_up(self) -> Snapshot | None:
-        """Bring this replica's models to the ledger's live versions (updates made through other experience
-        replicas): the actor, the critic and each LoRA run's adapter from their blobs, and forget the adapters of
-        runs deleted elsewhere; the local clocks move with them (waiters wake, aborting partial rollouts stop).
-        Cheap when nothing changed (one read of the ledger). Returns the snapshot it followed (None: a local
-        ledger, nothing to follow).
+        """Bring this replica's models to the ledger's live versions (updates made through other replicas): the
+        actor, the critic and each LoRA run's adapter from their blobs, and forget the adapters of runs deleted
+        elsewhere; the local clocks move with them (waiters wake, aborting partial rollouts stop). Cheap when nothing
+        changed (one read of the ledger). Returns the snapshot it followed (None: a local ledger).
 
         Raises:
             NotReady: the ledger or a blob is unavailable (this replica keeps what it had).
@@ -330,8 +330,7 @@ class WeightSync:
 
     def _stale(self, key: str, live: Live) -> bool:
         """Whether this replica's copy of ``key`` (``policy``, ``critic``, ``adapter/<run id>``) is not the ledger's
-        settled live blob: compared by digest, so a run deleted and made again at the same version number is
-        loaded anew."""
+        settled live blob: by digest, so a run deleted and made again at the same version number is loaded anew."""
         return bool(live.weights_digest) and not live.updating and self._held.get(key) != live.weights_digest
 
     def _behind(self, snapshot: Snapshot) -> bool:

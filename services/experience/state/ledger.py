@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from services.common.errors import NotReady
 from services.common.versions import Claim, Snapshot
-from services.common.weights import TensorEntry, WeightsBlobs
+from services.common.weights import TensorEntry, WeightsBlobs, blob_digest
 from services.experience.state import rows
 from services.experience.state.store import StateStore
 
@@ -40,6 +40,9 @@ class StoredLedger:
             return await asyncio.to_thread(self._blobs.put, entries)
         except OSError as error:
             raise NotReady(f"the weights folder {self._blobs.root} cannot be written: {error}") from error
+
+    async def digest(self, entries: Sequence[TensorEntry]) -> str:
+        return await asyncio.to_thread(blob_digest, entries)
 
     async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None, *,
                      digest: str | None = None) -> str | None:
