@@ -180,7 +180,8 @@ class ExperienceRequest:
     ``skipped_prompt_indices`` lists those to report dropped with the first batch; ``truncated_prompt_indices``
     are message indices of prompts cut to ``max_prompt_tokens``. ``stream``: a resumable stream's point (None:
     a stream without ``stream_id``); ``run``: the created run it streams (None: none; the request's ``config``
-    holds what the request asked, never the run's fields)."""
+    holds what the request asked, never the run's fields); ``tenant``: whose fair share it draws on, as the API
+    keys it (:attr:`share_key`)."""
 
     request_id: str
     prompts: tuple[PromptSpec, ...]
@@ -191,6 +192,13 @@ class ExperienceRequest:
     truncated_prompt_indices: tuple[int, ...] = ()
     stream: StreamPoint | None = None
     run: RunBinding | None = None
+    tenant: str = ""
+
+    @property
+    def share_key(self) -> str:
+        """Whose fair share of the generator and of the scorer's tool sandbox its groups draw on: ``tenant`` (a run's,
+        ``run:...``), else the request's own (``request:<request_id>``): a request id never names a run's share."""
+        return self.tenant or f"request:{self.request_id}"
 
     @property
     def adapter(self) -> str | None:

@@ -219,14 +219,23 @@ def test_capacity_and_cap_must_be_positive():
 
 
 def test_the_experience_service_keys_episodes_as_it_keys_the_generators_share():
-    from types import SimpleNamespace
-
+    from fastexp.rl.advantages import get_estimator
+    from fastexp.sampling import SamplingOptions
+    from services.common.identity import caller_of
+    from services.experience.api.servicer import tenant_key
+    from services.experience.config import ExperienceConfig, ExperienceRequest
     from services.experience.pipeline.episodes import tenant_of
 
-    def request(run_id: str, request_id: str = "req-1"):
-        return SimpleNamespace(config=SimpleNamespace(run_id=run_id), request_id=request_id)
+    def request(tenant: str, request_id: str = "req-1") -> ExperienceRequest:
+        return ExperienceRequest(request_id, (), SamplingOptions(), ExperienceConfig(2, get_estimator("rloo")), tenant=tenant)
 
-    assert tenant_of(request("run-a")) == "run-a"
-    assert tenant_of(request("")) == "req-1"  # no run: the request is its own tenant, not one shared by all
-    long = tenant_of(request("é" * 200))  # 400 bytes: past the field's 256
-    assert len(long) == 64 and long == tenant_of(request("é" * 200))
+    alice, bob = caller_of(b"alice-token", admin=False), caller_of(b"bob-token", admin=False)
+    run = object()  # a created run's record
+    assert tenant_of(request(tenant_key("run-a", run, alice))) == "run:run-a" == tenant_key("run-a", run, bob)
+    # a run id nobody created is each caller's own, as its statistics are
+    assert tenant_key("run-x", None, alice) != tenant_key("run-x", None, bob)
+    # no run: the request is its own tenant, not one shared by all, and its id never names a run's share
+    assert tenant_of(request(tenant_key("", None, alice))) == "request:req-1"
+    assert tenant_of(request("", request_id="run:run-a")) != tenant_of(request(tenant_key("run-a", run, alice)))
+    long = tenant_of(request(tenant_key("é" * 200, run, alice)))  # 400 bytes: past the field's 256
+    assert len(long) == 64 and long == tenant_of(request(tenant_key("é" * 200, run, bob)))

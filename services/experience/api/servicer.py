@@ -62,6 +62,15 @@ def statistics_key(run_id: str, run: Run | None, caller: Caller, stream_id: str 
     return StatisticsKey(run_id) if run is not None else StatisticsKey(run_id, caller.principal)
 
 
+def tenant_key(run_id: str, run: Run | None, caller: Caller) -> str:
+    """Whose fair share a stream draws on (``ExperienceRequest.tenant``): a created run's (``run:<id>``); a
+    ``run_id`` no run was created for, scoped to ``caller`` as its statistics are (``run:<id>@<principal>``); else ""
+    (the request's own)."""
+    if not run_id:
+        return ""
+    return f"run:{run_id}" if run is not None else f"run:{run_id}@{caller.principal}"
+
+
 async def _until_drained(experiences: AsyncIterator[Any], drained: asyncio.Event) -> AsyncIterator[Any]:
     """``experiences`` until ``drained`` is set: then the step in progress is cancelled (the pipeline closes its
     generations) and NotReady says to resume elsewhere."""
@@ -252,6 +261,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
             self._maker.check_agent(decoded.config.agent.name)  # INVALID_ARGUMENT: not one of the operator's
         if not request.request_id and current_request_id():  # the trainer's x-request-id names the stream
             decoded = dataclasses.replace(decoded, request_id=current_request_id())
+        decoded = dataclasses.replace(decoded, tenant=tenant_key(request.run_id, run, current_caller()))
         if run is not None:  # the run's record: its weight in the generator's fair share, its window, its adapter
             decoded = dataclasses.replace(decoded, run=RunBinding(
                 run.run_id, float(run.limits.weight), run.limits.max_groups_ahead,

@@ -110,9 +110,9 @@ class _Trace:
 
 def tenant_of(request: ExperienceRequest) -> str:
     """Whose share of the scorer's tool sandbox ``request``'s episodes use (``StartEpisodeRequest.tenant``): the
-    same key as its share of the generator, the run's id or, without one, the request's id; a key past the field's
-    256 bytes is sent as its SHA-256 (hex)."""
-    key = request.config.run_id or request.request_id
+    same key as its share of the generator (``request.share_key``); a key past the field's 256 bytes is sent as its
+    SHA-256 (hex)."""
+    key = request.share_key
     return key if len(key.encode()) <= 256 else hashlib.sha256(key.encode()).hexdigest()
 
 

@@ -100,7 +100,7 @@ class Producer:
         bound = request.run  # a created run's window and share weight, as its record says
         ahead = bound.max_groups_ahead if bound is not None and bound.max_groups_ahead is not None else self._max_groups_ahead
         window = None if config.rollout_scope else max(ahead, config.groups_per_batch)
-        share = ShareLeases(self._share, config.run_id or request.request_id, 1.0 if bound is None else bound.weight,
+        share = ShareLeases(self._share, request.share_key, 1.0 if bound is None else bound.weight,
                             config.n_samples_per_prompt)
         policy = self._clocks.of(request.adapter)
         # a resumed stream counts staleness from its first open's version
