@@ -17,7 +17,7 @@ _WIRE_DTYPES = {torch_dtype: getattr(tensor_pb2, f"DTYPE_{name.upper()}") for na
 #: messages (:func:`weight_chunks` with ``batch``).
 TENSOR_BATCHES = "tensor-batches"
 #: The messages :func:`tensor_messages` builds.
-M = TypeVar("M", generation_pb2.WeightsChunk, generation_pb2.AdapterChunk)
+_M = TypeVar("_M", generation_pb2.WeightsChunk, generation_pb2.AdapterChunk)
 #: ``WeightsTarget`` enum value -> target.
 TARGETS: dict[int, Target] = {
     generation_pb2.WEIGHTS_TARGET_POLICY: "policy", generation_pb2.WEIGHTS_TARGET_CRITIC: "critic",
@@ -61,18 +61,18 @@ def weight_chunks(
 
 
 def tensor_messages(
-    message_type: type[M], tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = 4 * 1024 * 1024,
+    message_type: type[_M], tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = 4 * 1024 * 1024,
     batch: bool = False,
-) -> Iterator[M]:
-    """The data messages of :func:`weight_chunks` (no header) as ``message_type``: any message with the fields
-    ``tensor`` (``TensorChunk``) and ``tensors`` (``TensorBatch``), e.g. ``WeightsChunk`` or ``AdapterChunk``.
+) -> Iterator[_M]:
+    """The data messages of :func:`weight_chunks` (no header) as ``message_type``, ``WeightsChunk`` or
+    ``AdapterChunk`` (both have the fields ``tensor``, a ``TensorChunk``, and ``tensors``, a ``TensorBatch``).
     Each chunk is built inside its message: a tensor's bytes are copied once on the way (a rank-16 adapter's
     messages built 3x faster than from separate ``TensorChunk`` messages, which each enclosing message copies).
 
     Raises:
         ValueError: a tensor is not floating point.
     """
-    pending: M | None = None  # whole small tensors waiting for their batch
+    pending: _M | None = None  # whole small tensors waiting for their batch
     pending_bytes = 0
     for name, tensor in tensors:
         size = tensor.numel() * tensor.element_size()

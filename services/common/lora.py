@@ -117,11 +117,11 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (any shape) holds no NaN and no infinity. A CPU tensor of float32, float64 or a 16-bit
     float is checked by numpy on its memory as it is (a rank-16 adapter on every projection of SmolLM2, 420 float32
     tensors: 6 ms here against 30 ms for ``torch.isfinite(t).all()`` per tensor); any other, by torch."""
-    if tensor.device.type != "cpu" or tensor.requires_grad:
+    if tensor.device.type != "cpu" or tensor.requires_grad or tensor.layout != torch.strided:
         return bool(torch.isfinite(tensor).all())
     mask = _EXPONENT_BITS.get(tensor.dtype)
     if mask is not None:
-        bits = tensor.contiguous().view(torch.int16).numpy()
+        bits = tensor.view(torch.int16).numpy()  # the same strides: no copy
         return not bool(np.any((bits & np.int16(mask)) == np.int16(mask)))
     if tensor.dtype in (torch.float32, torch.float64):
         return bool(np.isfinite(tensor.numpy()).all())

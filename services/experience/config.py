@@ -172,6 +172,11 @@ class StreamPoint:
     open_number: int = 1
 
 
+def run_tenant(run_id: str) -> str:
+    """A created run's fair-share tenant (:attr:`ExperienceRequest.tenant`): ``run:<id>``."""
+    return f"run:{run_id}"
+
+
 @dataclass(frozen=True)
 class ExperienceRequest:
     """A validated request. ``prompts`` are the ones to sample; the pipeline indexes them 0..len(prompts)-1.
@@ -196,8 +201,8 @@ class ExperienceRequest:
 
     @property
     def share_key(self) -> str:
-        """Whose fair share of the generator and of the scorer's tool sandbox its groups draw on: ``tenant`` (a run's,
-        ``run:...``), else the request's own (``request:<request_id>``): a request id never names a run's share."""
+        """Whose fair share of the generator and of the scorer's tool sandbox its groups draw on: ``tenant`` as the
+        API keys it (``run:...``, ``request:...``), else the request's own (``request:<request_id>``, in process)."""
         return self.tenant or f"request:{self.request_id}"
 
     @property

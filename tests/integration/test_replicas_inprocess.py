@@ -163,21 +163,28 @@ async def test_an_adapter_whose_blob_cannot_be_written_is_live_nowhere_and_its_r
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     run = await _call(replicas["A"], ALICE, "create_run", "alice-unstored", lora_rank=8)
-    first = make_adapter(base, run.lora, seed=5)
-    assert (await _call(replicas["A"], ALICE, "update_weights", first.items(), run_id="alice-unstored")).policy_version == 1
-    # the weights folder gone, a file in its place: version 2's blob cannot be written while the generator loads it
+    first, second = make_adapter(base, run.lora, seed=5), make_adapter(base, run.lora, seed=6)
+    # the weights folder gone, a file in its place: a blob cannot be written while the generator loads the adapter
     folder = Path(os.environ["FASTEXP_EXPERIENCE_WEIGHTS_DIR"])
     aside = folder.with_name("weights-aside")
-    folder.rename(aside)
-    folder.write_text("not a folder")
-    try:
-        second = make_adapter(base, run.lora, seed=6)
-        with pytest.raises(grpc.RpcError) as raised:
-            await _call(replicas["A"], ALICE, "update_weights", second.items(), run_id="alice-unstored")
-        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and "could not be stored" in raised.value.details()
-    finally:
-        folder.unlink()
-        aside.rename(folder)
+
+    async def refused(adapter) -> None:
+        folder.rename(aside)
+        folder.write_text("not a folder")
+        try:
+            with pytest.raises(grpc.RpcError) as raised:
+                await _call(replicas["A"], ALICE, "update_weights", adapter.items(), run_id="alice-unstored")
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value.details()
+            assert "could not be stored, so it is not live anywhere" in raised.value.details()
+        finally:
+            folder.unlink()
+            aside.rename(folder)
+
+    await refused(first)  # its first adapter: unloaded from the generator again, the run still has none
+    with pytest.raises(grpc.RpcError, match="has no adapter yet"):
+        await _stream(replicas["B"], "alice-unstored")
+    assert (await _call(replicas["A"], ALICE, "update_weights", first.items(), run_id="alice-unstored")).policy_version == 1
+    await refused(second)  # its second: the generator put back on version 1, from its blob
     # the generator, which had loaded version 2, samples version 1 again, as both replicas forward
     for address in replicas.values():
         _assert_rows_follow(await _stream(address, "alice-unstored"), peft_model(base, run.lora, first), 1)

@@ -231,11 +231,12 @@ def test_the_experience_service_keys_episodes_as_it_keys_the_generators_share():
 
     alice, bob = caller_of(b"alice-token", admin=False), caller_of(b"bob-token", admin=False)
     run = object()  # a created run's record
-    assert tenant_of(request(tenant_key("run-a", run, alice))) == "run:run-a" == tenant_key("run-a", run, bob)
-    # a run id nobody created is each caller's own, as its statistics are
-    assert tenant_key("run-x", None, alice) != tenant_key("run-x", None, bob)
-    # no run: the request is its own tenant, not one shared by all, and its id never names a run's share
-    assert tenant_of(request(tenant_key("", None, alice))) == "request:req-1"
-    assert tenant_of(request("", request_id="run:run-a")) != tenant_of(request(tenant_key("run-a", run, alice)))
-    long = tenant_of(request(tenant_key("é" * 200, run, alice)))  # 400 bytes: past the field's 256
-    assert len(long) == 64 and long == tenant_of(request(tenant_key("é" * 200, run, bob)))
+    assert tenant_of(request(tenant_key("run-a", run, alice, "r1"))) == "run:run-a" == tenant_key("run-a", run, bob, "r2")
+    # a run id nobody created, and a request without one, are each caller's own, as statistics are
+    assert tenant_key("run-x", None, alice, "r1") != tenant_key("run-x", None, bob, "r1")
+    assert tenant_key("", None, alice, "r1") != tenant_key("", None, bob, "r1") != tenant_key("", None, bob, "r2")
+    # no request id names a run's share, whatever a caller picks
+    assert tenant_key("", None, alice, "run:run-a") != tenant_key("run-a", run, alice, "r1")
+    assert tenant_of(request("", request_id="req-1")) == "request:req-1"  # in process: the request's own
+    long = tenant_of(request(tenant_key("é" * 200, run, alice, "r1")))  # 400 bytes: past the field's 256
+    assert len(long) == 64 and long == tenant_of(request(tenant_key("é" * 200, run, bob, "r2")))

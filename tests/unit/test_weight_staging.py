@@ -30,6 +30,12 @@ def test_a_staged_update_read_whole_equals_its_entries_read_one_by_one_at_any_al
         assert torch.equal(whole[entry.name], tensors[entry.name]) and torch.equal(whole[entry.name], entry.load())
 
 
+def test_an_update_of_empty_tensors_only_reads_back(tmp_path):
+    update = _staged({"a": torch.empty(0, 3), "b": torch.empty(2, 0, dtype=torch.bfloat16)}, tmp_path)
+    whole = update_tensors(update)
+    assert [(t.shape, t.dtype) for t in whole.values()] == [((0, 3), torch.float32), ((2, 0), torch.bfloat16)]
+
+
 def test_a_blobs_digest_is_known_before_it_is_written_and_is_the_one_it_is_written_under(tmp_path):
     tensors = {"lora_A": torch.randn(16, 64), "lora_B": torch.randn(64, 16).to(torch.bfloat16)}
     digest = blob_digest(tensor_entries(tensors))

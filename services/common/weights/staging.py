@@ -217,11 +217,18 @@ def update_tensors(update: ReceivedUpdate) -> dict[str, torch.Tensor]:
     offset is aligned to its dtype (a copy where not); a checkpoint's read one by one."""
     if update.kind != "staged":
         return {entry.name: entry.load() for entry in update.entries}
-    data = torch.from_numpy(np.fromfile(Path(update.folder) / DATA_FILE, dtype=np.uint8))
+    manifest = json.loads((Path(update.folder) / MANIFEST).read_text())
+    data = torch.from_numpy(np.fromfile(Path(update.folder) / DATA_FILE, dtype=np.uint8)) if manifest else None
     tensors = {}
-    for tensor in json.loads((Path(update.folder) / MANIFEST).read_text()):
+    for tensor in manifest:
         dtype, shape, offset = FLOAT_DTYPES[tensor["dtype"]], tuple(tensor["shape"]), tensor["offset"]
-        raw = data[offset : offset + math.prod(shape) * dtype.itemsize]
+        count = math.prod(shape) * dtype.itemsize
+        if not count:  # an empty read's stride cannot be viewed as another dtype
+            tensors[tensor["name"]] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = data[offset : offset + count]
+        if len(raw) != count:
+            raise ValueError(f"{update.folder}: {tensor['name']} is cut short ({len(raw)} of {count} bytes)")
         tensors[tensor["name"]] = (raw if offset % dtype.itemsize == 0 else raw.clone()).view(dtype).reshape(shape)
     return tensors
 

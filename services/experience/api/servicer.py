@@ -40,7 +40,7 @@ from services.experience.api.prompts import InvalidPrompts
 from services.experience.api.request import decode_request
 from services.experience.api.runs import RunMethods, check_lora_stream
 from services.experience.api.streams import check_stream_fields, request_fingerprint, resumed_request
-from services.experience.config import ExperienceRequest, RunBinding, StreamPoint
+from services.experience.config import ExperienceRequest, RunBinding, StreamPoint, run_tenant
 from services.experience.fleet.readiness import GeneratorInfo
 from services.experience.pipeline.events import StreamStats
 from services.experience.pipeline.maker import ExperienceMaker
@@ -62,13 +62,13 @@ def statistics_key(run_id: str, run: Run | None, caller: Caller, stream_id: str 
     return StatisticsKey(run_id) if run is not None else StatisticsKey(run_id, caller.principal)
 
 
-def tenant_key(run_id: str, run: Run | None, caller: Caller) -> str:
+def tenant_key(run_id: str, run: Run | None, caller: Caller, request_id: str) -> str:
     """Whose fair share a stream draws on (``ExperienceRequest.tenant``): a created run's (``run:<id>``); a
-    ``run_id`` no run was created for, scoped to ``caller`` as its statistics are (``run:<id>@<principal>``); else ""
-    (the request's own)."""
-    if not run_id:
-        return ""
-    return f"run:{run_id}" if run is not None else f"run:{run_id}@{caller.principal}"
+    ``run_id`` no run was created for, or without one the request, scoped to ``caller`` as statistics are
+    (``run:<id>@<principal>``, ``request:<request_id>@<principal>``): no id a caller picks joins another's share."""
+    if run is not None:
+        return run_tenant(run_id)
+    return f"{run_tenant(run_id)}@{caller.principal}" if run_id else f"request:{request_id}@{caller.principal}"
 
 
 async def _until_drained(experiences: AsyncIterator[Any], drained: asyncio.Event) -> AsyncIterator[Any]:
@@ -261,7 +261,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
             self._maker.check_agent(decoded.config.agent.name)  # INVALID_ARGUMENT: not one of the operator's
         if not request.request_id and current_request_id():  # the trainer's x-request-id names the stream
             decoded = dataclasses.replace(decoded, request_id=current_request_id())
-        decoded = dataclasses.replace(decoded, tenant=tenant_key(request.run_id, run, current_caller()))
+        decoded = dataclasses.replace(decoded, tenant=tenant_key(request.run_id, run, current_caller(), decoded.request_id))
         if run is not None:  # the run's record: its weight in the generator's fair share, its window, its adapter
             decoded = dataclasses.replace(decoded, run=RunBinding(
                 run.run_id, float(run.limits.weight), run.limits.max_groups_ahead,
@@ -377,7 +377,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
             await self._maker.remove_adapter(run.run_id)
 
     def _share_usage(self, run_id: str) -> tuple[int, int]:
-        return self._maker.share_usage(run_id)
+        return self._maker.share_usage(run_tenant(run_id))
 
     async def ReloadModels(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.ReloadModelsRequest, context: grpc.aio.ServicerContext

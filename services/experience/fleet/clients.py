@@ -302,7 +302,7 @@ class EnvironmentClient:
         self, environment: str, prompt: str, reference: str, label: str, max_turns: int, deadline: Deadline,
         tenant: str = "",
     ) -> tuple[str, str | None, str]:
-        """Open an episode for ``tenant`` (the run's or request's id, ``episodes.tenant_of``: its tool calls' share
+        """Open an episode for ``tenant`` (its request's fair-share key, ``episodes.tenant_of``: its tool calls' share
         of the scorer's sandbox); returns (session id, first observation or None, its role).
 
         Raises:

@@ -42,7 +42,7 @@ class VersionLedger(Protocol):
         ...
 
     async def put(self, entries: Sequence[TensorEntry]) -> str | None:
-        """Store ``entries`` by reference now (before the update they belong to is live); returns their digest
+        """Store ``entries`` by reference (before the update they belong to is committed); returns their digest
         for :meth:`commit` (None: not by reference).
 
         Raises:

@@ -113,7 +113,7 @@ class ExperienceMaker:
         self._agents = agents
 
     def share_usage(self, tenant: str) -> tuple[int, int]:
-        """``tenant``'s (a run id's) prompt groups generating now and waiting for generator capacity."""
+        """``tenant``'s (:attr:`ExperienceRequest.tenant`, e.g. a created run's ``run:<id>``) prompt groups generating now and waiting for generator capacity."""
         return self._share.groups_in_flight(tenant), self._share.queued(tenant)
 
     def check_agent(self, name: str) -> None:

@@ -20,24 +20,28 @@ half-updated weights under either version's number, nor an adapter being removed
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from services.common import metrics
 from services.common.deadlines import Deadline
-from services.common.errors import FailedPrecondition, InvalidRequest, NotReady, UpstreamTimeout
+from services.common.errors import FailedPrecondition, InvalidRequest, UpstreamTimeout
 from services.common.lora import AdapterConfig, check_adapter, expected_tensors
 from services.common.tasks import run_to_end
 from services.common.versions import Claim, Live, Snapshot
 from services.common.weights import ReceivedUpdate, TensorEntry, TensorSpec, check_update
 from services.common.weights.staging import module_spec, tensor_entries, update_tensors
+from services.experience.pipeline.adapter_blobs import stored_or_put_back
 from services.experience.pipeline.events import Generator
 from services.experience.pipeline.forwarder import Forwarder
 from services.experience.pipeline.ledger import LocalLedger, VersionLedger, claim_update, next_version
 from services.experience.pipeline.versions import PolicyClocks
 
 if TYPE_CHECKING:  # annotations only: the pipeline takes any replica client
+    import torch
+
     from services.experience.fleet.replicas import ReplicaClient
 
 logger = logging.getLogger(__name__)
@@ -119,14 +123,15 @@ class WeightSync:
         """Apply a LoRA run's adapter update: checked whole, loaded on every generator replica, then into the
         forwarder's adapters; live as ``update.policy_version`` (else the run's version + 1). Returns that version.
         Only the run's own clock moves: another run's groups neither abort nor wait. By reference, the replicas
-        are told the adapter's digest first and its blob is written while they load it (committed once written).
+        are told the adapter's digest first and its blob is written while they load it. Once claimed, the update
+        runs to its end even if its caller is cancelled.
 
         Raises:
             InvalidRequest: a missing, unknown, misshapen or non-finite tensor (named), a ``policy_version`` not
                 after the run's live one, or the generator's refusal; nothing was applied anywhere.
             FailedPrecondition: no LoRA runs here, or the generator takes no adapters.
             NotReady, UpstreamTimeout, Overloaded: no generator replica loaded it; nothing changed here.
-            NotReady: its blob could not be written (the generator replicas were put back: nothing changed).
+            NotReady: its blob could not be written; the generator replicas were put back on the live version.
         """
         modules = self._forwarder.adapter_modules()
         check_update(update.entries, self.adapter_spec(config))
@@ -134,49 +139,43 @@ class WeightSync:
         check_adapter(name, config, tensors, modules, config.rank)  # every tensor there, finite
         entries = tensor_entries(tensors)  # stored from memory, not read back from the staging folder
         digest = await self.ledger.digest(entries)  # generator replicas hold it under its blob's digest
-        clock = self.clocks.of(name)
         async with self._applying:
             claim = await claim_update(self.ledger, run_id=name)
-            live = stored = None
-            try:
-                # the ledger's version when it has one: a run of this name deleted and made again through another
-                # replica starts again at 0, whatever this replica's clock of the old run says
-                current = claim.live.version if self.ledger.by_reference else clock.version
-                version = next_version(update.policy_version, current)
-                stored = None if digest is None else asyncio.ensure_future(self.ledger.put(entries))
-                await clock.begin_update()
-                try:
-                    loaded = await self._generator.load_adapter(name, config, tensors, version, deadline,
-                                                                weights_digest=digest or "")
-                    if stored is not None:
-                        await self._stored_or_restore(name, stored, loaded, clock.version, deadline)
-                    live = loaded
-                    await run_to_end(self._forwarder.load_adapter(name, config, tensors, live), f"run {name}'s adapter load")
-                finally:
-                    await clock.end_update(live)
-            finally:
-                if stored is not None:  # ended before the claim is (a failed update's blob is collected unused)
-                    await run_to_end(asyncio.gather(stored, return_exceptions=True), f"run {name}'s blob")
-                await run_to_end(self._commit(claim, live, entries, f"adapter/{name}", digest), f"run {name}'s commit")
+            live = await run_to_end(self._apply_adapter(name, config, tensors, entries, digest, update, claim, deadline),
+                                    f"run {name}'s adapter update")
         logger.info("run %s: adapter version %d live (%d tensors, %d bytes)", name, live, len(tensors), update.num_bytes)
         return live
 
-    async def _stored_or_restore(self, name: str, stored: asyncio.Future, loaded: int, previous: int,
-                                 deadline: Deadline) -> None:
-        """Wait until run ``name``'s new adapter (version ``loaded``) is in its blob (``stored``). Raises NotReady
-        where the blob could not be written, once the generator replicas, which loaded it, are put back on this
-        replica's copy (version ``previous``; none: unloaded): nothing serves a version the ledger lacks."""
+    async def _apply_adapter(self, name: str, config: AdapterConfig, tensors: dict[str, torch.Tensor],
+                             entries: list[TensorEntry], digest: str | None, update: ReceivedUpdate, claim: Claim,
+                             deadline: Deadline) -> int:
+        """:meth:`update_adapter` once claimed: the generator replicas' load and the blob's write at once, then the
+        forwarder's copy, the run's clock and the ledger's commit (or release, when it failed)."""
+        clock = self.clocks.of(name)
+        live = stored = None
         try:
-            await run_to_end(stored, f"run {name}'s blob")
-        except NotReady as error:
-            logger.warning("run %s: adapter version %d not stored (%s): the generators go back", name, loaded, error)
-            if name in self._forwarder.adapter_versions():
-                await run_to_end(self._generator.load_adapter(
-                    name, self._forwarder.adapter_config(name), await self._forwarder.adapter_tensors(name), previous,
-                    deadline, weights_digest=self._held.get(f"adapter/{name}", "")), f"run {name}'s restore")
-            else:
-                await run_to_end(self._generator.unload_adapter(name), f"run {name}'s restore")
-            raise NotReady(f"run {name}'s adapter could not be stored, so it is not live anywhere: {error}") from error
+            # the ledger's version when it has one: a run of this name deleted and made again through another
+            # replica starts again at 0, whatever this replica's clock of the old run says
+            version = next_version(update.policy_version, claim.live.version if self.ledger.by_reference else clock.version)
+            stored = None if digest is None else asyncio.ensure_future(self.ledger.put(entries))
+            await clock.begin_update()
+            try:
+                loaded = await self._generator.load_adapter(name, config, tensors, version, deadline,
+                                                            weights_digest=digest or "")
+                if stored is not None:  # NotReady: not stored, the replicas put back on the ledger's version
+                    mine = self._held.get(f"adapter/{name}") == claim.live.weights_digest  # this copy is the live one
+                    await stored_or_put_back(stored, digest, self.ledger, self._generator, name, config, loaded,
+                                             claim.live, Deadline.from_remaining(self._sync_timeout_s),
+                                             functools.partial(self._forwarder.adapter_tensors, name) if mine else None)
+                live = loaded
+                await self._forwarder.load_adapter(name, config, tensors, live)
+            finally:
+                await clock.end_update(live)
+        finally:
+            if stored is not None:  # ended before the claim is (a failed update's blob is collected unused)
+                await asyncio.gather(stored, return_exceptions=True)
+            await self._commit(claim, live, entries, f"adapter/{name}", digest)
+        return live
 
     def settled_adapters(self) -> dict[str, tuple[int, str | None]]:
         """What a generator replica must hold to serve: each live adapter no update is being applied to, name →
