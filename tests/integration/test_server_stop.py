@@ -1,7 +1,8 @@
 """A service process's stop has a limit, on a real process and real signals: a server whose cleanup never ends
 (a stuck call or close) exits with status 1 once its grace period and stop margin have passed, its log saying
 where it was stuck (the stuck coroutine, innermost); ``kill -USR1`` logs every task's and thread's stack while it
-serves. Events, not sleeps: the test waits for the process's own lines."""
+serves; the handlers are in before the service starts, so a signal its first line invites is never fatal, and
+SIGTERM while starting ends the start. Events, not sleeps: the test waits for the process's own lines."""
 
 from __future__ import annotations
 
@@ -26,6 +27,20 @@ SERVICE = textwrap.dedent("""
                                       max_message_bytes=1 << 20)
         print("listening", running.port, flush=True)
         return running, cleanup_that_never_ends
+
+    run_service(start, grace_s=0.2, stop_margin_s=1.0)
+""")
+
+
+STARTS_FOREVER = textwrap.dedent("""
+    import asyncio, logging, sys
+    from services.common.server import run_service
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+    async def start():
+        print("starting", flush=True)  # e.g. waiting on an engine that never comes up
+        await asyncio.Event().wait()
 
     run_service(start, grace_s=0.2, stop_margin_s=1.0)
 """)
@@ -58,3 +73,20 @@ def test_a_stop_that_never_ends_exits_saying_where_it_was_stuck(tmp_path):
     assert "stopping did not finish within 1.2 s" in text
     stuck = text[text.index("stopping did not finish"):]
     assert "cleanup_that_never_ends" in stuck  # the innermost await of the stuck task, by name
+
+
+def test_sigterm_while_starting_ends_the_start_and_the_process_cleanly(tmp_path):
+    log = tmp_path / "service.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-c", STARTS_FOREVER], stdout=sink, stderr=subprocess.STDOUT,
+                                   cwd=Path(__file__).resolve().parents[2])
+    try:
+        _wait_for_line(log, "starting", process)
+        process.send_signal(signal.SIGUSR1)  # handled while starting too: not the default action (death)
+        _wait_for_line(log, "asyncio tasks:", process)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log.read_text()
+    finally:
+        process.kill()
+        process.wait()
+    assert "stopped while starting" in log.read_text()
