@@ -199,41 +199,48 @@ def run_service(start: Starter, grace_s: float, stop_margin_s: float | None = No
     ``stop_margin_s``: how long the stop may take beyond ``grace_s`` (default :data:`STOP_MARGIN_S`)."""
 
     async def main() -> None:
-        # the handlers go in before anything starts: a start may print its port (or a log line a supervisor waits
-        # for) before it returns, and a signal before the handlers would take the default action (USR1, TERM: die)
-        stop = _stop_on_signals()
-        starting = asyncio.create_task(start(), name="starting")
-        stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():  # SIGTERM while starting: nothing served yet, nothing to drain
-            logger.info("stopped while starting")
-            starting.cancel()
-            return
-        stopped.cancel()
-        running, cleanup = starting.result()
-        await serve_until_signalled(running, grace_s, cleanup=cleanup, stop_margin_s=stop_margin_s, stop=stop)
+        # the handlers go in before anything starts: a start may print its port (or a line a supervisor waits for)
+        # before it returns, and a signal before them would take the default action (USR1 and TERM: death)
+        signals = _SignalStop()
+        running, cleanup = await start()
+        signals.started = True
+        await serve_until_signalled(running, grace_s, cleanup=cleanup, stop_margin_s=stop_margin_s,
+                                    stop=signals.event)
 
     asyncio.run(main())
 
 
-def _stop_on_signals() -> asyncio.Event:
-    """An event SIGTERM/SIGINT set, on the running loop; SIGUSR1 logs every task's and thread's stack."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    log_on_signal(loop)
-    return stop
+class _SignalStop:
+    """SIGTERM/SIGINT on the running loop: before the service has started (``started``) they end the process at
+    once, status 0 (nothing is served yet, and a start may block the loop for minutes, as an engine's does); after,
+    they set ``event``. SIGUSR1 logs every task's and thread's stack."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.started = False
+        self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)  # Python runs it between bytecodes, the loop blocked or not
+        log_on_signal(self._loop)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if not self.started:
+            logger.info("stopped while starting (signal %d): nothing served yet", signum)
+            _flush_and_exit(0)
+        self._loop.call_soon_threadsafe(self.event.set)
 
 
 async def serve_until_signalled(
     running: RunningServer, grace_s: float, cleanup: Callable[[], Awaitable[None]] | None = None,
     stop_margin_s: float | None = None, stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (``stop``, set by those signals: :func:`run_service` installs its handlers
+    """Serve until SIGTERM/SIGINT (``stop``, which :func:`run_service` has those signals set, its handlers in
     before the service starts) or termination, then stop in order (see module docs; the process's entry only: a
     stop that overruns ``grace_s`` by ``stop_margin_s`` (default :data:`STOP_MARGIN_S`) exits the process)."""
-    stop = _stop_on_signals() if stop is None else stop
+    if stop is None:
+        signals = _SignalStop()
+        signals.started = True
+        stop = signals.event
     waiter = asyncio.create_task(running.server.wait_for_termination())
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -13,6 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 SERVICE = textwrap.dedent("""
     import asyncio, logging, sys
     from services.common.server import create_server, run_service
@@ -33,16 +35,20 @@ SERVICE = textwrap.dedent("""
 
 
 STARTS_FOREVER = textwrap.dedent("""
-    import asyncio, logging, sys
+    import asyncio, logging, sys, time
     from services.common.server import run_service
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
     async def start():
-        print("starting", flush=True)  # e.g. waiting on an engine that never comes up
+        print("starting", flush=True)  # e.g. waiting on a state store that never answers
         await asyncio.Event().wait()
 
-    run_service(start, grace_s=0.2, stop_margin_s=1.0)
+    async def start_blocking():
+        print("starting", flush=True)  # e.g. an engine's load: the event loop is blocked
+        time.sleep(3600)
+
+    run_service(start_blocking if sys.argv[1:] == ["blocking"] else start, grace_s=0.2, stop_margin_s=1.0)
 """)
 
 
@@ -75,18 +81,20 @@ def test_a_stop_that_never_ends_exits_saying_where_it_was_stuck(tmp_path):
     assert "cleanup_that_never_ends" in stuck  # the innermost await of the stuck task, by name
 
 
-def test_sigterm_while_starting_ends_the_start_and_the_process_cleanly(tmp_path):
+@pytest.mark.parametrize("blocking", [False, True], ids=["awaiting", "blocking"])
+def test_sigterm_while_starting_ends_the_process_at_once(tmp_path, blocking):
     log = tmp_path / "service.log"
     with log.open("w") as sink:
-        process = subprocess.Popen([sys.executable, "-c", STARTS_FOREVER], stdout=sink, stderr=subprocess.STDOUT,
-                                   cwd=Path(__file__).resolve().parents[2])
+        process = subprocess.Popen([sys.executable, "-c", STARTS_FOREVER, *(["blocking"] if blocking else [])],
+                                   stdout=sink, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
     try:
         _wait_for_line(log, "starting", process)
-        process.send_signal(signal.SIGUSR1)  # handled while starting too: not the default action (death)
-        _wait_for_line(log, "asyncio tasks:", process)
+        if not blocking:
+            process.send_signal(signal.SIGUSR1)  # handled while starting too: not the default action (death)
+            _wait_for_line(log, "asyncio tasks:", process)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, log.read_text()
     finally:
         process.kill()
         process.wait()
-    assert "stopped while starting" in log.read_text()
+    assert "stopped while starting (signal 15)" in log.read_text()
