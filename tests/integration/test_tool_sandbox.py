@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import secrets
@@ -719,11 +720,19 @@ async def test_the_system_call_filter_refuses_the_keyring_and_kernel_interfaces(
             pass  # its buffer stays at the host's default
         else:
             print("buffer grown")
+        print(open("/proc/keys").read() or "no keys")  # not even the descriptions of the scorer's keys
         print(subprocess.run(["echo", "forked"], capture_output=True, text=True).stdout.strip())
         threading.Thread(target=print, args=("threaded",)).start()
     """)
-    result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=30.0))
-    assert result.stdout.split("\n")[:4] == ["[]", "main.py", "forked", "threaded"], result
+    # a key in the scorer's own session keyring (this process's; KEY_SPEC_SESSION_KEYRING -3)
+    libc = ctypes.CDLL(None, use_errno=True)
+    held = libc.syscall(248, b"user", b"fastexp-scorer-secret", b"secret", 6, -3)  # add_key
+    assert held > 0, ctypes.get_errno()
+    try:
+        result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=30.0))
+    finally:
+        libc.syscall(250, 21, held)  # KEYCTL_INVALIDATE
+    assert result.stdout.split("\n")[:5] == ["[]", "main.py", "no keys", "forked", "threaded"], result
 
 
 async def test_a_call_can_neither_probe_nor_evict_the_shared_files_cached_pages():

@@ -26,10 +26,11 @@ WORKDIR = "/tmp"
 #: Files of the private ``/proc`` whose figures count for the whole host, not the run's pid namespace: forks since
 #: boot (``stat``), threads and load (``loadavg``), memory, interrupts, locks, open files, keys. A run could move one
 #: (fork 42 times) and a later call read it (the fourth review carried 6 bits a call this way; the fifth, 2 bits through
-#: ``uptime``'s host-wide idle time); each reads empty.
+#: ``uptime``'s host-wide idle time); each reads empty. ``keys`` lists the keys the reader may view, those of the
+#: scorer's session keyring included (their descriptions, where the scorer is not root): it reads empty too.
 HOST_WIDE_PROC = (
     "stat", "loadavg", "meminfo", "vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "slabinfo", "interrupts",
-    "softirqs", "schedstat", "diskstats", "locks", "key-users", "cmdline", "swaps", "sys/fs/file-nr",
+    "softirqs", "schedstat", "diskstats", "locks", "keys", "key-users", "cmdline", "swaps", "sys/fs/file-nr",
     "sys/fs/inode-nr", "sys/fs/inode-state", "sys/fs/dentry-state", "sys/fs/aio-nr", "sys/kernel/pty/nr",
     "sys/kernel/random/entropy_avail", "uptime",
 )
