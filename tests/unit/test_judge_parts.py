@@ -13,6 +13,7 @@ from services.common.deadlines import Deadline
 from services.scorer.judges.config import JudgeConfig, VerdictConfig
 from services.scorer.judges.verdicts import parse_number, parse_verdict, render, to_reward, yes_probability
 from services.scorer.outbound.breaker import (
+    Admission,
     BreakerOpen,
     BreakerState,
     BreakerStatus,
@@ -84,19 +85,38 @@ def test_scores_map_linearly_and_out_of_range_is_none():
 
 def test_breaker_opens_after_consecutive_failures_probes_half_open_and_closes_on_success():
     config = BreakerConfig(failure_threshold=2, open_s=10, half_open_probes=1)
-    state = failed(BreakerState(), 0.0, config, "down")
-    assert state.status is BreakerStatus.CLOSED and succeeded(state) == BreakerState()  # success resets the count
-    state = failed(state, 1.0, config, "down")
-    assert state.status is BreakerStatus.OPEN and state.opened_at == 1.0
-    assert admit(state, 10.9, config) == (False, state)  # still open
-    allowed, probing = admit(state, 11.0, config)
-    assert allowed and probing.status is BreakerStatus.HALF_OPEN and probing.probes == 1
-    assert admit(probing, 11.0, config)[0] is False  # one probe at a time
-    assert abandoned(probing).probes == 0  # a cancelled probe frees its place
-    reopened = failed(probing, 12.0, config, "still down")
-    assert reopened.status is BreakerStatus.OPEN and reopened.opened_at == 12.0
-    assert succeeded(probing).status is BreakerStatus.CLOSED
-    assert admit(reopened, 12.0, BreakerConfig(enabled=False))[0]
+    call, state = admit(BreakerState(), 0.0, config)
+    state = failed(state, call, 0.0, config, "down")
+    assert state.status is BreakerStatus.CLOSED and succeeded(state, call) == BreakerState()  # an answer resets
+    state = failed(state, call, 1.0, config, "down")
+    assert state.status is BreakerStatus.OPEN and state.opened_at == 1.0 and state.openings == 1
+    assert admit(state, 10.9, config) == (None, state)  # still open
+    probe, probing = admit(state, 11.0, config)
+    assert probe == Admission(1, probe=True) and probing.status is BreakerStatus.HALF_OPEN and probing.probes == 1
+    assert admit(probing, 11.0, config)[0] is None  # one probe at a time
+    assert abandoned(probing, probe).probes == 0  # a cancelled probe frees its place
+    reopened = failed(probing, probe, 12.0, config, "still down")
+    assert reopened.status is BreakerStatus.OPEN and reopened.opened_at == 12.0 and reopened.openings == 2
+    assert succeeded(probing, probe).status is BreakerStatus.CLOSED
+    assert admit(reopened, 12.0, BreakerConfig(enabled=False))[0] is not None
+
+
+def test_guide_while_half_open_only_its_probes_decide():
+    # "up to `half_open_probes` calls go through; the first that gets an answer closes it, a failed one opens it
+    # again" and "a call sent before it opened ... does not close it": a call admitted before the breaker opened,
+    # or a probe of an earlier half-open period, that answers, fails or is cancelled while half-open changes nothing
+    config = BreakerConfig(failure_threshold=1, open_s=10, half_open_probes=1)
+    early, state = admit(BreakerState(), 0.0, config)
+    other, state = admit(state, 0.0, config)
+    opened = failed(state, other, 0.0, config, "HTTP 503")
+    stale_probe, half_open = admit(opened, 10.0, config)
+    reopened = failed(half_open, stale_probe, 11.0, config, "HTTP 503")
+    probe, half_open = admit(reopened, 21.0, config)
+    for late in (early, stale_probe):
+        assert succeeded(half_open, late) == half_open
+        assert failed(half_open, late, 22.0, config, "HTTP 503").status is BreakerStatus.HALF_OPEN
+        assert abandoned(half_open, late) == half_open and admit(half_open, 22.0, config)[0] is None  # still one
+    assert succeeded(half_open, probe).status is BreakerStatus.CLOSED
 
 
 def test_cache_keys_change_with_every_part_and_the_reward_deciding_configuration():
@@ -190,6 +210,7 @@ async def test_guide_enabled_false_turns_the_breaker_off():
     assert len(await _fail_calls(gateway, 5, max_attempts=1)) == 5  # every call reached the endpoint
     assert gateway.breaker.state.status is BreakerStatus.CLOSED and statuses == []
     assert REGISTRY.get_sample_value("fastexp_reward_source_breaker_state", {"source": "judge-no-breaker"}) == 0
+    assert gateway.breaker.describe() == "circuit breaker off (5 consecutive failures)"  # as item errors say it
 
 
 async def test_guide_each_source_has_a_breaker_of_its_own_even_on_one_endpoint():
@@ -259,8 +280,10 @@ def test_guide_open_items_fail_at_once_for_open_s_whatever_an_earlier_call_answe
     # "for `open_s` seconds the source's items fail at once": a call admitted before the breaker opened and
     # answering after does not close it
     config = BreakerConfig(failure_threshold=1, open_s=30)
-    opened = failed(BreakerState(), 0.0, config, "HTTP 503")
-    assert succeeded(opened) == opened and admit(succeeded(opened), 1.0, config)[0] is False
+    call, state = admit(BreakerState(), 0.0, config)
+    earlier, state = admit(state, 0.0, config)
+    opened = failed(state, call, 0.0, config, "HTTP 503")
+    assert succeeded(opened, earlier) == opened and admit(succeeded(opened, earlier), 1.0, config)[0] is None
 
 
 async def test_guide_a_call_queued_past_its_deadline_fails_naming_the_budget_before_the_deadline():

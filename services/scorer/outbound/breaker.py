@@ -10,6 +10,10 @@ error messages read.
 States: CLOSED (calls pass; consecutive failures counted) -> OPEN after ``failure_threshold`` of them (calls
 refused) -> HALF_OPEN once ``open_s`` seconds have passed (up to ``half_open_probes`` calls pass) -> CLOSED on a
 probe's success, OPEN again on its failure. Times are seconds on the monotonic clock.
+
+Each admitted call carries its :class:`Admission` (which opening of the breaker it was admitted after, and whether
+as a probe), so that while the breaker is open or half-open only this half-open period's probes decide: a call sent
+before it opened that answers, fails or is cancelled meanwhile changes nothing (docs/reward-teams/judges.md).
 """
 
 from __future__ import annotations
@@ -36,52 +40,69 @@ class BreakerStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class BreakerState:
-    """Where a breaker is: its status, consecutive failures, when it opened (monotonic s), probes in flight."""
+    """Where a breaker is: its status, consecutive failures, when it opened (monotonic s), probes in flight, and how
+    many times it has opened (``openings``: names the current open and half-open period)."""
 
     status: BreakerStatus = BreakerStatus.CLOSED
     failures: int = 0
     opened_at: float = 0.0
     probes: int = 0
     last_error: str = ""
+    openings: int = 0
 
 
-def admit(state: BreakerState, now: float, config: BreakerConfig) -> tuple[bool, BreakerState]:
-    """Whether a call may start now, and the state after admitting it (a half-open probe is counted)."""
+@dataclass(frozen=True)
+class Admission:
+    """What a call was admitted as: after the breaker's ``openings``-th opening, and as a half-open probe or not."""
+
+    openings: int
+    probe: bool = False
+
+
+def admit(state: BreakerState, now: float, config: BreakerConfig) -> tuple[Admission | None, BreakerState]:
+    """The call's admission if it may start now (None: refused), and the state after admitting it (a half-open probe
+    is counted)."""
     if not config.enabled or state.status is BreakerStatus.CLOSED:
-        return True, state
+        return Admission(state.openings), state
     if state.status is BreakerStatus.OPEN:
         if now - state.opened_at < config.open_s:
-            return False, state
-        return True, replace(state, status=BreakerStatus.HALF_OPEN, probes=1)
+            return None, state
+        return Admission(state.openings, probe=True), replace(state, status=BreakerStatus.HALF_OPEN, probes=1)
     if state.probes < config.half_open_probes:
-        return True, replace(state, probes=state.probes + 1)
-    return False, state
+        return Admission(state.openings, probe=True), replace(state, probes=state.probes + 1)
+    return None, state
 
 
-def succeeded(state: BreakerState) -> BreakerState:
-    """After a call that got an answer: closed, no failures counted; except while open, where the answer is a
-    call's admitted before the breaker opened (open admits none): the source's items keep failing at once for
-    ``open_s``, then a probe decides."""
-    if state.status is BreakerStatus.OPEN:
-        return state
-    return BreakerState()
+def _probing(state: BreakerState, admission: Admission) -> bool:
+    """Whether ``admission`` is one of the probes of ``state``'s half-open period."""
+    return state.status is BreakerStatus.HALF_OPEN and admission.probe and admission.openings == state.openings
 
 
-def failed(state: BreakerState, now: float, config: BreakerConfig, error: str) -> BreakerState:
+def succeeded(state: BreakerState, admission: Admission) -> BreakerState:
+    """After a call that got an answer: closed, no failures counted; except while open or half-open, where only
+    this period's probe closes it (a call admitted before the breaker opened changes nothing: the source's items
+    keep failing at once for ``open_s``, then a probe decides)."""
+    if state.status is BreakerStatus.CLOSED or _probing(state, admission):
+        return BreakerState(openings=state.openings)
+    return state
+
+
+def failed(state: BreakerState, admission: Admission, now: float, config: BreakerConfig, error: str) -> BreakerState:
     """After a call that failed (timeout, connection error, 5xx), after its retries: opens at the threshold, or on a
-    failed probe; never with ``enabled`` false (failures are still counted, for errors and logs)."""
+    failed probe of this half-open period; never with ``enabled`` false (failures are still counted, for errors and
+    logs)."""
     failures = state.failures + 1
-    if config.enabled and (state.status is BreakerStatus.HALF_OPEN or (
+    if config.enabled and (_probing(state, admission) or (
         state.status is BreakerStatus.CLOSED and failures >= config.failure_threshold
     )):
-        return BreakerState(BreakerStatus.OPEN, failures, now, 0, error)
+        return BreakerState(BreakerStatus.OPEN, failures, now, 0, error, state.openings + 1)
     return replace(state, failures=failures, last_error=error)
 
 
-def abandoned(state: BreakerState) -> BreakerState:
-    """After a call that ended without an outcome (cancelled, or its deadline passed while it queued): a half-open
-    probe's place is freed; nothing is counted."""
-    if state.status is BreakerStatus.HALF_OPEN:
+def abandoned(state: BreakerState, admission: Admission) -> BreakerState:
+    """After a call that ended without an outcome (cancelled, or its deadline passed while it queued): a probe of
+    this half-open period frees its place; nothing is counted."""
+    if _probing(state, admission):
         return replace(state, probes=max(0, state.probes - 1))
     return state
 
@@ -89,6 +110,8 @@ def abandoned(state: BreakerState) -> BreakerState:
 def describe(state: BreakerState, now: float, config: BreakerConfig) -> str:
     """One line for errors and logs, e.g. ``circuit breaker open (5 consecutive failures; next probe in 12.0 s;
     last: ...)``."""
+    if not config.enabled:
+        return f"circuit breaker off ({state.failures} consecutive failures)"
     if state.status is BreakerStatus.CLOSED:
         return f"circuit breaker closed ({state.failures} consecutive failures of {config.failure_threshold})"
     if state.status is BreakerStatus.HALF_OPEN:
@@ -129,28 +152,29 @@ class Breaker:
         """Call ``listener(status)`` on every status change from now on (on the event loop's thread)."""
         self._listeners.append(listener)
 
-    def admit(self) -> None:
-        """Let one call start.
+    def admit(self) -> Admission:
+        """Let one call start; its outcome is recorded with the admission returned.
 
         Raises:
             BreakerOpen: the breaker refuses calls now; the message describes it.
         """
-        allowed, state = admit(self._state, self._clock(), self._config)
+        admission, state = admit(self._state, self._clock(), self._config)
         self._set(state)
-        if not allowed:
+        if admission is None:
             raise BreakerOpen(self.describe())
+        return admission
 
-    def succeeded(self) -> None:
-        """The admitted call got an answer."""
-        self._set(succeeded(self._state))
+    def succeeded(self, admission: Admission) -> None:
+        """The call admitted as ``admission`` got an answer."""
+        self._set(succeeded(self._state, admission))
 
-    def failed(self, error: str) -> None:
-        """The admitted call failed (the endpoint is down, slow or erroring)."""
-        self._set(failed(self._state, self._clock(), self._config, error))
+    def failed(self, admission: Admission, error: str) -> None:
+        """The call admitted as ``admission`` failed (the endpoint is down, slow or erroring)."""
+        self._set(failed(self._state, admission, self._clock(), self._config, error))
 
-    def abandoned(self) -> None:
-        """The admitted call ended without an outcome (cancelled)."""
-        self._set(abandoned(self._state))
+    def abandoned(self, admission: Admission) -> None:
+        """The call admitted as ``admission`` ended without an outcome (cancelled)."""
+        self._set(abandoned(self._state, admission))
 
     def describe(self) -> str:
         """The state in one line (see :func:`describe`)."""

@@ -82,22 +82,22 @@ class CallGuard:
             BreakerOpen: refused (nothing was sent).
         """
         try:
-            self.breaker.admit()
+            admission = self.breaker.admit()
         except BreakerOpen:
             SOURCE_CALLS.labels(self.name, "breaker_open").inc()
             raise
         try:
             yield
         except self._failures as error:
-            self.breaker.failed(str(error) or type(error).__name__)
+            self.breaker.failed(admission, str(error) or type(error).__name__)
             raise
         except SourceRejected:
-            self.breaker.succeeded()  # it answered: up, but said no
+            self.breaker.succeeded(admission)  # it answered: up, but said no
             raise
         except BaseException:  # cancelled, a deadline passed in the budget's queue, or not the endpoint's doing
-            self.breaker.abandoned()
+            self.breaker.abandoned(admission)
             raise
-        self.breaker.succeeded()
+        self.breaker.succeeded(admission)
 
     @contextlib.asynccontextmanager
     async def attempt(self, tokens: int, deadline: Deadline, timeout_s: float) -> AsyncIterator[float]:
