@@ -185,24 +185,31 @@ def _protocols(max_connections: int, head_timeout_s: float, tls: ssl.SSLContext 
 
 
 def edge_config(app: ASGIApp, host: str, port: int, *, grace_s: float, log_level: str = "warning",
-                cert_file: Path | None = None, key_file: Path | None = None,
+                cert_file: Path | None = None, key_file: Path | None = None, client_ca_file: Path | None = None,
                 max_connections: int = MAX_CONNECTIONS, head_timeout_s: float = HEAD_TIMEOUT_S,
                 lifespan: Literal["auto", "on", "off"] = "auto") -> uvicorn.Config:
     """The uvicorn configuration of an HTTP edge serving ``app`` on ``host:port`` (module docs): h11, headers and
     trailers bounded by :data:`MAX_HEAD_BYTES` bytes and each head by ``head_timeout_s`` seconds, at most
     ``max_connections`` connections (and requests) at once, ``grace_s`` seconds (at least 1) for calls in flight at
-    shutdown, TLS when ``cert_file`` (and ``key_file``, PEM) are given.
+    shutdown, TLS when ``cert_file`` (and ``key_file``, PEM) are given, mutual TLS with ``client_ca_file`` as well
+    (a client without a certificate that CA signed fails the handshake, before any byte of a request is read: as
+    the gRPC port of a service with ``tls_client_ca_file``).
 
     Raises:
-        ValueError: ``max_connections`` is below 1, or ``head_timeout_s`` is not positive.
+        ValueError: ``max_connections`` is below 1, ``head_timeout_s`` is not positive, or ``client_ca_file`` is
+            given without ``cert_file``.
     """
     if max_connections < 1:
         raise ValueError(f"max_connections: at least 1, not {max_connections}")
     if head_timeout_s <= 0:
         raise ValueError(f"head_timeout_s: above 0, not {head_timeout_s}")
+    if client_ca_file is not None and cert_file is None:
+        raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
     tls = None
     if cert_file is not None:  # uvicorn's own context (its defaults), used by the edge's protocols (module docs)
-        tls = create_ssl_context(cert_file, key_file, None, SSL_PROTOCOL_VERSION, ssl.CERT_NONE, None, None)
+        required = ssl.CERT_NONE if client_ca_file is None else ssl.CERT_REQUIRED
+        tls = create_ssl_context(cert_file, key_file, None, SSL_PROTOCOL_VERSION, required,
+                                 None if client_ca_file is None else str(client_ca_file), None)
     return uvicorn.Config(
         app, host=host, port=port, log_level=log_level.lower(), lifespan=lifespan,
         timeout_graceful_shutdown=max(1, int(grace_s)), http=_protocols(max_connections, head_timeout_s, tls),
@@ -212,14 +219,16 @@ def edge_config(app: ASGIApp, host: str, port: int, *, grace_s: float, log_level
 
 def service_edge_config(app: ASGIApp, settings: ServiceSettings,
                         max_connections: int = MAX_CONNECTIONS) -> uvicorn.Config:
-    """:func:`edge_config` for a service of its own: ``settings``' host, port, log level, grace period and TLS.
+    """:func:`edge_config` for a service of its own: ``settings``' host, port, log level, grace period and TLS
+    (mutual with ``tls_client_ca_file``).
 
     Raises:
         ValueError: ``max_connections`` is below 1.
     """
     return edge_config(app, settings.host, settings.port, grace_s=settings.grace_period_s,
                        log_level=settings.log_level, cert_file=settings.tls_cert_file,
-                       key_file=settings.tls_key_file, max_connections=max_connections)
+                       key_file=settings.tls_key_file, client_ca_file=settings.tls_client_ca_file,
+                       max_connections=max_connections)
 
 
 async def run_edge(config: uvicorn.Config) -> None:

@@ -185,8 +185,9 @@ def _serve_gateway(
     gateway = Gateway(fleet, policy.tokenizer, name, lambda: upstream.require_ready().max_model_len,
                       settings.gateway_call_timeout_s)
     app = create_app(gateway, sessions, tokens, settings.gateway_max_body_bytes)
-    running = start_gateway(app, settings.host, settings.gateway_port,
-                            settings.grace_period_s, settings.tls_cert_file, settings.tls_key_file)
+    running = start_gateway(app, settings.host, settings.gateway_port, settings.grace_period_s,
+                            settings.tls_cert_file, settings.tls_key_file,
+                            client_ca_file=settings.tls_client_ca_file)
     logger.info("OpenAI-compatible gateway on %s:%d (model %s)", settings.host, running.port, name)
     return running
 

@@ -22,6 +22,7 @@ built, and import paths and folders checked, by :func:`services.scorer.compositi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -98,6 +99,11 @@ class RemoteConfig(_SourceConfig):
     max_concurrency: int = Field(4, ge=1, description="requests in flight to this endpoint at once")
     batch_size: int = Field(64, ge=1, description="queries per HTTP request")
     headers: dict[str, str] = Field(default_factory=dict, description="extra HTTP headers (e.g. Authorization)")
+    tls_ca_file: Path | None = Field(None, description="CA bundle verifying an https endpoint (the system's "
+                                     "without it)")
+    tls_cert_file: Path | None = Field(None, description="the scorer's certificate (PEM) for an endpoint with "
+                                       "mutual TLS (e.g. a reward server with tls_client_ca_file); with tls_key_file")
+    tls_key_file: Path | None = Field(None, description="the key of tls_cert_file (PEM)")
     requests_per_minute: float | None = Field(None, gt=0, description="HTTP requests per minute (token bucket); "
                                               "requests over it wait within the caller's deadline")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig, description="circuit breaker on the endpoint")

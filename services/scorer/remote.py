@@ -46,6 +46,7 @@ from services.scorer.outbound.bodies import ReplyTooLarge, read_capped
 from services.scorer.outbound.breaker import Breaker, BreakerOpen
 from services.scorer.outbound.config import BudgetConfig
 from services.scorer.outbound.guard import CallGuard, SourceRejected, SourceUnavailable, after_tries
+from services.scorer.outbound.tls import client_tls
 from services.scorer.scorer import NO_DEADLINE, ScoreItem, SourceScores, checked_rewards
 
 logger = logging.getLogger(__name__)
@@ -101,8 +102,10 @@ class RemoteScorer:
         limits = httpx.Limits(
             max_connections=self._config.max_concurrency, max_keepalive_connections=self._config.max_concurrency
         )
+        verify = client_tls(self._config.tls_ca_file, self._config.tls_cert_file, self._config.tls_key_file,
+                            f"{self._config.name}.tls_")
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self._config.timeout_s), limits=limits, headers=self._config.headers
+            timeout=httpx.Timeout(self._config.timeout_s), limits=limits, headers=self._config.headers, verify=verify
         )
 
     async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:

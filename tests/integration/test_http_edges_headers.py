@@ -9,7 +9,9 @@ their ``serve`` configures them (``server_config`` / ``start_gateway``, i.e. :mo
 - a request head that does not arrive whole within its deadline has its connection closed;
 - a request body that does not arrive whole within its deadline is answered 408;
 - TLS connections are bounded and their handshakes timed before the handshake's buffers exist;
-- the sandbox server with an admin token file alone takes that token and refuses calls without one.
+- the sandbox server with an admin token file alone takes that token and refuses calls without one;
+- mutual TLS (``tls_client_ca_file``) on the sandbox and reward servers and the gateway admits only the CA's
+  clients.
 """
 
 from __future__ import annotations
@@ -23,17 +25,23 @@ import httpx
 import psutil
 import pytest
 
-from services.common.http_edge import MAX_HEAD_BYTES, edge_config
+from services.common.http_edge import MAX_HEAD_BYTES, edge_config, service_edge_config
 from services.common.http_limits import BoundedBody
 from services.common.security import SecurityConfigError
 from services.experience.gateway.app import create_app as gateway_app
 from services.experience.gateway.serving import start_gateway
 from services.experience.gateway.sessions import SessionRegistry
 from services.scorer.composition import build_composer
+from services.scorer.config import RemoteConfig
+from services.scorer.http_server import create_app as reward_app
 from services.scorer.http_server import server_config as reward_config
+from services.scorer.outbound.tls import client_tls
+from services.scorer.remote import RemoteScorer
+from services.scorer.sandbox import RemoteSandbox, SandboxLimits
 from services.scorer.sandbox.bubblewrap import BubblewrapSandbox
 from services.scorer.sandbox.server import SandboxServerSettings
 from services.scorer.sandbox.server import server_config as sandbox_config
+from services.scorer.scorer import ScoreItem
 from services.scorer.settings import RewardServerSettings
 from tests.support.certs import make_pki
 from tests.support.http_servers import serving_config
@@ -263,3 +271,53 @@ def test_a_sandbox_server_with_an_empty_token_file_does_not_start_open(tmp_path)
     (tmp_path / "admin").write_bytes(b"# no token yet\n")
     with pytest.raises(SecurityConfigError, match="admin_tokens_file"):
         sandbox_config(BubblewrapSandbox(), SandboxServerSettings(port=0, admin_tokens_file=tmp_path / "admin"))
+
+
+async def test_mutual_tls_on_the_sandbox_and_reward_servers_and_the_gateway_admits_only_the_cas_clients(tmp_path):
+    # tls_client_ca_file on an HTTP edge means what it means on a gRPC port: a client without a certificate that
+    # CA signed fails the handshake (the edge would otherwise be open to anyone, with no token files set); the
+    # scorer's remote sandbox and remote reward source present theirs
+    pki = make_pki(tmp_path)
+    tls = {"tls_cert_file": pki.server_cert, "tls_key_file": pki.server_key, "tls_client_ca_file": pki.ca}
+    trusted = client_tls(pki.ca, pki.client_cert, pki.client_key, "sandbox.remote_")
+    sandbox = BubblewrapSandbox()
+    await sandbox.check()
+    with serving_config(sandbox_config(sandbox, SandboxServerSettings(port=0, **tls))) as port:
+        url = f"https://127.0.0.1:{port}"
+        for stranger in (client_tls(pki.ca, None, None, "no certificate: "),
+                         client_tls(pki.ca, pki.rogue_client_cert, pki.rogue_client_key, "another CA's: ")):
+            async with httpx.AsyncClient(verify=stranger, timeout=30) as client:
+                with pytest.raises(httpx.TransportError):
+                    await client.post(f"{url}/run_code", json={"code": "print(1)"})
+        remote = RemoteSandbox(url, verify=trusted)
+        try:
+            assert (await remote.run("print(1 + 1)", SandboxLimits(timeout_s=30.0))).stdout.strip() == "2"
+        finally:
+            await remote.close()
+    settings = RewardServerSettings(port=0, sources=RULES, **tls)  # the app starts its sources: `serve` starts them
+    with serving_config(service_edge_config(reward_app(build_composer(settings)), settings)) as port:
+        source = RemoteScorer(RemoteConfig(name="rm", url=f"https://127.0.0.1:{port}/get_reward", tls_ca_file=pki.ca,
+                                           tls_cert_file=pki.client_cert, tls_key_file=pki.client_key))
+        await source.start()
+        try:
+            scored = await source.score([ScoreItem("Q: 2+2? \\boxed{4}", "Q: 2+2?", " \\boxed{4}", "", "4")])
+        finally:
+            await source.close()
+        assert scored.errors == (None,) and scored.rewards.tolist() == [1.0], scored
+        async with httpx.AsyncClient(verify=client_tls(pki.ca, None, None, ""), timeout=30) as client:
+            with pytest.raises(httpx.TransportError):
+                await client.post(f"https://127.0.0.1:{port}/get_reward", json={"query": ["x"]})
+    # the experience service's gateway, as its server starts it with the service's TLS settings (no token files:
+    # the certificate is the credential, as on its gRPC port)
+    gateway = start_gateway(gateway_app(None, SessionRegistry(), []), "127.0.0.1", 0, grace_s=1,
+                            cert_file=pki.server_cert, key_file=pki.server_key, client_ca_file=pki.ca)
+    try:
+        for verify, admitted in ((client_tls(pki.ca, None, None, ""), False), (trusted, True)):
+            async with httpx.AsyncClient(verify=verify, timeout=30) as client:
+                if admitted:  # past TLS: the app's own answer (this gateway has no fleet behind it)
+                    assert (await client.get(f"https://127.0.0.1:{gateway.port}/v1/models")).status_code != 401
+                else:
+                    with pytest.raises(httpx.TransportError):
+                        await client.get(f"https://127.0.0.1:{gateway.port}/v1/models")
+    finally:
+        await gateway.stop()

@@ -41,10 +41,12 @@ class RunningGateway:
 
 
 def start_gateway(app: FastAPI, host: str, port: int, grace_s: float, cert_file: Path | None = None,
-                  key_file: Path | None = None, max_connections: int = MAX_CONNECTIONS) -> RunningGateway:
+                  key_file: Path | None = None, max_connections: int = MAX_CONNECTIONS,
+                  client_ca_file: Path | None = None) -> RunningGateway:
     """Bind ``host:port`` (0: any free port) now and serve ``app`` there in a task of the running loop, on the HTTP
     edges' uvicorn configuration (:func:`services.common.http_edge.edge_config`: headers bounded, at most
-    ``max_connections`` connections + requests at once, ``grace_s`` seconds for calls in flight at shutdown).
+    ``max_connections`` connections + requests at once, ``grace_s`` seconds for calls in flight at shutdown; TLS
+    with ``cert_file``/``key_file``, mutual with ``client_ca_file``).
 
     The socket listens before this returns, so a client may connect at once (its connection waits in the backlog
     until uvicorn accepts it).
@@ -54,7 +56,7 @@ def start_gateway(app: FastAPI, host: str, port: int, grace_s: float, cert_file:
         ValueError: ``max_connections`` is below 1.
     """
     config = edge_config(app, host, port, grace_s=grace_s, cert_file=cert_file, key_file=key_file,
-                         max_connections=max_connections, lifespan="off")
+                         client_ca_file=client_ca_file, max_connections=max_connections, lifespan="off")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 OPERATIONAL_FIELDS = frozenset({
     "name", "fallback_reward", "budget", "breaker", "cache", "timeout_s", "max_attempts", "backoff_initial_s",
     "backoff_max_s", "max_concurrency", "batch_size", "headers", "max_response_bytes", "requests_per_minute",
-    "token_file", "tls_ca_file",
+    "token_file", "tls_ca_file", "tls_cert_file", "tls_key_file",
 })
 #: Redis keys: this prefix, then the hex key.
 REDIS_PREFIX = "fastexp:reward:"

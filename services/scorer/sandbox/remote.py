@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 
 import httpx
 
@@ -32,10 +33,11 @@ from services.scorer.sandbox.base import (
 
 class RemoteSandbox:
     """A SandboxFusion-compatible endpoint at ``url`` (module docs); ``token``: sent as ``Authorization: Bearer``;
-    ``verify``: TLS verification (``True``, ``False`` or a CA bundle path)."""
+    ``verify``: TLS verification (``True``, ``False``, a CA bundle path, or an SSL context: with the scorer's own
+    certificate for mutual TLS, :func:`services.scorer.outbound.tls.client_tls`)."""
 
     def __init__(self, url: str, token: str | None = None, margin_s: float = 5.0,
-                 max_response_bytes: int = 4 * MIB, verify: bool | str = True) -> None:
+                 max_response_bytes: int = 4 * MIB, verify: bool | str | ssl.SSLContext = True) -> None:
         self._url = url.rstrip("/") + "/run_code"
         self._margin_s = margin_s
         self._max_response_bytes = max_response_bytes

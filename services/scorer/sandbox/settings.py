@@ -8,6 +8,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fastexp.security import read_file
+from services.scorer.outbound.tls import client_tls
 from services.scorer.sandbox.base import MIB, Sandbox
 from services.scorer.sandbox.bubblewrap import BubblewrapOptions, BubblewrapSandbox
 from services.scorer.sandbox.gvisor import GvisorOptions, GvisorSandbox
@@ -51,6 +52,9 @@ class SandboxSettings(BaseModel):
     remote_url: str | None = Field(None, description="remote: the endpoint's base URL (POST {url}/run_code)")
     remote_token_file: Path | None = Field(None, description="remote: bearer token file (first line)")
     remote_ca_file: Path | None = Field(None, description="remote: CA bundle verifying an https endpoint")
+    remote_cert_file: Path | None = Field(None, description="remote: the scorer's certificate (PEM) for an endpoint "
+                                          "with mutual TLS (its tls_client_ca_file); with remote_key_file")
+    remote_key_file: Path | None = Field(None, description="remote: the key of remote_cert_file (PEM)")
     remote_margin_s: float = Field(5.0, gt=0, description="remote: deadline beyond the run's own timeout")
 
     @model_validator(mode="after")
@@ -64,13 +68,14 @@ def build_sandbox(settings: SandboxSettings) -> Sandbox:
     """The configured backend (not yet probed: call its ``check``).
 
     Raises:
-        SecurityConfigError: ``remote_token_file`` is unreadable.
+        SecurityConfigError: ``remote_token_file`` or a TLS file is unreadable, or a certificate lacks its key.
     """
     if settings.backend == "remote":
         assert settings.remote_url is not None  # validated
         token = read_file(settings.remote_token_file, "sandbox.remote_token_file").strip().splitlines()[0] \
             if settings.remote_token_file else None
-        verify: bool | str = str(settings.remote_ca_file) if settings.remote_ca_file else True
+        verify = client_tls(settings.remote_ca_file, settings.remote_cert_file, settings.remote_key_file,
+                            "sandbox.remote_")
         return RemoteSandbox(settings.remote_url, token, settings.remote_margin_s, verify=verify)
     if settings.backend == "gvisor":
         return GvisorSandbox(GvisorOptions(
