@@ -29,7 +29,11 @@ Each run is ``bwrap`` with, for the tool's process tree:
   tmpfs (``max_files``), sampled from ``/proc`` every ``usage_poll_s`` (:mod:`services.scorer.sandbox.usage`): past
   any, the whole tree is killed (``stopped``: ``"cpu"``, ``"memory"``, ``"files"``); a wall-clock timeout kills it, and
   so does stdout or stderr passing ``max_output_bytes`` (``"output"``: reading and dropping an endless stream would
-  cost the scorer CPU that no limit of the run counts);
+  cost the scorer CPU that no limit of the run counts); where the host lets the scorer make one (a root scorer,
+  cgroup v1's memory controller writable: :mod:`services.scorer.sandbox.cgroup`), the run's tree is in a **memory
+  cgroup** of its own besides (``memory_bytes`` + ``tmpfs_bytes`` + :data:`GROUP_HEADROOM_BYTES`, kernel memory
+  included): the kernel refuses the memory past it as it is asked for, so what the tree reaches between two
+  samples is bounded too (a run it ends there reports ``"memory"``);
 - **one unit that ends once**: however the call ends (its result, the timeout, the caller's cancellation: a
   cancelled Step or stream, a step timeout, the scorer stopping), the run's whole tree is killed and reaped before
   the call returns or its cancellation completes, and only then is its ``max_concurrent`` slot free: bwrap's
@@ -46,6 +50,7 @@ no host file or directory is made for a run.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -72,11 +77,14 @@ from services.scorer.sandbox.bwrap_args import (
     private_proc,
     root_links,
 )
+from services.scorer.sandbox.cgroup import MemoryGroup, MemoryGroups
 from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
 from services.scorer.sandbox.slots import FairSlots
 from services.scorer.sandbox.supervise import Watch, collect
 from services.scorer.sandbox.tree import RunTree, start_run
 from services.scorer.sandbox.usage import TreeUsage, files_used, tree_usage
+
+logger = logging.getLogger(__name__)
 
 _NOBODY = 65534
 
@@ -108,6 +116,13 @@ class BubblewrapOptions:
     max_concurrent_per_tenant: int | None = None
 
 
+#: What a run's memory group holds beyond ``memory_bytes`` and its tmpfs: bwrap's monitor, page tables, kernel
+#: stacks and the other kernel memory the sampled limit does not see.
+GROUP_HEADROOM_BYTES = 64 * MIB
+#: Joins the memory group whose ``cgroup.procs`` is ``$1`` (none where empty), then execs the rest of its arguments.
+_JOIN_GROUP = '{ [ -z "$1" ] || echo $$ > "$1"; } && shift && exec "$@"'
+
+
 class BubblewrapSandbox:
     """Runs each tool program in its own bubblewrap sandbox (module docs)."""
 
@@ -121,6 +136,9 @@ class BubblewrapSandbox:
         # resolved once, on this process's PATH: runs start with an empty environment, where a bare name that is
         # not in the default path (/bin, /usr/bin) would not be found; start-up and runs use the same program
         self._bwrap = shutil.which(options.bwrap)
+        self._groups = MemoryGroups.find()  # a memory cgroup per run where the host lets this process make one
+        if self._groups is not None:
+            self._groups.sweep()  # groups a scorer that crashed left
         self.description = f"bubblewrap ({self._bwrap or options.bwrap}; {self._python}; host uid {self._uid or os.geteuid()})"
 
     async def check(self) -> None:
@@ -152,12 +170,26 @@ class BubblewrapSandbox:
             SandboxError: ``bwrap`` could not set the sandbox up (its message).
         """
         async with self._slots.hold(tenant):
-            return await self._run(code, limits)
+            group = self._group(limits)
+            try:
+                return await self._run(code, limits, group)
+            finally:  # the run's tree is reaped by now (collect); what it left exiting goes with its group
+                if group is not None:
+                    await group.end()
+
+    def _group(self, limits: SandboxLimits) -> MemoryGroup | None:
+        if self._groups is None:
+            return None
+        try:
+            return self._groups.create(limits.memory_bytes + self._options.tmpfs_bytes + GROUP_HEADROOM_BYTES)
+        except OSError as error:  # the sampled limits still hold
+            logger.warning("no memory group for a tool run (%s): its memory is sampled only", error)
+            return None
 
     async def close(self) -> None:
         return None
 
-    async def _run(self, code: str, limits: SandboxLimits) -> SandboxResult:
+    async def _run(self, code: str, limits: SandboxLimits, group: MemoryGroup | None) -> SandboxResult:
         try:
             program = filter_program()
         except SeccompUnavailable as error:  # fail closed: no run without its system-call filter
@@ -169,7 +201,7 @@ class BubblewrapSandbox:
         status_read, status_write = os.pipe()
         try:
             process = await start_run(asyncio.create_subprocess_exec(
-                *self._command(limits, source, status_write, rules, empties),
+                *self._command(limits, source, status_write, rules, empties, group),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(source, status_write, rules, *empties), start_new_session=True, env={},
             ))
@@ -188,12 +220,15 @@ class BubblewrapSandbox:
         if not started:
             raise SandboxError(stderr.decode(errors="replace").strip() or f"bwrap exited {process.returncode}")
         exit_code = process.returncode if exit_code is None else exit_code
+        if not stopped and group is not None and group.oom_kills():
+            stopped = "memory"  # the kernel ended it at its group's limit
         if not stopped and exit_code in _CPU_SIGNALS:
             stopped = "cpu"
         return SandboxResult(cut(stdout, limits.max_output_bytes), cut(stderr, limits.max_output_bytes),
                              exit_code, stopped)
 
-    def _command(self, limits: SandboxLimits, source: int, status: int, rules: int, empties: list[int]) -> list[str]:
+    def _command(self, limits: SandboxLimits, source: int, status: int, rules: int, empties: list[int],
+                 group: MemoryGroup | None = None) -> list[str]:
         o = self._options
         command = [
             self._bwrap or o.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -210,7 +245,9 @@ class BubblewrapSandbox:
         # The tool's processes: the launcher is the pid namespace's init (--as-pid-1: no bwrap process of the host's
         # runs in the sandbox, whose memory a run could write through /proc/1/mem, outside every limit)
         nproc = o.max_processes
-        return [*self._drop_privileges(), *command, self._python, "-I", "-B", "-c", LAUNCHER,
+        # the memory group is joined first, as root: its children, bwrap and the whole tree, are born in it
+        join = ["/bin/sh", "-c", _JOIN_GROUP, "join-group", group.procs] if group is not None else []
+        return [*join, *self._drop_privileges(), *command, self._python, "-I", "-B", "-c", LAUNCHER,
                 str(limits.cpu_s), str(limits.memory_bytes), str(limits.max_file_bytes), str(nproc)]
 
     def _drop_privileges(self) -> list[str]:
