@@ -41,6 +41,8 @@ import errno
 import functools
 import tempfile
 
+from services.scorer.sandbox.runtime_default import ARCHITECTURE_ALLOWED, RUNTIME_DEFAULT_ALLOWED
+
 #: Denied with EPERM (names the running kernel does not know are skipped).
 DENIED_SYSCALLS = (
     "keyctl", "add_key", "request_key",
@@ -102,10 +104,10 @@ NAMESPACE_FLAGS = {
 }
 
 
-#: What bubblewrap itself needs to build a run's namespaces and root: the one difference between the container's
-#: profile (:func:`container_profile`: the sandbox container's seccomp profile, under which bwrap starts) and the
-#: filter of every run (:func:`filter_program`).
-BWRAP_NEEDS = ("mount", "umount2", "pivot_root", "chroot", "unshare")
+#: What bubblewrap itself needs to build a run's namespaces and root beyond what the runtimes' default allows a
+#: container: the runs' deny list and the container's profile (:func:`container_profile`, under which bwrap
+#: starts) differ by these, and the runtimes' default lacks them (it grants them with CAP_SYS_ADMIN only).
+BWRAP_NEEDS = ("mount", "umount2", "pivot_root", "chroot", "unshare", "sethostname")
 #: What the sandbox server itself needs: the run's code reaches bwrap through a memory file.
 SERVER_NEEDS = ("memfd_create",)
 #: The architectures the container profile names (the runtime picks the node's).
@@ -114,20 +116,31 @@ PROFILE_ARCHITECTURES = ("SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32", "
 
 def container_profile() -> dict:
     """The sandbox container's seccomp profile (Docker's and Kubernetes' JSON format, ``deploy/seccomp/
-    fastexp-sandbox.json``): the runs' deny list, less what bubblewrap needs to build their namespaces
-    (:data:`BWRAP_NEEDS`, and ``clone`` with namespace flags) and what the server needs (:data:`SERVER_NEEDS`);
-    every run then gets the whole filter inside."""
-    denied = [name for name in DENIED_SYSCALLS if name not in BWRAP_NEEDS + SERVER_NEEDS]
-    families = [{"names": ["socket", "socketpair"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT,
-                 "args": args}
-                for args in _family_conditions({**ALLOWED_SOCKET_FAMILIES, **BWRAP_SOCKET_FAMILIES})]
+    fastexp-sandbox.json``), an allow list as the runtimes' default is: the calls that default allows every container
+    (:mod:`services.scorer.sandbox.runtime_default`) less the runs' deny list, plus what bubblewrap needs to build the
+    runs' namespaces (:data:`BWRAP_NEEDS`, and ``clone`` with namespace flags) and what the server needs
+    (:data:`SERVER_NEEDS`); ``socket`` and ``socketpair`` for the runs' families and netlink (bubblewrap brings the
+    loopback up with it; any other family EAFNOSUPPORT); anything else EPERM, ``clone3`` ENOSYS. Every run then gets
+    the whole filter inside (:func:`filter_program`)."""
+    needed = set(BWRAP_NEEDS + SERVER_NEEDS)
+    denied = set(DENIED_SYSCALLS) - needed
+    allowed = (set(RUNTIME_DEFAULT_ALLOWED + ARCHITECTURE_ALLOWED) | needed | {"clone"}) - denied
+    allowed -= {"socket", "socketpair", "clone3"}  # below, with their conditions
+    families = {**ALLOWED_SOCKET_FAMILIES, **BWRAP_SOCKET_FAMILIES}
+    sockets = [{"names": ["socket", "socketpair"], "action": "SCMP_ACT_ALLOW",
+                "args": [{"index": 0, "value": INT_MASK, "valueTwo": family, "op": "SCMP_CMP_MASKED_EQ"}]}
+               for family in sorted(families.values())]
+    refused = [{"names": ["socket", "socketpair"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT,
+                "args": args} for args in _family_conditions(families)]
     return {
-        "defaultAction": "SCMP_ACT_ALLOW",
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "defaultErrnoRet": errno.EPERM,
         "architectures": list(PROFILE_ARCHITECTURES),
         "syscalls": [
-            {"names": denied, "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM},
+            {"names": sorted(allowed), "action": "SCMP_ACT_ALLOW"},
+            *sockets,
+            *refused,
             {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
-            *families,
         ],
     }
 
