@@ -38,11 +38,11 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
+from services.common.bodies import ACCEPT_ENCODING, ReplyTooLarge, read_capped
 from services.common.deadlines import Deadline
 from services.common.errors import UpstreamTimeout
 from services.common.metrics import REMOTE_REWARD_FAILURES, REMOTE_REWARD_REQUESTS, REMOTE_REWARD_RETRIES
 from services.scorer.config import RemoteConfig
-from services.scorer.outbound.bodies import ReplyTooLarge, read_capped
 from services.scorer.outbound.breaker import Breaker, BreakerOpen
 from services.scorer.outbound.config import BudgetConfig
 from services.scorer.outbound.guard import CallGuard, SourceRejected, SourceUnavailable, after_tries
@@ -105,7 +105,8 @@ class RemoteScorer:
         verify = client_tls(self._config.tls_ca_file, self._config.tls_cert_file, self._config.tls_key_file,
                             f"{self._config.name}.tls_")
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self._config.timeout_s), limits=limits, headers=self._config.headers, verify=verify
+            timeout=httpx.Timeout(self._config.timeout_s), limits=limits, verify=verify,
+            headers={"Accept-Encoding": ACCEPT_ENCODING, **self._config.headers},
         )
 
     async def score(self, items: Sequence[ScoreItem], deadline: Deadline = NO_DEADLINE) -> SourceScores:
@@ -210,7 +211,7 @@ class RemoteScorer:
         """One POST and its whole answer within ``timeout_s`` seconds in total, body capped.
 
         Raises:
-            _TotalTimeout: past ``timeout_s``. ReplyTooLarge: see :func:`~services.scorer.outbound.bodies.read_capped`. httpx.TransportError.
+            _TotalTimeout: past ``timeout_s``. ReplyTooLarge: see :func:`~services.common.bodies.read_capped`. httpx.TransportError.
         """
         assert self._client is not None, "start() first"
         try:

@@ -6,7 +6,11 @@ Both run under uvicorn on loopback ports in background threads; the client is th
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 import math
+import tracemalloc
+import zlib
 
 import httpx
 import numpy as np
@@ -112,6 +116,24 @@ def misbehaving_app() -> FastAPI:
                 await asyncio.sleep(0)
 
         return StreamingResponse(flood(), media_type="application/json")
+
+    packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = bytes(1 << 20)
+    app.state.bomb = b"".join(packer.compress(zeros) for _ in range(64)) + packer.flush()  # 64 MiB in ~64 KiB
+
+    @app.post("/gzip_bomb")
+    async def gzip_bomb():  # a small body, declared as such, that inflates to 64 MiB
+        return Response(app.state.bomb, media_type="application/json", headers={"Content-Encoding": "gzip"})
+
+    @app.post("/gzipped")
+    async def gzipped(request: Request):
+        body = await request.json()
+        answer = json.dumps({"rewards": [2.0] * len(body["query"])}).encode()
+        return Response(gzip.compress(answer), media_type="application/json", headers={"Content-Encoding": "gzip"})
+
+    @app.post("/brotli")
+    async def brotli():  # an encoding the client did not ask for
+        return Response(b"\x8b\x03\x80{}\x03", media_type="application/json", headers={"Content-Encoding": "br"})
 
     @app.post("/slow")
     async def slow(request: Request):
@@ -251,6 +273,30 @@ async def test_an_endless_answer_is_dropped_past_max_response_bytes_without_retr
         await scorer.close()
     assert all("passed max_response_bytes (4194304)" in error for error in result.errors)
     assert state.calls["/huge"] == before + 1  # not retried
+
+
+async def test_a_compressed_answer_is_inflated_within_max_response_bytes(endpoint):
+    # 64 KiB of gzip that inflates to 64 MiB: httpx's own decoding inflated a network chunk whole before any cap
+    # was checked; the answer is now inflated at most the room left under max_response_bytes at a time
+    base, state = endpoint
+    scorer = await remote(f"{base}/gzip_bomb", max_response_bytes=1 << 20, timeout_s=30)
+    tracemalloc.start()
+    try:
+        result = await scorer.score(items("a"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        await scorer.close()
+    assert all("passed max_response_bytes (1048576)" in error for error in result.errors), result.errors
+    assert peak < 16 << 20, f"{peak / 2**20:.0f} MiB held while reading a 1 MiB-capped answer"
+    scorer = await remote(f"{base}/gzipped")  # a well-meant compressed answer reads as ever
+    other = await remote(f"{base}/brotli")  # one in an encoding not asked for is refused unread
+    try:
+        assert (await scorer.score(items("a", "b"))).rewards.tolist() == [2.0, 2.0]
+        assert all("encoded as 'br'" in error for error in (await other.score(items("a"))).errors)
+    finally:
+        await scorer.close()
+        await other.close()
 
 
 async def test_the_callers_deadline_caps_timeouts_and_retries(endpoint):

@@ -17,6 +17,7 @@ or answers something else fails its episode (:class:`EpisodeFailed`: its group o
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,12 +26,16 @@ from typing import Any
 import httpx
 import numpy as np
 
+from services.common.bodies import ACCEPT_ENCODING, ReplyTooLarge, read_capped
 from services.common.deadlines import Deadline
 from services.common.errors import EpisodeFailed, InvalidRequest
 from services.common.generation import CompletionRecord
 from services.experience.gateway.recording import Row, rows_of
 from services.experience.gateway.sessions import SessionRegistry
 from services.experience.pipeline.events import AgentEpisode
+
+#: Largest answer read from an agent server (its reward and metrics, JSON): a longer one fails its episode unread.
+MAX_ANSWER_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -112,13 +117,15 @@ class AgentRunner:
         body = {"episode_id": session.name, "messages": list(messages), "prompt": prompt, "reference": reference,
                 "label": label, "session": {"base_url": self._base_url, "api_key": session.key, "model": model}}
         try:
-            response = await self._client.post(agent.url, json=body, timeout=timeout)
-            if response.status_code != 200:
-                raise EpisodeFailed(f"agent {name!r}: HTTP {response.status_code}")
-            reward, metrics = _outcome(response.json(), name)
+            async with self._client.stream("POST", agent.url, json=body, timeout=timeout,
+                                           headers={"Accept-Encoding": ACCEPT_ENCODING}) as response:
+                if response.status_code != 200:
+                    raise EpisodeFailed(f"agent {name!r}: HTTP {response.status_code}")
+                answer = await read_capped(response, MAX_ANSWER_BYTES, "the agent answer cap")
+            reward, metrics = _outcome(json.loads(answer), name)
         except httpx.TimeoutException as error:
             raise EpisodeFailed(f"agent {name!r}: no answer within {timeout:.1f} s") from error
-        except (httpx.HTTPError, ValueError) as error:
+        except (httpx.HTTPError, ValueError, ReplyTooLarge) as error:
             raise EpisodeFailed(f"agent {name!r}: {type(error).__name__}: {error}") from error
         finally:
             calls = self._sessions.close(session)

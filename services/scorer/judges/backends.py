@@ -24,8 +24,8 @@ from typing import Protocol
 import httpx
 
 from fastexp.security import read_file
+from services.common.bodies import ACCEPT_ENCODING, ReplyTooLarge, read_capped
 from services.scorer.judges.config import JudgeConfig
-from services.scorer.outbound.bodies import ReplyTooLarge, read_capped
 from services.scorer.outbound.guard import SourceRejected, SourceUnavailable
 
 #: Candidates asked for a yes/no verdict's first token.
@@ -90,7 +90,7 @@ class OpenAIBackend:
 
     async def start(self) -> None:
         slots = self._config.budget.max_concurrency
-        headers = dict(self._config.headers)
+        headers = {"Accept-Encoding": ACCEPT_ENCODING, **self._config.headers}
         if self._config.token_file is not None:
             headers["Authorization"] = f"Bearer {read_file(self._config.token_file, 'token_file').decode().strip()}"
         verify = True if self._config.tls_ca_file is None else ssl.create_default_context(

@@ -19,6 +19,7 @@ import ssl
 
 import httpx
 
+from services.common.bodies import ACCEPT_ENCODING, ReplyTooLarge, read_capped
 from services.scorer.sandbox.base import (
     MIB,
     PROBE_CODE,
@@ -41,7 +42,7 @@ class RemoteSandbox:
         self._url = url.rstrip("/") + "/run_code"
         self._margin_s = margin_s
         self._max_response_bytes = max_response_bytes
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {"Accept-Encoding": ACCEPT_ENCODING, **({"Authorization": f"Bearer {token}"} if token else {})}
         self._client = httpx.AsyncClient(headers=headers, verify=verify, timeout=None)
         self.description = f"remote sandbox {self._url}"
 
@@ -82,11 +83,10 @@ class RemoteSandbox:
 
     async def _post(self, request: dict) -> dict:
         async with self._client.stream("POST", self._url, json=request) as response:
-            data = bytearray()
-            async for chunk in response.aiter_bytes():
-                data += chunk
-                if len(data) > self._max_response_bytes:
-                    raise SandboxError(f"{self._url}: response over {self._max_response_bytes} bytes")
+            try:
+                data = await read_capped(response, self._max_response_bytes, "the response cap")
+            except ReplyTooLarge as error:
+                raise SandboxError(f"{self._url}: {error}") from None
         if response.status_code != 200:
             raise SandboxError(f"{self._url}: HTTP {response.status_code}: {bytes(data[:300]).decode(errors='replace')}")
         try:
