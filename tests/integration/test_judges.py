@@ -202,6 +202,34 @@ async def test_a_dead_judge_opens_its_breaker_fails_fast_by_name_and_recovers(ju
         await composer.close()
 
 
+async def test_guide_a_breaker_turned_off_keeps_its_source_serving_through_the_scorer(judge_server):
+    # "`breaker: {enabled: false}` turns it off: it never opens (its state, gauge and health stay closed) and every
+    # call reaches the endpoint", read through the scorer's gRPC health and the judge's own count of calls
+    url, app = judge_server
+    log: JudgeLog = app.state.log
+    app.state.down = True
+    config = JudgeConfig.model_validate(judge("unguarded", f"{url}/flaky/v1", max_attempts=1,
+                                              breaker={"enabled": False, "failure_threshold": 1}))
+    settings = ScorerSettings(port=0, sources=[config])
+    composer = RewardComposer([JudgeScorer(config)], {"unguarded": None}, {"default": [("unguarded", 1.0)]})
+    running = await start_scorer(settings, composer)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    stub, health = scoring_pb2_grpc.ScoringServiceStub(channel), health_pb2_grpc.HealthStub(channel)
+    try:
+        sent = log.started
+        for _ in range(3):
+            reply = await stub.Score(request("", "7"), timeout=60)
+            assert "HTTP 503" in reply.errors[0] and "circuit breaker off (" in reply.errors[0], reply.errors[0]
+        assert log.started - sent == 3  # every call reached the endpoint
+        assert await _health(health, "unguarded") == health_pb2.HealthCheckResponse.SERVING
+        assert metric("fastexp_reward_source_breaker_state", source="unguarded") == 0
+    finally:
+        app.state.down = False
+        await channel.close()
+        await running.stop(1)
+        await composer.close()
+
+
 @pytest.fixture(scope="module")
 async def smollm2_generator(smollm2_path, tmp_path_factory):
     """A generator with tokens on, as deployments run it; its address and a file with its token."""

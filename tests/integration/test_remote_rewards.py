@@ -332,6 +332,23 @@ async def test_guide_429_is_retried_and_a_call_that_ends_on_it_is_one_failure(en
     assert state.calls["/too_many"] - before == 4 and calls("rm-429", "error") == 4  # the third call sent nothing
 
 
+async def test_guide_two_sources_on_one_endpoint_have_a_breaker_each(endpoint):
+    # "Each networked source has a breaker of its own (two sources on one endpoint: two breakers, each counting its
+    # own calls)": two configured sources on one URL; one's failures open its breaker only
+    base, _ = endpoint
+    first = await remote(f"{base}/down", name="rm-shared-a", max_attempts=1, breaker={"failure_threshold": 2})
+    second = await remote(f"{base}/down", name="rm-shared-b", max_attempts=1, breaker={"failure_threshold": 2})
+    try:
+        for _ in range(2):
+            await first.score(items("a"))
+        await second.score(items("a"))
+    finally:
+        await first.close()
+        await second.close()
+    assert first.breaker.state.status is BreakerStatus.OPEN
+    assert second.breaker.state.status is BreakerStatus.CLOSED and second.breaker.state.failures == 1
+
+
 async def test_guide_a_4xx_is_an_answer_counted_rejected_not_a_failure(endpoint):
     # "A 4xx answer ... is not an outage and does not count as a failure"; calls_total's outcome `rejected` (4xx)
     base, _ = endpoint
