@@ -224,10 +224,14 @@ class _SignalStop:
         log_on_signal(self._loop)
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        # call_soon_threadsafe wakes the loop through its self-pipe, even while it waits in select
         if not self.started:
-            logger.info("stopped while starting (signal %d): nothing served yet", signum)
-            _flush_and_exit(0)
-        self._loop.call_soon_threadsafe(self.event.set)
+            try:  # the log's own write may be what this interrupted: the exit comes regardless
+                logger.info("stopped while starting (signal %d): nothing served yet", signum)
+            finally:
+                _flush_and_exit(0)
+        if not self._loop.is_closed():  # (a signal after the service has ended: nothing left to stop)
+            self._loop.call_soon_threadsafe(self.event.set)
 
 
 async def serve_until_signalled(
@@ -286,7 +290,9 @@ def _exit_stuck(limit_s: float) -> None:
 
 
 def _flush_and_exit(code: int) -> None:
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stderr.flush()
-    os._exit(code)  # not sys.exit: the stuck tasks and threads would be waited for again on the way out
+    try:
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)  # not sys.exit: the stuck tasks and threads would be waited for again on the way out

@@ -130,7 +130,10 @@ class RuleScorer:
             ImportError, TypeError: ``function`` does not name a callable.
         """
         import_callable(self._function)
-        self._pool = ProcessPool(max_workers=self._workers, context=multiprocessing.get_context("spawn"))
+        # each worker imports the rule as it starts, a replacement for a killed one too: its import (a rule module
+        # may import torch) is not part of any item's timeout_s (under load, 3 s of import timed out every item)
+        self._pool = ProcessPool(max_workers=self._workers, context=multiprocessing.get_context("spawn"),
+                                 initializer=_resolved, initargs=(self._function,))
         warm_up = [ScoreItem("1", "", "1", "", "1")]
         await asyncio.gather(*(self.score(warm_up) for _ in range(self._workers)))
 

@@ -34,7 +34,7 @@ async def _sleeping_step(stub, marker: str) -> asyncio.Future:
 
 async def test_the_step_timeout_ends_the_run_before_the_step_fails():
     marker = f"3600.{secrets.randbelow(10**6):06d}7"
-    core, running, channel, stub = await _scorer(_settings(step_timeout_s=3.0))
+    core, running, channel, stub = await _scorer(_settings(step_timeout_s=15.0))  # past a loaded start
     try:
         step = await _sleeping_step(stub, marker)
         await _until(lambda: _host_processes_with(marker), 60)  # the run is under way

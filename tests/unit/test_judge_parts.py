@@ -89,15 +89,15 @@ def test_breaker_opens_after_consecutive_failures_probes_half_open_and_closes_on
     state = failed(state, call, 0.0, config, "down")
     assert state.status is BreakerStatus.CLOSED and succeeded(state, call) == BreakerState()  # an answer resets
     state = failed(state, call, 1.0, config, "down")
-    assert state.status is BreakerStatus.OPEN and state.opened_at == 1.0 and state.openings == 1
+    assert state.status is BreakerStatus.OPEN and state.opened_at == 1.0 and state.generation == 1
     assert admit(state, 10.9, config) == (None, state)  # still open
     probe, probing = admit(state, 11.0, config)
-    assert probe == Admission(1, probe=True) and probing.status is BreakerStatus.HALF_OPEN and probing.probes == 1
+    assert probe == Admission(2) and probing.status is BreakerStatus.HALF_OPEN and probing.probes == 1
     assert admit(probing, 11.0, config)[0] is None  # one probe at a time
     assert abandoned(probing, probe).probes == 0  # a cancelled probe frees its place
     reopened = failed(probing, probe, 12.0, config, "still down")
-    assert reopened.status is BreakerStatus.OPEN and reopened.opened_at == 12.0 and reopened.openings == 2
-    assert succeeded(probing, probe).status is BreakerStatus.CLOSED
+    assert reopened.status is BreakerStatus.OPEN and reopened.opened_at == 12.0 and reopened.generation == 3
+    assert succeeded(probing, probe) == BreakerState(generation=3)
     assert admit(reopened, 12.0, BreakerConfig(enabled=False))[0] is not None
 
 
@@ -114,9 +114,28 @@ def test_guide_while_half_open_only_its_probes_decide():
     probe, half_open = admit(reopened, 21.0, config)
     for late in (early, stale_probe):
         assert succeeded(half_open, late) == half_open
-        assert failed(half_open, late, 22.0, config, "HTTP 503").status is BreakerStatus.HALF_OPEN
+        assert failed(half_open, late, 22.0, config, "HTTP 503") == half_open
         assert abandoned(half_open, late) == half_open and admit(half_open, 22.0, config)[0] is None  # still one
     assert succeeded(half_open, probe).status is BreakerStatus.CLOSED
+
+
+def test_guide_the_first_probe_to_answer_closes_it_and_the_others_outcomes_are_late():
+    # with half_open_probes 2, "the first that gets an answer closes it": the second probe failing afterwards, or
+    # a call admitted before the breaker opened failing once it has closed again, does not reopen it or count
+    config = BreakerConfig(failure_threshold=1, open_s=10, half_open_probes=2)
+    early, state = admit(BreakerState(), 0.0, config)
+    call, state = admit(state, 0.0, config)
+    opened = failed(state, call, 0.0, config, "HTTP 503")
+    first, state = admit(opened, 10.0, config)
+    second, state = admit(state, 10.0, config)
+    assert state.probes == 2 and admit(state, 10.0, config)[0] is None
+    closed = succeeded(state, first)
+    assert closed.status is BreakerStatus.CLOSED
+    for late in (second, early):
+        assert failed(closed, late, 11.0, config, "HTTP 503") == closed
+        assert succeeded(closed, late) == closed and abandoned(closed, late) == closed
+    now, closed = admit(closed, 11.0, config)  # a call of the closed generation counts again
+    assert failed(closed, now, 11.0, config, "HTTP 503").status is BreakerStatus.OPEN
 
 
 def test_cache_keys_change_with_every_part_and_the_reward_deciding_configuration():

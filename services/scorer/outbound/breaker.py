@@ -11,9 +11,10 @@ States: CLOSED (calls pass; consecutive failures counted) -> OPEN after ``failur
 refused) -> HALF_OPEN once ``open_s`` seconds have passed (up to ``half_open_probes`` calls pass) -> CLOSED on a
 probe's success, OPEN again on its failure. Times are seconds on the monotonic clock.
 
-Each admitted call carries its :class:`Admission` (which opening of the breaker it was admitted after, and whether
-as a probe), so that while the breaker is open or half-open only this half-open period's probes decide: a call sent
-before it opened that answers, fails or is cancelled meanwhile changes nothing (docs/reward-teams/judges.md).
+Each admitted call carries its :class:`Admission`, the breaker's generation when it was admitted (the generation
+moves on every change of status), and only outcomes of the current generation count: while half-open, only its
+probes decide; a call sent before the breaker opened, or a probe of a period that already ended (another probe
+closed or reopened it), changes nothing when it answers, fails or is cancelled (docs/reward-teams/judges.md).
 """
 
 from __future__ import annotations
@@ -40,69 +41,66 @@ class BreakerStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class BreakerState:
-    """Where a breaker is: its status, consecutive failures, when it opened (monotonic s), probes in flight, and how
-    many times it has opened (``openings``: names the current open and half-open period)."""
+    """Where a breaker is: its status, consecutive failures, when it opened (monotonic s), probes in flight, and its
+    ``generation`` (moves on every change of status)."""
 
     status: BreakerStatus = BreakerStatus.CLOSED
     failures: int = 0
     opened_at: float = 0.0
     probes: int = 0
     last_error: str = ""
-    openings: int = 0
+    generation: int = 0
 
 
 @dataclass(frozen=True)
 class Admission:
-    """What a call was admitted as: after the breaker's ``openings``-th opening, and as a half-open probe or not."""
+    """A call admitted in the breaker's ``generation`` (a half-open generation's calls are its probes)."""
 
-    openings: int
-    probe: bool = False
+    generation: int
 
 
 def admit(state: BreakerState, now: float, config: BreakerConfig) -> tuple[Admission | None, BreakerState]:
     """The call's admission if it may start now (None: refused), and the state after admitting it (a half-open probe
     is counted)."""
     if not config.enabled or state.status is BreakerStatus.CLOSED:
-        return Admission(state.openings), state
+        return Admission(state.generation), state
     if state.status is BreakerStatus.OPEN:
         if now - state.opened_at < config.open_s:
             return None, state
-        return Admission(state.openings, probe=True), replace(state, status=BreakerStatus.HALF_OPEN, probes=1)
+        half_open = replace(state, status=BreakerStatus.HALF_OPEN, probes=1, generation=state.generation + 1)
+        return Admission(half_open.generation), half_open
     if state.probes < config.half_open_probes:
-        return Admission(state.openings, probe=True), replace(state, probes=state.probes + 1)
+        return Admission(state.generation), replace(state, probes=state.probes + 1)
     return None, state
 
 
-def _probing(state: BreakerState, admission: Admission) -> bool:
-    """Whether ``admission`` is one of the probes of ``state``'s half-open period."""
-    return state.status is BreakerStatus.HALF_OPEN and admission.probe and admission.openings == state.openings
-
-
 def succeeded(state: BreakerState, admission: Admission) -> BreakerState:
-    """After a call that got an answer: closed, no failures counted; except while open or half-open, where only
-    this period's probe closes it (a call admitted before the breaker opened changes nothing: the source's items
-    keep failing at once for ``open_s``, then a probe decides)."""
-    if state.status is BreakerStatus.CLOSED or _probing(state, admission):
-        return BreakerState(openings=state.openings)
-    return state
+    """After a call that got an answer: closed, no failures counted, where the call is of the current generation
+    (closed: any call; half-open: its probe). A call of an earlier generation changes nothing (one admitted before
+    the breaker opened: the source's items keep failing at once for ``open_s``, then a probe decides)."""
+    if admission.generation != state.generation or state.status is BreakerStatus.OPEN:
+        return state
+    if state.status is BreakerStatus.HALF_OPEN:
+        return BreakerState(generation=state.generation + 1)
+    return replace(state, failures=0, last_error="")
 
 
 def failed(state: BreakerState, admission: Admission, now: float, config: BreakerConfig, error: str) -> BreakerState:
-    """After a call that failed (timeout, connection error, 5xx), after its retries: opens at the threshold, or on a
-    failed probe of this half-open period; never with ``enabled`` false (failures are still counted, for errors and
-    logs)."""
+    """After a call of the current generation that failed (timeout, connection error, 5xx), after its retries: opens
+    at the threshold, or on a failed probe; never with ``enabled`` false (failures are still counted, for errors and
+    logs). A call of an earlier generation changes nothing."""
+    if admission.generation != state.generation or state.status is BreakerStatus.OPEN:
+        return state
     failures = state.failures + 1
-    if config.enabled and (_probing(state, admission) or (
-        state.status is BreakerStatus.CLOSED and failures >= config.failure_threshold
-    )):
-        return BreakerState(BreakerStatus.OPEN, failures, now, 0, error, state.openings + 1)
+    if config.enabled and (state.status is BreakerStatus.HALF_OPEN or failures >= config.failure_threshold):
+        return BreakerState(BreakerStatus.OPEN, failures, now, 0, error, state.generation + 1)
     return replace(state, failures=failures, last_error=error)
 
 
 def abandoned(state: BreakerState, admission: Admission) -> BreakerState:
     """After a call that ended without an outcome (cancelled, or its deadline passed while it queued): a probe of
-    this half-open period frees its place; nothing is counted."""
-    if _probing(state, admission):
+    the current half-open generation frees its place; nothing is counted."""
+    if state.status is BreakerStatus.HALF_OPEN and admission.generation == state.generation:
         return replace(state, probes=max(0, state.probes - 1))
     return state
 

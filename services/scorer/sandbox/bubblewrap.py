@@ -214,7 +214,8 @@ class BubblewrapSandbox:
             for fd in (source, rules, status_write, *empties):
                 os.close(fd)
         with open(status_read, "rb") as status, RunTree(process) as tree:
-            watch = Watch(_sample, self._options.usage_poll_s, self._options.max_files)
+            watch = Watch(_sample, self._options.usage_poll_s, self._options.max_files,
+                          oom_kills=group.oom_kills if group is not None else None)
             stopped, stdout, stderr = await collect(process, tree, limits, watch)
             started, exit_code = parse_status(status.read())
         if not started:

@@ -269,7 +269,8 @@ class GvisorSandbox:
         with RunTree(process) as tree:
             feeding = asyncio.ensure_future(_feed(process, source))
             try:
-                watch = Watch(SentryUsage(), self._options.usage_poll_s, stderr_prefix=len(STARTED))
+                watch = Watch(SentryUsage(), self._options.usage_poll_s, stderr_prefix=len(STARTED),
+                              oom_kills=group.oom_kills if group is not None else None)
                 stopped, stdout, stderr = await collect(process, tree, limits, watch)  # ends the tree on its errors
             finally:
                 feeding.cancel()

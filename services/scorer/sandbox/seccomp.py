@@ -110,6 +110,9 @@ NAMESPACE_FLAGS = {
 BWRAP_NEEDS = ("mount", "umount2", "pivot_root", "chroot", "unshare", "sethostname")
 #: What the sandbox server itself needs: the run's code reaches bwrap through a memory file.
 SERVER_NEEDS = ("memfd_create",)
+#: ``personality`` values the runtimes' default allows (Linux's, ``PER_LINUX32``, ``UNAME26`` and both, and the
+#: query): any other is EPERM in the container.
+PERSONALITIES = (0, 8, 0x20000, 0x20008, 0xFFFFFFFF)
 #: The architectures the container profile names (the runtime picks the node's).
 PROFILE_ARCHITECTURES = ("SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32", "SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM")
 
@@ -120,12 +123,14 @@ def container_profile() -> dict:
     (:mod:`services.scorer.sandbox.runtime_default`) less the runs' deny list, plus what bubblewrap needs to build the
     runs' namespaces (:data:`BWRAP_NEEDS`, and ``clone`` with namespace flags) and what the server needs
     (:data:`SERVER_NEEDS`); ``socket`` and ``socketpair`` for the runs' families and netlink (bubblewrap brings the
-    loopback up with it; any other family EAFNOSUPPORT); anything else EPERM, ``clone3`` ENOSYS. Every run then gets
+    loopback up with it; any other family EAFNOSUPPORT), ``personality`` as the default allows it
+    (:data:`PERSONALITIES`), not ``socketcall``; anything else EPERM, ``clone3`` ENOSYS. Every run then gets
     the whole filter inside (:func:`filter_program`)."""
     needed = set(BWRAP_NEEDS + SERVER_NEEDS)
     denied = set(DENIED_SYSCALLS) - needed
     allowed = (set(RUNTIME_DEFAULT_ALLOWED + ARCHITECTURE_ALLOWED) | needed | {"clone"}) - denied
-    allowed -= {"socket", "socketpair", "clone3"}  # below, with their conditions
+    # below, with their conditions; socketcall (32-bit x86's multiplexer) would reach every family past them
+    allowed -= {"socket", "socketpair", "clone3", "personality", "socketcall"}
     families = {**ALLOWED_SOCKET_FAMILIES, **BWRAP_SOCKET_FAMILIES}
     sockets = [{"names": ["socket", "socketpair"], "action": "SCMP_ACT_ALLOW",
                 "args": [{"index": 0, "value": INT_MASK, "valueTwo": family, "op": "SCMP_CMP_MASKED_EQ"}]}
@@ -140,6 +145,8 @@ def container_profile() -> dict:
             {"names": sorted(allowed), "action": "SCMP_ACT_ALLOW"},
             *sockets,
             *refused,
+            *({"names": ["personality"], "action": "SCMP_ACT_ALLOW",
+               "args": [{"index": 0, "value": persona, "op": "SCMP_CMP_EQ"}]} for persona in PERSONALITIES),
             {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
         ],
     }

@@ -25,12 +25,15 @@ Sampler = Callable[[int], tuple[TreeUsage, int | None]]
 class Watch:
     """How a run is watched: ``sample`` every ``poll_s`` seconds, its files held against ``max_files`` (None: its
     sampler counts no files apart);
-    ``stderr_prefix`` bytes the backend writes first on stderr (its start marker), kept beyond the output limit."""
+    ``stderr_prefix`` bytes the backend writes first on stderr (its start marker), kept beyond the output limit;
+    ``oom_kills``: the processes the kernel killed at the run's memory group's limit (None: no group), read each
+    sample: one is the run over its memory."""
 
     sample: Sampler
     poll_s: float
     max_files: int | None = None
     stderr_prefix: int = 0
+    oom_kills: Callable[[], int] | None = None
 
 
 async def collect(process: asyncio.subprocess.Process, tree: RunTree, limits: SandboxLimits,
@@ -95,7 +98,7 @@ async def _sample_until(root: int, ended: asyncio.Future, overflowed: asyncio.Fu
         charged_s += max(0.0, usage.read_cpu_s - READ_ALLOWANCE_S)
         if usage.cpu_s + charged_s > limits.cpu_s:
             return "cpu"
-        if usage.memory_bytes > limits.memory_bytes:
+        if usage.memory_bytes > limits.memory_bytes or (watch.oom_kills is not None and watch.oom_kills()):
             return "memory"
         if files is not None and watch.max_files is not None and files > watch.max_files:
             return "files"
