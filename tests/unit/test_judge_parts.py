@@ -101,14 +101,20 @@ def test_breaker_opens_after_consecutive_failures_probes_half_open_and_closes_on
     assert admit(reopened, 12.0, BreakerConfig(enabled=False))[0] is not None
 
 
+def _opened_with_a_call_in_flight(config: BreakerConfig):
+    """A call admitted while closed and still in flight, and the state once another call's failure opened it (at
+    ``failure_threshold`` 1)."""
+    early, state = admit(BreakerState(), 0.0, config)
+    other, state = admit(state, 0.0, config)
+    return early, failed(state, other, 0.0, config, "HTTP 503")
+
+
 def test_guide_while_half_open_only_its_probes_decide():
     # "up to `half_open_probes` calls go through; the first that gets an answer closes it, a failed one opens it
     # again" and "a call sent before it opened ... does not close it": a call admitted before the breaker opened,
     # or a probe of an earlier half-open period, that answers, fails or is cancelled while half-open changes nothing
     config = BreakerConfig(failure_threshold=1, open_s=10, half_open_probes=1)
-    early, state = admit(BreakerState(), 0.0, config)
-    other, state = admit(state, 0.0, config)
-    opened = failed(state, other, 0.0, config, "HTTP 503")
+    early, opened = _opened_with_a_call_in_flight(config)
     stale_probe, half_open = admit(opened, 10.0, config)
     reopened = failed(half_open, stale_probe, 11.0, config, "HTTP 503")
     probe, half_open = admit(reopened, 21.0, config)
@@ -123,9 +129,7 @@ def test_guide_the_first_probe_to_answer_closes_it_and_the_others_outcomes_are_l
     # with half_open_probes 2, "the first that gets an answer closes it": the second probe failing afterwards, or
     # a call admitted before the breaker opened failing once it has closed again, does not reopen it or count
     config = BreakerConfig(failure_threshold=1, open_s=10, half_open_probes=2)
-    early, state = admit(BreakerState(), 0.0, config)
-    call, state = admit(state, 0.0, config)
-    opened = failed(state, call, 0.0, config, "HTTP 503")
+    early, opened = _opened_with_a_call_in_flight(config)
     first, state = admit(opened, 10.0, config)
     second, state = admit(state, 10.0, config)
     assert state.probes == 2 and admit(state, 10.0, config)[0] is None
