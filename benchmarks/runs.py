@@ -12,8 +12,9 @@ adapter, B ~ N(0, 0.01), through ``update_weights(..., run_id=)`` before streami
   a's request then run b's; ``concurrent``, both at once, each read in its own thread as batches arrive.
 - *share* (``max_samples_in_flight`` = two groups' samples, so the runs contend for the generator): both at once.
 
-Figures (ratios taken here, in this run): ``runs_adapter_vs_full_update_s`` (the second update of run a's adapter,
-the trainer's call to the service's answer once every replica and the forwards have it, against the same call with
+Figures (ratios taken here, in this run): ``runs_adapter_vs_full_update_s`` (the median of run a's adapter updates
+after its first, the trainer's call to the service's answer once every replica and the forwards have it, against the
+median of the same calls with
 every tensor of the base model in the dtype a trainer here trains and sends it in (``dtype: auto``: bfloat16 where the
 CPU has it natively, float32 where not; the adapter is float32, peft's), sent before the LoRA runs exist; target <=
 0.05) and ``runs_adapter_vs_full_update_bytes``; ``runs_adapter_vs_stored_full_update_s`` against the model as stored
@@ -29,6 +30,7 @@ stream ended) / its weight's share 3/4 (target within 1 +- 0.10).
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +49,10 @@ from services.experience.runs.limits import DEFAULT_LORA_TARGET_MODULES
 from services.launcher import LocalCluster, fresh_state_dir
 
 WEIGHTS = {"a": 3, "b": 1}
+#: Full-model updates timed, then run a's adapter updates (each a new adapter, as a trainer's steps send): the
+#: figures take each kind's median (one call's time moves with whatever else the host is doing).
+FULL_UPDATES = 3
+ADAPTER_UPDATES = 5
 
 
 @dataclass(frozen=True)
@@ -79,10 +85,12 @@ def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
     adapters = {run_id: random_adapter(model, config, seed) for seed, run_id in enumerate(WEIGHTS)}
     with _services(model, workload.backend, log_dir / "runs-throughput", None) as address:
         stored = load_file(str(Path(model) / "model.safetensors"))
-        full_s, full_bytes = _timed_update(address, [(k, v.to(precision)) for k, v in stored.items()])
+        full = [_timed_update(address, [(k, v.to(precision)) for k, v in stored.items()]) for _ in range(FULL_UPDATES)]
         stored_s, stored_bytes = _timed_update(address, list(stored.items()))
         _create_runs(address, config, adapters)
-        adapter_s, adapter_bytes = _timed_update(address, list(adapters["a"].items()), run_id="a")
+        adapter = [_timed_update(address, list(random_adapter(model, config, seed=100 + i).items()), run_id="a")
+                   for i in range(ADAPTER_UPDATES)]
+        (full_s, full_bytes), (adapter_s, adapter_bytes) = _median(full), _median(adapter)
         qv_s, qv_bytes = _qv_update(address, model, workload.lora_rank)
         started = time.perf_counter()
         for run_id in WEIGHTS:
@@ -103,6 +111,7 @@ def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
         "runs_concurrent_vs_sequential_tokens_per_s": (tokens / concurrent_s) / (tokens / sequential_s),
         "runs_share_vs_weight_a": share / (WEIGHTS["a"] / sum(WEIGHTS.values())),
         "runs_inputs": {"full_update_s": full_s, "full_update_bytes": full_bytes, "full_update_dtype": str(precision),
+                        "full_update_s_each": [t for t, _ in full], "adapter_update_s_each": [t for t, _ in adapter],
                         "stored_full_update_s": stored_s, "stored_full_update_bytes": stored_bytes,
                         "adapter_update_s": adapter_s,
                         "adapter_update_bytes": adapter_bytes, "adapter_qv_update_s": qv_s,
@@ -122,6 +131,11 @@ def random_adapter(model: str, config: AdapterConfig, seed: int) -> dict[str, to
         scale = 0.01 if ".lora_B." in name else shape[1] ** -0.5
         tensors[name] = torch.randn(shape, generator=generator) * scale
     return tensors
+
+
+def _median(updates: list[tuple[float, int]]) -> tuple[float, int]:
+    """The median of timed updates of one kind (their bytes are the same)."""
+    return statistics.median(t for t, _ in updates), updates[0][1]
 
 
 def _timed_update(address: str, tensors: list[tuple[str, torch.Tensor]], run_id: str | None = None) -> tuple[float, int]:
