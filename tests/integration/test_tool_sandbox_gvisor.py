@@ -26,7 +26,7 @@ import pytest
 
 from fastexp.v1 import environment_pb2, environment_pb2_grpc
 from services.scorer.sandbox import GvisorSandbox, SandboxLimits, SandboxSettings, build_sandbox
-from services.scorer.sandbox.cgroup import MemoryGroups
+from services.scorer.sandbox.cgroup import RunGroups
 from services.scorer.server import build_scorer, start_scorer
 from services.scorer.settings import ScorerSettings
 
@@ -271,10 +271,10 @@ async def test_a_burst_between_two_samples_meets_the_runs_memory_group(gvisor):
     a 512 MiB run. A root scorer on a host with cgroup v1's memory controller puts each run in a memory group of its
     own (``memory_bytes`` + :data:`GROUP_HEADROOM_BYTES`): the kernel refuses the memory past it, and the run ends
     reported as over its memory."""
-    from services.scorer.sandbox.cgroup import MemoryGroups
+    from services.scorer.sandbox.cgroup import RunGroups
     from services.scorer.sandbox.gvisor import GROUP_HEADROOM_BYTES
 
-    groups = MemoryGroups.find()
+    groups = RunGroups.find()
     assert groups is not None, "this host's memory controller is where the test expects it (cgroup v1, writable)"
     peaks: list[int] = []
     mine: set[Path] = set()
@@ -320,14 +320,14 @@ async def test_each_runs_memory_group_is_removed_even_when_its_processes_outlive
     parent exits while children hold memory). What is left is killed and the group removed."""
     made: list[Path] = []
 
-    class Recorded(MemoryGroups):
+    class Recorded(RunGroups):
         def create(self, limit_bytes: int):
             group = super().create(limit_bytes)
             made.append(group.path)
             return group
 
     assert gvisor._groups is not None
-    gvisor._groups, groups = Recorded(gvisor._groups.parent), gvisor._groups
+    gvisor._groups, groups = Recorded(gvisor._groups.parent, gvisor._groups.cpu_parent), gvisor._groups
     try:
         for _ in range(8):
             result = await run(gvisor, """

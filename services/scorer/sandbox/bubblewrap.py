@@ -33,7 +33,9 @@ Each run is ``bwrap`` with, for the tool's process tree:
   cgroup v1's memory controller writable: :mod:`services.scorer.sandbox.cgroup`), the run's tree is in a **memory
   cgroup** of its own besides (``memory_bytes`` + ``tmpfs_bytes`` + :data:`GROUP_HEADROOM_BYTES`, kernel memory
   included): the kernel refuses the memory past it as it is asked for, so what the tree reaches between two
-  samples is bounded too (a run it ends there reports ``"memory"``);
+  samples is bounded too (a run it ends there reports ``"memory"``), and, where ``cpuacct`` is writable too, in a
+  ``cpuacct`` group whose count of the tree's CPU, children the kernel reaped by itself included, is held against
+  ``cpu_s`` at each sample;
 - **one unit that ends once**: however the call ends (its result, the timeout, the caller's cancellation: a
   cancelled Step or stream, a step timeout, the scorer stopping), the run's whole tree is killed and reaped before
   the call returns or its cancellation completes, and only then is its ``max_concurrent`` slot free: bwrap's
@@ -77,7 +79,7 @@ from services.scorer.sandbox.bwrap_args import (
     private_proc,
     root_links,
 )
-from services.scorer.sandbox.cgroup import MemoryGroup, MemoryGroups
+from services.scorer.sandbox.cgroup import RunGroup, RunGroups
 from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
 from services.scorer.sandbox.slots import FairSlots
 from services.scorer.sandbox.supervise import Watch, collect
@@ -119,8 +121,9 @@ class BubblewrapOptions:
 #: What a run's memory group holds beyond ``memory_bytes`` and its tmpfs: bwrap's monitor, page tables, kernel
 #: stacks and the other kernel memory the sampled limit does not see.
 GROUP_HEADROOM_BYTES = 64 * MIB
-#: Joins the memory group whose ``cgroup.procs`` is ``$1`` (none where empty), then execs the rest of its arguments.
-_JOIN_GROUP = '{ [ -z "$1" ] || echo $$ > "$1"; } && shift && exec "$@"'
+#: Joins the run's groups, whose ``cgroup.procs`` files ``$1`` lists (space-separated; none where empty), then execs
+#: the rest of its arguments; exits 125 where one cannot be joined.
+_JOIN_GROUP = 'for procs in $1; do echo $$ > "$procs" || exit 125; done && shift && exec "$@"'
 
 
 class BubblewrapSandbox:
@@ -136,7 +139,7 @@ class BubblewrapSandbox:
         # resolved once, on this process's PATH: runs start with an empty environment, where a bare name that is
         # not in the default path (/bin, /usr/bin) would not be found; start-up and runs use the same program
         self._bwrap = shutil.which(options.bwrap)
-        self._groups = MemoryGroups.find()  # a memory cgroup per run where the host lets this process make one
+        self._groups = RunGroups.find()  # cgroups per run where the host lets this process make them
         if self._groups is not None:
             self._groups.sweep()  # groups a scorer that crashed left
         self.description = f"bubblewrap ({self._bwrap or options.bwrap}; {self._python}; host uid {self._uid or os.geteuid()})"
@@ -177,7 +180,7 @@ class BubblewrapSandbox:
                 if group is not None:
                     await group.end()
 
-    def _group(self, limits: SandboxLimits) -> MemoryGroup | None:
+    def _group(self, limits: SandboxLimits) -> RunGroup | None:
         if self._groups is None:
             return None
         try:
@@ -189,7 +192,7 @@ class BubblewrapSandbox:
     async def close(self) -> None:
         return None
 
-    async def _run(self, code: str, limits: SandboxLimits, group: MemoryGroup | None) -> SandboxResult:
+    async def _run(self, code: str, limits: SandboxLimits, group: RunGroup | None) -> SandboxResult:
         try:
             program = filter_program()
         except SeccompUnavailable as error:  # fail closed: no run without its system-call filter
@@ -215,7 +218,8 @@ class BubblewrapSandbox:
                 os.close(fd)
         with open(status_read, "rb") as status, RunTree(process) as tree:
             watch = Watch(_sample, self._options.usage_poll_s, self._options.max_files,
-                          oom_kills=group.oom_kills if group is not None else None)
+                          oom_kills=group.oom_kills if group is not None else None,
+                          group_cpu_s=group.cpu_s if group is not None else None)
             stopped, stdout, stderr = await collect(process, tree, limits, watch)
             started, exit_code = parse_status(status.read())
         if not started:
@@ -229,7 +233,7 @@ class BubblewrapSandbox:
                              exit_code, stopped)
 
     def _command(self, limits: SandboxLimits, source: int, status: int, rules: int, empties: list[int],
-                 group: MemoryGroup | None = None) -> list[str]:
+                 group: RunGroup | None = None) -> list[str]:
         o = self._options
         command = [
             self._bwrap or o.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -246,7 +250,7 @@ class BubblewrapSandbox:
         # The tool's processes: the launcher is the pid namespace's init (--as-pid-1: no bwrap process of the host's
         # runs in the sandbox, whose memory a run could write through /proc/1/mem, outside every limit)
         nproc = o.max_processes
-        # the memory group is joined first, as root: its children, bwrap and the whole tree, are born in it
+        # the run's groups are joined first, as root: its children, bwrap and the whole tree, are born in them
         join = ["/bin/sh", "-c", _JOIN_GROUP, "join-group", group.procs] if group is not None else []
         return [*join, *self._drop_privileges(), *command, self._python, "-I", "-B", "-c", LAUNCHER,
                 str(limits.cpu_s), str(limits.memory_bytes), str(limits.max_file_bytes), str(nproc)]

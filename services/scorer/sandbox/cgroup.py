@@ -1,16 +1,22 @@
-"""A memory cgroup per tool run, below the scorer's own, where the host lets the scorer write one.
+"""A cgroup per tool run, below the scorer's own, where the host lets the scorer write one: memory, and CPU accounting.
 
-Sampling a run's memory (:mod:`.usage`, :func:`.gvisor_usage.sandbox_usage`) stops it at the next sample: between two, a
-run's processes can each reach their own address-space limit at once (the eighth review held 6.8 GB for 1.7 s
-against 512 MiB with 15 processes pre-faulting 450 MB each). In a memory cgroup the kernel refuses the memory as it
-is asked for: past the group's limit it reclaims, then kills a process of the group (the run ends; the scorer reads
-``oom_kill`` and reports the memory limit).
+**Memory.** Sampling a run's memory (:mod:`.usage`, :func:`.gvisor_usage.sandbox_usage`) stops it at the next sample:
+between two, a run's processes can each reach their own address-space limit at once (the eighth review held 6.8 GB
+for 1.7 s against 512 MiB with 15 processes pre-faulting 450 MB each). In a memory cgroup the kernel refuses the
+memory as it is asked for: past the group's limit it reclaims, then kills a process of the group (the run ends; the
+scorer reads ``oom_kill`` and reports the memory limit).
 
-Where: cgroup v1's memory controller (``/sys/fs/cgroup/memory`` mounted writable, the scorer's own group there
-writable: a host's root, a privileged container), one child group of the scorer's own per run, so the runs stay
-inside whatever bounds the scorer (its container's group). cgroup v2 is not used: its groups with controllers enabled
-for children may hold no process, so the scorer would first have to move itself into a leaf; hosts with v2 alone
-keep the sampled limits (docs/operations/security.md).
+**CPU.** Sampling ``/proc`` counts the CPU of the run's live processes and of the children they reaped; a child the
+kernel reaps by itself (its parent ignores ``SIGCHLD``) takes its CPU with it, so a run forking short-lived workers
+spent up to ``timeout_s`` x cores against ``cpu_s``. A ``cpuacct`` group counts every CPU-nanosecond of every
+process that was ever in it (``cpuacct.usage``), so the run's CPU is read whole at each sample.
+
+Where: cgroup v1's ``memory`` (and ``cpuacct``, where it is mounted too) controllers mounted writable under
+``/sys/fs/cgroup``, the scorer's own group in each writable (a host's root, a privileged container); each run gets a
+child group of the scorer's own in each, so the runs stay inside whatever bounds the scorer (its container's
+group). cgroup v2 is not used: its groups with controllers enabled for children may hold no process, so the scorer
+would first have to move itself into a leaf; hosts with v2 alone keep the sampled limits
+(docs/operations/security.md).
 """
 
 from __future__ import annotations
@@ -27,84 +33,112 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-#: Where cgroup v1's memory controller is mounted.
-MEMORY_CONTROLLER = Path("/sys/fs/cgroup/memory")
+#: Where cgroup v1's controllers are mounted, each hierarchy in a folder named as ``/proc/self/cgroup`` lists its
+#: controllers (``memory``, ``cpuacct`` or ``cpu,cpuacct``).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: A run's group's name: this prefix and a random suffix.
 PREFIX = "fastexp-run-"
-#: Seconds :meth:`MemoryGroup.end` waits for a run's last processes to be gone before it leaves the group.
+#: Seconds :meth:`RunGroup.end` waits for a run's last processes to be gone before it leaves its groups.
 END_TIMEOUT_S = 10.0
 #: Seconds between two tries.
 END_POLL_S = 0.02
-#: Age past which an empty group is a leftover (:meth:`MemoryGroups.sweep`): a live run's is empty only between
+#: Age past which an empty group is a leftover (:meth:`RunGroups.sweep`): a live run's is empty only between
 #: its creation and ``runsc`` joining it, well under a second.
 SWEEP_AGE_S = 60.0
 
 
 @dataclass(frozen=True)
-class MemoryGroups:
-    """The scorer's own memory group (``parent``), below which each run gets one (:meth:`create`)."""
+class RunGroups:
+    """The scorer's own memory group (``parent``) and ``cpuacct`` group (``cpu_parent``; None: not available), below
+    which each run gets one of each (:meth:`create`)."""
 
     parent: Path
+    cpu_parent: Path | None = None
 
     @classmethod
-    def find(cls, proc_cgroup: Path = Path("/proc/self/cgroup"),
-             controller: Path = MEMORY_CONTROLLER) -> MemoryGroups | None:
-        """The scorer's memory group where it may create groups below it (None: cgroup v1's memory controller is
-        not mounted, or its group is not writable)."""
+    def find(cls, proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> RunGroups | None:
+        """The scorer's groups where it may create groups below them (None: cgroup v1's memory controller is not
+        mounted, or its group is not writable; ``cpu_parent`` None: the same for ``cpuacct``)."""
         try:
             lines = proc_cgroup.read_text().splitlines()
         except OSError:
             return None
-        for line in lines:
-            _, controllers, path = line.split(":", 2)
-            if "memory" in controllers.split(","):
-                parent = controller / path.lstrip("/")
-                if (parent / "memory.limit_in_bytes").is_file() and os.access(parent, os.W_OK):
-                    return cls(parent)
-        return None
+        parent = _writable(lines, "memory", "memory.limit_in_bytes", root)
+        return None if parent is None else cls(parent, _writable(lines, "cpuacct", "cpuacct.usage", root))
 
     def sweep(self, older_than_s: float = SWEEP_AGE_S) -> int:
-        """Remove this scorer's kind of group left empty below the parent for longer than ``older_than_s`` (a
-        scorer that crashed, a group :meth:`MemoryGroup.end` gave up on); returns how many."""
+        """Remove this scorer's kind of group left empty below the parents for longer than ``older_than_s`` (a
+        scorer that crashed, a group :meth:`RunGroup.end` gave up on); returns how many."""
         removed, now = 0, time.time()
-        for path in self.parent.glob(f"{PREFIX}*"):
-            with contextlib.suppress(OSError):
-                if now - path.stat().st_mtime > older_than_s and not (path / "cgroup.procs").read_text().strip():
-                    (path / "memory.force_empty").write_text("0")  # else it stays alive in the kernel (_removed)
-                    path.rmdir()
-                    removed += 1
+        for parent in (self.parent, self.cpu_parent):
+            for path in parent.glob(f"{PREFIX}*") if parent is not None else ():
+                with contextlib.suppress(OSError):
+                    if now - path.stat().st_mtime > older_than_s and not (path / "cgroup.procs").read_text().strip():
+                        if parent == self.parent:  # else it stays alive in the kernel (RunGroup._removed)
+                            (path / "memory.force_empty").write_text("0")
+                        path.rmdir()
+                        removed += 1
         return removed
 
-    def create(self, limit_bytes: int) -> MemoryGroup:
-        """A new group of ``limit_bytes`` (memory, kernel memory included) for one run.
+    def create(self, limit_bytes: int) -> RunGroup:
+        """New groups for one run: memory of ``limit_bytes`` (kernel memory included) and, where the scorer has
+        one, ``cpuacct``.
 
         Raises:
-            OSError: the group could not be made or limited (none is left).
+            OSError: a group could not be made or limited (none is left).
         """
-        path = self.parent / f"{PREFIX}{uuid.uuid4().hex}"
+        name = f"{PREFIX}{uuid.uuid4().hex}"
+        path = self.parent / name
         path.mkdir()
-        group = MemoryGroup(path)
+        group = RunGroup(path)
         try:
             (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
             swap = path / "memory.memsw.limit_in_bytes"  # where swap is accounted: memory and swap together
             if swap.exists():
                 swap.write_text(str(limit_bytes))
+            if self.cpu_parent is not None:
+                (self.cpu_parent / name).mkdir()
+                group = RunGroup(path, self.cpu_parent / name)
         except OSError:
             group.remove()
             raise
         return group
 
 
+def _writable(lines: list[str], controller: str, probe: str, root: Path) -> Path | None:
+    """The scorer's group in ``controller``'s v1 hierarchy (``lines``: ``/proc/self/cgroup``'s) if it is a folder
+    holding ``probe`` that the scorer may write, and its path has no white space (the run's shell joins the groups
+    by their paths, split on it)."""
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            group = root / controllers / path.lstrip("/")
+            if (group / probe).is_file() and os.access(group, os.W_OK) and not any(c.isspace() for c in str(group)):
+                return group
+    return None
+
+
 @dataclass(frozen=True)
-class MemoryGroup:
-    """One run's memory group (a cgroup v1 folder)."""
+class RunGroup:
+    """One run's groups: memory (``path``, a cgroup v1 folder) and ``cpuacct`` (``cpu_path``; None: none)."""
 
     path: Path
+    cpu_path: Path | None = None
 
     @property
     def procs(self) -> str:
-        """The file a process writes its pid into to join the group (its children are born in it)."""
-        return str(self.path / "cgroup.procs")
+        """The files a process writes its pid into to join the groups (its children are born in them), separated by
+        spaces."""
+        return " ".join(str(p / "cgroup.procs") for p in (self.path, self.cpu_path) if p is not None)
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds every process ever in the run's ``cpuacct`` group spent, user and system (None: no group, or it
+        cannot be read)."""
+        if self.cpu_path is None:
+            return None
+        with contextlib.suppress(OSError, ValueError):
+            return int((self.cpu_path / "cpuacct.usage").read_text()) / 1e9
+        return None
 
     def oom_kills(self) -> int:
         """Processes of the group the kernel killed at its limit (0 where it cannot be read)."""
@@ -122,11 +156,11 @@ class MemoryGroup:
             return []
 
     async def end(self, timeout_s: float = END_TIMEOUT_S) -> None:
-        """Kill what is left in the group and remove it, even while the caller is cancelled. A run's ``runsc`` is
+        """Kill what is left in the groups and remove them, even while the caller is cancelled. A run's ``runsc`` is
         reaped before its Sentry, gofer and the processes standing for the tool's are: they may still be exiting,
         and a group is removable only once they are gone (the ninth review left groups so). Each is killed again
         until none is listed, then the group is removed; one still busy after ``timeout_s`` is logged and left for
-        :meth:`MemoryGroups.sweep`."""
+        :meth:`RunGroups.sweep`."""
         loop = asyncio.get_running_loop()
         deadline, cancelled = loop.time() + timeout_s, False
         attempt: asyncio.Future[bool] | None = None
@@ -156,22 +190,26 @@ class MemoryGroup:
             return False if not last_try else self._give_up("its processes are still exiting")
         with contextlib.suppress(OSError):
             (self.path / "memory.force_empty").write_text("0")
-        try:
-            self.path.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError as error:
-            return False if not last_try else self._give_up(str(error))
+        for path in (self.path, self.cpu_path):
+            try:
+                if path is not None:
+                    path.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError as error:
+                return False if not last_try else self._give_up(str(error))
         return True
 
     def _give_up(self, why: str) -> bool:
-        logger.warning("a run's memory group could not be removed: %s (%s)", self.path, why)
+        logger.warning("a run's groups could not be removed: %s (%s)", self.path, why)
         return True
 
     def remove(self) -> None:
-        """Remove the group if it is empty (nothing where it is not)."""
-        with contextlib.suppress(OSError):
-            self.path.rmdir()
+        """Remove the groups that are empty (nothing where they are not)."""
+        for path in (self.path, self.cpu_path):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
 
 
 def _kill_in(pid: int, group: Path) -> None:

@@ -23,7 +23,8 @@ Each run is ``runsc run`` on an OCI bundle written for it (:func:`oci_spec`):
   processes (the Sentry's own objects: sockets, files, inodes the run made; and runsc's, the gofer's and the
   Sentry's own Go heaps, a few MiB each); and for a root scorer where the host
   lets it, a memory cgroup per run (:mod:`.cgroup`, ``memory_bytes`` + :data:`GROUP_HEADROOM_BYTES`) that the
-  kernel enforces between two samples;
+  kernel enforces between two samples, and a ``cpuacct`` group whose count of the tree's CPU is held against
+  ``cpu_s`` at each sample;
 - one unit that ends once, as under bubblewrap (:class:`~services.scorer.sandbox.tree.RunTree`): however the call
   ends, the whole tree is killed and reaped before it returns, then the run's bundle and runsc's state are removed.
 
@@ -58,7 +59,7 @@ from services.scorer.sandbox.base import (
     probe,
 )
 from services.scorer.sandbox.bubblewrap import default_python
-from services.scorer.sandbox.cgroup import MemoryGroup, MemoryGroups
+from services.scorer.sandbox.cgroup import RunGroup, RunGroups
 from services.scorer.sandbox.gvisor_usage import SentryUsage
 from services.scorer.sandbox.slots import FairSlots
 from services.scorer.sandbox.supervise import Watch, collect
@@ -79,10 +80,11 @@ LAUNCHER = (
     "os.execv(sys.executable, [sys.executable, '-I', '-B', 'main.py'])\n"
 )
 #: Run in a mount namespace of its own before it execs the rest of its arguments: ``$1`` the /usr view's mount
-#: point, ``$2`` the memory group's ``cgroup.procs`` (or empty), ``$3`` the root's mount point, ``$4`` its skeleton.
+#: point, ``$2`` the run's groups' ``cgroup.procs`` files (space-separated, or empty), ``$3`` the root's mount
+#: point, ``$4`` its skeleton.
 _USR_VIEW = ('mount --bind /usr "$1" && mount -o remount,bind,ro,nosuid,nodev,noatime "$1" && '
              'mount -t tmpfs -o size=1m,nr_inodes=64,mode=755 fastexp-root "$3" && cp -a "$4/." "$3" && '
-             '{ [ -z "$2" ] || echo $$ > "$2"; } && shift 4 && exec "$@"')
+             'for procs in $2; do echo $$ > "$procs" || exit 125; done && shift 4 && exec "$@"')
 #: What a run's memory group holds beyond ``memory_bytes``: the Sentry's, its gofer's and runsc's own memory (the
 #: sampled limit stops the run at ``memory_bytes``; the group bounds what it can reach between two samples).
 GROUP_HEADROOM_BYTES = 256 * MIB
@@ -162,8 +164,8 @@ def usr_view_prefix(view: str, root: str, skeleton: str, procs: str = "") -> lis
     for the run to bind as its ``/usr``; the empty folder ``root`` a tmpfs of its own holding a copy of
     ``skeleton`` (:func:`make_rootfs`), for the run's root: gVisor answers ``statfs('/')`` with the figures of the
     host filesystem its root lies on, and on one other runs' bundles are written to they move with every run (the
-    ninth review read how many ran at once); and in the memory group whose ``cgroup.procs`` is ``procs`` (``""``:
-    none, :mod:`.cgroup`). gVisor's ``ro`` is its own kernel's: its gofer reads the host's files
+    ninth review read how many ran at once); and in the run's groups, whose ``cgroup.procs`` files ``procs`` lists
+    (space-separated; ``""``: none, :mod:`.cgroup`). gVisor's ``ro`` is its own kernel's: its gofer reads the host's files
     through the mount it is given, and on a writable one every read stamps a file's access time, which a later run
     reads back (the eighth review carried 64 bits between calls so; a bubblewrap run reads through a read-only
     bind, which the kernel never stamps). The namespace, and the bind with it, end with the process; nothing is
@@ -182,7 +184,7 @@ class GvisorSandbox:
         self._slots = FairSlots(options.max_concurrent, options.max_concurrent_per_tenant)
         self._home: Path | None = None  # this backend's folder: the root's skeleton and each run's bundle and state
         self._rootless = os.geteuid() != 0
-        self._groups = None if self._rootless else MemoryGroups.find()  # a memory cgroup per run where it may
+        self._groups = None if self._rootless else RunGroups.find()  # cgroups per run where it may
         if self._groups is not None:
             self._groups.sweep()  # groups a scorer that crashed left
         self.description = f"gVisor ({self._runsc or options.runsc}, {options.platform}; {self._python})"
@@ -226,7 +228,7 @@ class GvisorSandbox:
                 finally:  # even when a cancel lands while the group ends
                     shutil.rmtree(run, ignore_errors=True)
 
-    def _group(self, limits: SandboxLimits) -> MemoryGroup | None:
+    def _group(self, limits: SandboxLimits) -> RunGroup | None:
         if self._groups is None:
             return None
         try:
@@ -252,7 +254,7 @@ class GvisorSandbox:
             (self._home / "root").mkdir()  # and their root, a tmpfs of its own (_command)
         return self._home
 
-    async def _run(self, code: str, limits: SandboxLimits, run: Path, group: MemoryGroup | None) -> SandboxResult:
+    async def _run(self, code: str, limits: SandboxLimits, run: Path, group: RunGroup | None) -> SandboxResult:
         assert self._home is not None
         source = code.encode(errors="surrogatepass")  # a lone surrogate: invalid UTF-8, which Python reports
         usr = "/usr" if self._rootless else str(self._home / "usr")
@@ -270,7 +272,8 @@ class GvisorSandbox:
             feeding = asyncio.ensure_future(_feed(process, source))
             try:
                 watch = Watch(SentryUsage(), self._options.usage_poll_s, stderr_prefix=len(STARTED),
-                              oom_kills=group.oom_kills if group is not None else None)
+                              oom_kills=group.oom_kills if group is not None else None,
+                          group_cpu_s=group.cpu_s if group is not None else None)
                 stopped, stdout, stderr = await collect(process, tree, limits, watch)  # ends the tree on its errors
             finally:
                 feeding.cancel()
@@ -282,7 +285,7 @@ class GvisorSandbox:
         return SandboxResult(cut(stdout, limits.max_output_bytes), cut(stderr[len(STARTED):], limits.max_output_bytes),
                              exit_code, stopped)
 
-    def _command(self, run: Path, group: MemoryGroup | None) -> list[str]:
+    def _command(self, run: Path, group: RunGroup | None) -> list[str]:
         runsc = [self._runsc or self._options.runsc, *(["--rootless"] if self._rootless else []), "--network=none",
                  "--ignore-cgroups", f"--platform={self._options.platform}", "--root", str(run / "state"),
                  "run", "--bundle", str(run), f"fastexp-{uuid.uuid4().hex}"]

@@ -27,13 +27,15 @@ class Watch:
     sampler counts no files apart);
     ``stderr_prefix`` bytes the backend writes first on stderr (its start marker), kept beyond the output limit;
     ``oom_kills``: the processes the kernel killed at the run's memory group's limit (None: no group), read each
-    sample: one is the run over its memory."""
+    sample: one is the run over its memory; ``group_cpu_s``: the CPU seconds its ``cpuacct`` group counted (None: no
+    group), read each sample: the run's CPU is the larger of it and the sampled figure (:mod:`.cgroup`)."""
 
     sample: Sampler
     poll_s: float
     max_files: int | None = None
     stderr_prefix: int = 0
     oom_kills: Callable[[], int] | None = None
+    group_cpu_s: Callable[[], float | None] | None = None
 
 
 async def collect(process: asyncio.subprocess.Process, tree: RunTree, limits: SandboxLimits,
@@ -96,7 +98,8 @@ async def _sample_until(root: int, ended: asyncio.Future, overflowed: asyncio.Fu
         except SampleOverBudget:  # its use cannot be measured in time: fail closed
             return "usage"
         charged_s += max(0.0, usage.read_cpu_s - READ_ALLOWANCE_S)
-        if usage.cpu_s + charged_s > limits.cpu_s:
+        counted_s = (watch.group_cpu_s() if watch.group_cpu_s is not None else None) or 0.0
+        if max(usage.cpu_s, counted_s) + charged_s > limits.cpu_s:
             return "cpu"
         if usage.memory_bytes > limits.memory_bytes or (watch.oom_kills is not None and watch.oom_kills()):
             return "memory"

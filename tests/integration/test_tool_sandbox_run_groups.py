@@ -1,9 +1,12 @@
-"""A bubblewrap run's memory cgroup, on this project's hosts (a root scorer, cgroup v1's memory controller writable):
-the whole tree's memory, kernel memory included, is refused past ``memory_bytes`` + ``tmpfs_bytes`` +
+"""A bubblewrap run's cgroups, on this project's hosts (a root scorer, cgroup v1's memory and cpuacct controllers
+writable).
+
+Memory: the whole tree's memory, kernel memory included, is refused past ``memory_bytes`` + ``tmpfs_bytes`` +
 :data:`GROUP_HEADROOM_BYTES` as it is asked for, not one sample interval later (issue 44: one run held 1.8 GiB
 against 512 MiB by spreading over its processes; a burst of processes pre-faulting at once reached 6.8 GB between
-two samples under gVisor); the group goes with the run, however the run ends. Real bwrap, real processes; the test
-reads the group's own peak (``memory.max_usage_in_bytes``) while it exists."""
+two samples under gVisor). CPU: the tree's CPU is counted whole, children the kernel reaps by itself included (their
+CPU reaches no one's account in ``/proc``). The groups go with the run, however the run ends. Real bwrap, real
+processes; the test reads the memory group's own peak (``memory.max_usage_in_bytes``) while it exists."""
 
 from __future__ import annotations
 
@@ -17,10 +20,10 @@ import pytest
 
 from services.scorer.sandbox import SandboxLimits
 from services.scorer.sandbox.bubblewrap import GROUP_HEADROOM_BYTES, BubblewrapOptions, BubblewrapSandbox
-from services.scorer.sandbox.cgroup import MemoryGroup, MemoryGroups
+from services.scorer.sandbox.cgroup import RunGroup, RunGroups
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or MemoryGroups.find() is None,
-                                reason="needs a root scorer and cgroup v1's memory controller writable")
+_GROUPS = RunGroups.find() if os.geteuid() == 0 else None
+pytestmark = pytest.mark.skipif(_GROUPS is None, reason="needs a root scorer and cgroup v1's memory controller writable")
 
 BURST = textwrap.dedent("""
     import mmap, os, time
@@ -33,17 +36,18 @@ BURST = textwrap.dedent("""
 
 
 def _recording(sandbox: BubblewrapSandbox) -> list[Path]:
-    """The folders of the groups ``sandbox`` makes from now on."""
+    """The folders of the memory groups ``sandbox`` makes from now on (each run's cpuacct group, where it has one,
+    is its namesake under ``cpu_parent``)."""
     made: list[Path] = []
     assert sandbox._groups is not None
 
-    class Recorded(MemoryGroups):
+    class Recorded(RunGroups):
         def create(self, limit_bytes: int):
             group = super().create(limit_bytes)
             made.append(group.path)
             return group
 
-    sandbox._groups = Recorded(sandbox._groups.parent)
+    sandbox._groups = Recorded(sandbox._groups.parent, sandbox._groups.cpu_parent)
     return made
 
 
@@ -52,7 +56,7 @@ async def _peaks(made: list[Path], into: list[tuple[int, int]]) -> None:
     while True:
         for path in made:
             with contextlib.suppress(OSError, ValueError):
-                into.append((int((path / "memory.max_usage_in_bytes").read_text()), MemoryGroup(path).oom_kills()))
+                into.append((int((path / "memory.max_usage_in_bytes").read_text()), RunGroup(path).oom_kills()))
         await asyncio.sleep(0.01)
 
 
@@ -73,7 +77,7 @@ async def test_a_burst_between_two_samples_meets_the_runs_memory_group():
     # the tree's memory was charged to the group, up to its limit (pages are charged in batches), and the kernel
     # killed at it: the group, not the sampling, bounded the burst
     assert (256 << 20) < peak <= limit + (1 << 20) and refused > 0, (peak, refused)
-    assert not made[0].exists()  # removed with the run
+    assert _gone(sandbox, made[0])  # removed with the run
     benign = await sandbox.run("print(sum(range(10)))", SandboxLimits(timeout_s=30.0))
     assert benign.stdout.strip() == "45" and not benign.stopped and len(made) == 2 and not made[1].exists()
 
@@ -88,4 +92,42 @@ async def test_a_cancelled_run_leaves_no_group():
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    assert not made[0].exists()
+    assert _gone(sandbox, made[0])
+
+
+def _gone(sandbox: BubblewrapSandbox, memory_group: Path) -> bool:
+    """Whether a run's memory group and its namesake cpuacct group (where the host has them) are removed."""
+    assert sandbox._groups is not None
+    cpu = sandbox._groups.cpu_parent
+    return not memory_group.exists() and (cpu is None or not (cpu / memory_group.name).exists())
+
+
+#: A parent that ignores SIGCHLD forks 400 workers one after the other, each spending 30 ms of CPU and exiting: the
+#: kernel reaps them by itself, so their CPU reaches no process's account in /proc, and a sample 0.1 s apart sees at
+#: most one of them alive (12 s of CPU in all).
+REAPED_BY_THE_KERNEL = textwrap.dedent("""
+    import os, signal, time
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    for _ in range(400):
+        pid = os.fork()
+        if pid == 0:
+            end = time.process_time() + 0.03
+            while time.process_time() < end:
+                pass
+            os._exit(0)
+        try:
+            os.waitpid(pid, 0)  # returns (ECHILD) once the kernel has reaped it
+        except ChildProcessError:
+            pass
+    print("done")
+""")
+
+
+@pytest.mark.skipif(_GROUPS is None or _GROUPS.cpu_parent is None, reason="needs cgroup v1's cpuacct writable")
+async def test_cpu_of_children_the_kernel_reaps_counts_toward_cpu_s():
+    sandbox = BubblewrapSandbox()
+    made = _recording(sandbox)
+    result = await sandbox.run(REAPED_BY_THE_KERNEL, SandboxLimits(timeout_s=120.0, cpu_s=2))
+    assert result.stopped == "cpu" and "CPU time limit" in result.as_observation(), result
+    assert "done" not in result.stdout
+    assert len(made) == 1 and _gone(sandbox, made[0])
