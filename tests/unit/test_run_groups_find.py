@@ -1,0 +1,49 @@
+"""Where :meth:`RunGroups.find` looks for the scorer's own cgroups: each v1 hierarchy in the folder named as
+``/proc/self/cgroup`` lists its controllers (``memory``; ``cpuacct`` alone or, as systemd mounts it, ``cpu,cpuacct``).
+Layouts written to a temporary folder: the same files the kernel shows, in other places."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.scorer.sandbox.cgroup import RunGroups
+
+
+def _layout(tmp_path: Path, proc_cgroup: str, groups: dict[str, str]) -> tuple[Path, Path]:
+    """``proc_cgroup`` as ``/proc/self/cgroup``; under a root, each folder of ``groups`` holding its probe file."""
+    proc = tmp_path / "cgroup"
+    proc.write_text(proc_cgroup)
+    root = tmp_path / "fs"
+    for folder, probe in groups.items():
+        (root / folder).mkdir(parents=True)
+        (root / folder / probe).write_text("0\n")
+    return proc, root
+
+
+@pytest.mark.parametrize("cpu_hierarchy", ["cpuacct", "cpu,cpuacct"])
+def test_the_memory_and_cpuacct_groups_are_found_in_their_hierarchies(tmp_path, cpu_hierarchy):
+    proc, root = _layout(tmp_path, f"9:pids:/\n4:memory:/pod/scorer\n2:{cpu_hierarchy}:/pod/scorer\n0::/\n",
+                         {"memory/pod/scorer": "memory.limit_in_bytes",
+                          f"{cpu_hierarchy}/pod/scorer": "cpuacct.usage"})
+    groups = RunGroups.find(proc, root)
+    assert groups == RunGroups(root / "memory/pod/scorer", root / cpu_hierarchy / "pod/scorer")
+
+
+def test_without_a_cpuacct_hierarchy_runs_get_a_memory_group_alone(tmp_path):
+    proc, root = _layout(tmp_path, "4:memory:/\n2:cpuacct:/\n", {"memory": "memory.limit_in_bytes"})
+    assert RunGroups.find(proc, root) == RunGroups(root / "memory", None)
+
+
+def test_without_a_memory_hierarchy_there_are_no_groups(tmp_path):
+    # cgroup v2 alone (the one line "0::/..."), or v1 without memory: the sampled limits alone
+    proc, root = _layout(tmp_path, "0::/system.slice/scorer.service\n", {"cpuacct": "cpuacct.usage"})
+    assert RunGroups.find(proc, root) is None
+    assert RunGroups.find(tmp_path / "no-such-file", root) is None
+
+
+def test_a_group_whose_path_has_white_space_is_not_used(tmp_path):
+    # the run's shell joins its groups by their paths, split on white space
+    proc, root = _layout(tmp_path, "4:memory:/a b\n", {"memory/a b": "memory.limit_in_bytes"})
+    assert RunGroups.find(proc, root) is None
