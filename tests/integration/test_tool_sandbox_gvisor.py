@@ -317,13 +317,14 @@ async def test_the_root_is_a_filesystem_of_the_runs_own(gvisor):
 async def test_each_runs_memory_group_is_removed_even_when_its_processes_outlive_runsc(gvisor):
     """The ninth review: runsc is reaped before the Sentry, gofer and the processes standing for the tool's, which
     may still be exiting in the run's group; removing it then failed (EBUSY) and the group stayed (5 of 12 runs whose
-    parent exits while children hold memory). What is left is killed and the group removed."""
-    made: list[Path] = []
+    parent exits while children hold memory). What is left is killed and the group removed (its cpuacct group too,
+    where the host has one)."""
+    made: list[list[Path]] = []
 
     class Recorded(RunGroups):
         def create(self, limit_bytes: int):
             group = super().create(limit_bytes)
-            made.append(group.path)
+            made.append([p for p in (group.path, group.cpu_path) if p is not None])
             return group
 
     assert gvisor._groups is not None
@@ -343,7 +344,8 @@ async def test_each_runs_memory_group_is_removed_even_when_its_processes_outlive
             assert result.stdout.strip() == "parent exits", result
     finally:
         gvisor._groups = groups
-    assert len(made) == 8 and not [path for path in made if path.exists()]
+    assert len(made) == 8 and not [path for paths in made for path in paths if path.exists()]
+    assert gvisor._groups.cpu_parent is None or all(len(paths) == 2 for paths in made)
 
 
 async def test_a_runs_memory_group_is_emptied_before_it_is_removed(gvisor):

@@ -47,3 +47,15 @@ def test_a_group_whose_path_has_white_space_is_not_used(tmp_path):
     # the run's shell joins its groups by their paths, split on white space
     proc, root = _layout(tmp_path, "4:memory:/a b\n", {"memory/a b": "memory.limit_in_bytes"})
     assert RunGroups.find(proc, root) is None
+
+
+def test_memory_and_cpuacct_in_one_hierarchy_make_one_group_per_run(tmp_path):
+    # a host mounting both controllers together: the run's memory group counts its CPU; it is joined once
+    proc, root = _layout(tmp_path, "3:cpuacct,memory:/scorer\n",
+                         {"cpuacct,memory/scorer": "memory.limit_in_bytes"})
+    (root / "cpuacct,memory/scorer/cpuacct.usage").write_text("0\n")
+    groups = RunGroups.find(proc, root)
+    assert groups == RunGroups(root / "cpuacct,memory/scorer", root / "cpuacct,memory/scorer")
+    group = groups.create(1 << 20)  # (on plain folders: the files the kernel would have made are written here)
+    assert group.cpu_path == group.path and group.procs == str(group.path / "cgroup.procs")
+    assert (group.path / "memory.limit_in_bytes").read_text() == str(1 << 20)

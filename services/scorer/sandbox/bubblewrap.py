@@ -121,9 +121,9 @@ class BubblewrapOptions:
 #: What a run's memory group holds beyond ``memory_bytes`` and its tmpfs: bwrap's monitor, page tables, kernel
 #: stacks and the other kernel memory the sampled limit does not see.
 GROUP_HEADROOM_BYTES = 64 * MIB
-#: Joins the run's groups, whose ``cgroup.procs`` files ``$1`` lists (space-separated; none where empty), then execs
-#: the rest of its arguments; exits 125 where one cannot be joined.
-_JOIN_GROUP = 'for procs in $1; do echo $$ > "$procs" || exit 125; done && shift && exec "$@"'
+#: Joins the run's groups, whose ``cgroup.procs`` files ``$1`` lists (space-separated, split without globbing; none
+#: where empty), then execs the rest of its arguments; exits 125 where one cannot be joined (the run fails: closed).
+_JOIN_GROUP = 'set -f && for procs in $1; do echo $$ > "$procs" || exit 125; done && shift && exec "$@"'
 
 
 class BubblewrapSandbox:
@@ -186,7 +186,7 @@ class BubblewrapSandbox:
         try:
             return self._groups.create(limits.memory_bytes + self._options.tmpfs_bytes + GROUP_HEADROOM_BYTES)
         except OSError as error:  # the sampled limits still hold
-            logger.warning("no memory group for a tool run (%s): its memory is sampled only", error)
+            logger.warning("no cgroups for a tool run (%s): its memory and CPU are sampled only", error)
             return None
 
     async def close(self) -> None:

@@ -90,25 +90,28 @@ class RunGroups:
         name = f"{PREFIX}{uuid.uuid4().hex}"
         path = self.parent / name
         path.mkdir()
-        group = RunGroup(path)
         try:
             (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
             swap = path / "memory.memsw.limit_in_bytes"  # where swap is accounted: memory and swap together
             if swap.exists():
                 swap.write_text(str(limit_bytes))
-            if self.cpu_parent is not None:
-                (self.cpu_parent / name).mkdir()
-                group = RunGroup(path, self.cpu_parent / name)
         except OSError:
-            group.remove()
+            RunGroup(path).remove()
             raise
-        return group
+        if self.cpu_parent is None or self.cpu_parent == self.parent:  # one hierarchy: the memory group counts CPU
+            return RunGroup(path, path if self.cpu_parent is not None else None)
+        try:
+            (self.cpu_parent / name).mkdir()
+        except OSError as error:  # the memory group still holds; the CPU is sampled only
+            logger.warning("no cpuacct group for a tool run (%s): its CPU is sampled only", error)
+            return RunGroup(path)
+        return RunGroup(path, self.cpu_parent / name)
 
 
 def _writable(lines: list[str], controller: str, probe: str, root: Path) -> Path | None:
     """The scorer's group in ``controller``'s v1 hierarchy (``lines``: ``/proc/self/cgroup``'s) if it is a folder
     holding ``probe`` that the scorer may write, and its path has no white space (the run's shell joins the groups
-    by their paths, split on it)."""
+    by their paths, split on it; such a scorer's runs get no groups)."""
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controller in controllers.split(","):
@@ -128,8 +131,8 @@ class RunGroup:
     @property
     def procs(self) -> str:
         """The files a process writes its pid into to join the groups (its children are born in them), separated by
-        spaces."""
-        return " ".join(str(p / "cgroup.procs") for p in (self.path, self.cpu_path) if p is not None)
+        spaces, memory first."""
+        return " ".join(str(p / "cgroup.procs") for p in dict.fromkeys((self.path, self.cpu_path)) if p is not None)
 
     def cpu_s(self) -> float | None:
         """CPU seconds every process ever in the run's ``cpuacct`` group spent, user and system (None: no group, or it
@@ -197,11 +200,11 @@ class RunGroup:
             except FileNotFoundError:
                 pass
             except OSError as error:
-                return False if not last_try else self._give_up(str(error))
+                return False if not last_try else self._give_up(f"{path}: {error}")
         return True
 
     def _give_up(self, why: str) -> bool:
-        logger.warning("a run's groups could not be removed: %s (%s)", self.path, why)
+        logger.warning("a run's groups could not be removed: %s (%s)", self.path.name, why)
         return True
 
     def remove(self) -> None:

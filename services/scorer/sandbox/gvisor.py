@@ -84,7 +84,7 @@ LAUNCHER = (
 #: point, ``$4`` its skeleton.
 _USR_VIEW = ('mount --bind /usr "$1" && mount -o remount,bind,ro,nosuid,nodev,noatime "$1" && '
              'mount -t tmpfs -o size=1m,nr_inodes=64,mode=755 fastexp-root "$3" && cp -a "$4/." "$3" && '
-             'for procs in $2; do echo $$ > "$procs" || exit 125; done && shift 4 && exec "$@"')
+             'set -f && for procs in $2; do echo $$ > "$procs" || exit 125; done && shift 4 && exec "$@"')
 #: What a run's memory group holds beyond ``memory_bytes``: the Sentry's, its gofer's and runsc's own memory (the
 #: sampled limit stops the run at ``memory_bytes``; the group bounds what it can reach between two samples).
 GROUP_HEADROOM_BYTES = 256 * MIB
@@ -234,7 +234,7 @@ class GvisorSandbox:
         try:
             return self._groups.create(limits.memory_bytes + GROUP_HEADROOM_BYTES)
         except OSError as error:  # the sampled limits still hold
-            logger.warning("no memory group for a tool run (%s): its memory is sampled only", error)
+            logger.warning("no cgroups for a tool run (%s): its memory and CPU are sampled only", error)
             return None
 
     async def close(self) -> None:
@@ -273,7 +273,7 @@ class GvisorSandbox:
             try:
                 watch = Watch(SentryUsage(), self._options.usage_poll_s, stderr_prefix=len(STARTED),
                               oom_kills=group.oom_kills if group is not None else None,
-                          group_cpu_s=group.cpu_s if group is not None else None)
+                              group_cpu_s=group.cpu_s if group is not None else None)
                 stopped, stdout, stderr = await collect(process, tree, limits, watch)  # ends the tree on its errors
             finally:
                 feeding.cancel()
