@@ -8,8 +8,8 @@ scorer reads ``oom_kill`` and reports the memory limit).
 
 **CPU.** Sampling ``/proc`` counts the CPU of the run's live processes and of the children they reaped; a child the
 kernel reaps by itself (its parent ignores ``SIGCHLD``) takes its CPU with it, so a run forking short-lived workers
-spent up to ``timeout_s`` x cores against ``cpu_s``. A ``cpuacct`` group counts every CPU-nanosecond of every
-process that was ever in it (``cpuacct.usage``), so the run's CPU is read whole at each sample.
+spent up to ``timeout_s`` x cores against ``cpu_s``. A ``cpuacct`` group counts the CPU every process spends
+while in it, exited ones included (``cpuacct.usage``, nanoseconds), so the run's CPU is read whole at each sample.
 
 Where: cgroup v1's ``memory`` (and ``cpuacct``, where it is mounted too) controllers mounted writable under
 ``/sys/fs/cgroup``, the scorer's own group in each writable (a host's root, a privileged container); each run gets a
@@ -135,8 +135,8 @@ class RunGroup:
         return " ".join(str(p / "cgroup.procs") for p in dict.fromkeys((self.path, self.cpu_path)) if p is not None)
 
     def cpu_s(self) -> float | None:
-        """CPU seconds every process ever in the run's ``cpuacct`` group spent, user and system (None: no group, or it
-        cannot be read)."""
+        """CPU seconds, user and system, the run's processes spent while in its ``cpuacct`` group, exited ones
+        included (None: no group, or it cannot be read)."""
         if self.cpu_path is None:
             return None
         with contextlib.suppress(OSError, ValueError):
