@@ -12,9 +12,9 @@ adapter, B ~ N(0, 0.01), through ``update_weights(..., run_id=)`` before streami
   a's request then run b's; ``concurrent``, both at once, each read in its own thread as batches arrive.
 - *share* (``max_samples_in_flight`` = two groups' samples, so the runs contend for the generator): both at once.
 
-Figures (ratios taken here, in this run): ``runs_adapter_vs_full_update_s`` (the median of run a's adapter updates
-after its first, the trainer's call to the service's answer once every replica and the forwards have it, against the
-median of the same calls with
+Figures (ratios taken here, in this run; every update through one client, as a trainer keeps one across its steps):
+``runs_adapter_vs_full_update_s`` (the median of run a's adapter updates after its first, the trainer's call to the
+service's answer once every replica and the forwards have it, against the median of the same calls with
 every tensor of the base model in the dtype a trainer here trains and sends it in (``dtype: auto``: bfloat16 where the
 CPU has it natively, float32 where not; the adapter is float32, peft's), sent before the LoRA runs exist; target <=
 0.05) and ``runs_adapter_vs_full_update_bytes``; ``runs_adapter_vs_stored_full_update_s`` against the model as stored
@@ -83,23 +83,27 @@ def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
     precision = getattr(torch, resolve_dtype("auto", "cpu"))
     config = AdapterConfig(workload.lora_rank, float(workload.lora_rank), DEFAULT_LORA_TARGET_MODULES)
     adapters = {run_id: random_adapter(model, config, seed) for seed, run_id in enumerate(WEIGHTS)}
-    with _services(model, workload.backend, log_dir / "runs-throughput", None) as address:
+    # one client for every update, as a trainer keeps one across its steps (its connection and the server's
+    # features are set up once, on the first update, not timed into each adapter's)
+    with _services(model, workload.backend, log_dir / "runs-throughput", None) as address, \
+            ExperienceClient(address) as client:
         stored = load_file(str(Path(model) / "model.safetensors"))
-        full = [_timed_update(address, [(k, v.to(precision)) for k, v in stored.items()]) for _ in range(FULL_UPDATES)]
-        stored_s, stored_bytes = _timed_update(address, list(stored.items()))
-        _create_runs(address, config, adapters)
-        adapter = [_timed_update(address, list(random_adapter(model, config, seed=100 + i).items()), run_id="a")
+        full = [_timed_update(client, [(k, v.to(precision)) for k, v in stored.items()]) for _ in range(FULL_UPDATES)]
+        stored_s, stored_bytes = _timed_update(client, list(stored.items()))
+        _create_runs(client, config, adapters)
+        adapter = [_timed_update(client, list(random_adapter(model, config, seed=100 + i).items()), run_id="a")
                    for i in range(ADAPTER_UPDATES)]
         (full_s, full_bytes), (adapter_s, adapter_bytes) = _median(full), _median(adapter)
-        qv_s, qv_bytes = _qv_update(address, model, workload.lora_rank)
+        qv_s, qv_bytes = _qv_update(client, model, workload.lora_rank)
         started = time.perf_counter()
         for run_id in WEIGHTS:
             _stream(address, run_id, batch, options, [], started)
         sequential_s = time.perf_counter() - started
         concurrent, concurrent_s = _both(address, batch, options)
     capacity = workload.capacity_groups * workload.n_samples_per_prompt
-    with _services(model, workload.backend, log_dir / "runs-share", capacity) as address:
-        _create_runs(address, config, adapters)
+    with _services(model, workload.backend, log_dir / "runs-share", capacity) as address, \
+            ExperienceClient(address) as client:
+        _create_runs(client, config, adapters)
         contended, _ = _both(address, prompts, options)
     share = _share_while_both(contended, "a")
     tokens = sum(t for _, _, t in concurrent)
@@ -138,30 +142,29 @@ def _median(updates: list[tuple[float, int]]) -> tuple[float, int]:
     return statistics.median(t for t, _ in updates), updates[0][1]
 
 
-def _timed_update(address: str, tensors: list[tuple[str, torch.Tensor]], run_id: str | None = None) -> tuple[float, int]:
+def _timed_update(client: ExperienceClient, tensors: list[tuple[str, torch.Tensor]],
+                  run_id: str | None = None) -> tuple[float, int]:
     """One ``update_weights`` call: its wall seconds (the trainer's view) and the bytes it carried."""
-    with ExperienceClient(address) as client:
-        started = time.perf_counter()
-        response = client.update_weights(tensors, run_id=run_id)
-        return time.perf_counter() - started, response.num_bytes
+    started = time.perf_counter()
+    response = client.update_weights(tensors, run_id=run_id)
+    return time.perf_counter() - started, response.num_bytes
 
 
-def _qv_update(address: str, model: str, rank: int) -> tuple[float, int]:
+def _qv_update(client: ExperienceClient, model: str, rank: int) -> tuple[float, int]:
     """A LoRA run "qv" (``rank`` on q_proj and v_proj) sent its first adapter, then timed on its second."""
     config = AdapterConfig(rank, float(rank), ("q_proj", "v_proj"))
-    with ExperienceClient(address) as client:
-        client.create_run("qv", lora_rank=rank, lora_alpha=float(rank), target_modules=list(config.target_modules))
-        client.update_weights(list(random_adapter(model, config, seed=10).items()), run_id="qv")
-    return _timed_update(address, list(random_adapter(model, config, seed=11).items()), run_id="qv")
+    client.create_run("qv", lora_rank=rank, lora_alpha=float(rank), target_modules=list(config.target_modules))
+    client.update_weights(list(random_adapter(model, config, seed=10).items()), run_id="qv")
+    return _timed_update(client, list(random_adapter(model, config, seed=11).items()), run_id="qv")
 
 
-def _create_runs(address: str, config: AdapterConfig, adapters: dict[str, dict[str, torch.Tensor]]) -> None:
+def _create_runs(client: ExperienceClient, config: AdapterConfig,
+                 adapters: dict[str, dict[str, torch.Tensor]]) -> None:
     """Create runs a and b as LoRA runs (weights 3 and 1) and send each its adapter (version 1)."""
-    with ExperienceClient(address) as client:
-        for run_id, weight in WEIGHTS.items():
-            client.create_run(run_id, lora_rank=config.rank, lora_alpha=config.alpha,
-                              target_modules=list(config.target_modules), weight=weight)
-            client.update_weights(list(adapters[run_id].items()), run_id=run_id)
+    for run_id, weight in WEIGHTS.items():
+        client.create_run(run_id, lora_rank=config.rank, lora_alpha=config.alpha,
+                          target_modules=list(config.target_modules), weight=weight)
+        client.update_weights(list(adapters[run_id].items()), run_id=run_id)
 
 
 @contextlib.contextmanager
