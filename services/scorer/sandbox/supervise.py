@@ -98,7 +98,7 @@ async def _sample_until(root: int, ended: asyncio.Future, overflowed: asyncio.Fu
         except SampleOverBudget:  # its use cannot be measured in time: fail closed
             return "usage"
         charged_s += max(0.0, usage.read_cpu_s - READ_ALLOWANCE_S)
-        counted_s = (watch.group_cpu_s() if watch.group_cpu_s is not None else None) or 0.0
+        counted_s = (watch.group_cpu_s() or 0.0) if watch.group_cpu_s is not None else 0.0
         if max(usage.cpu_s, counted_s) + charged_s > limits.cpu_s:
             return "cpu"
         if usage.memory_bytes > limits.memory_bytes or (watch.oom_kills is not None and watch.oom_kills()):
