@@ -324,6 +324,7 @@ async def test_each_runs_memory_group_is_removed_even_when_its_processes_outlive
     class Recorded(RunGroups):
         def create(self, limit_bytes: int):
             group = super().create(limit_bytes)
+            assert group.pids_path is None  # a gVisor run's host tasks are its kernel's: no pids group (gvisor.py)
             made.append([p for p in (group.path, group.cpu_path) if p is not None])
             return group
 

@@ -1,25 +1,34 @@
-"""A bubblewrap run's cgroups, on this project's hosts (a root scorer, cgroup v1's memory and cpuacct controllers
-writable).
+"""A bubblewrap run's cgroups, on this project's hosts (a root scorer, cgroup v1's memory, cpuacct and pids
+controllers writable).
 
 Memory: the whole tree's memory, kernel memory included, is refused past ``memory_bytes`` + ``tmpfs_bytes`` +
 :data:`GROUP_HEADROOM_BYTES` as it is asked for, not one sample interval later (issue 44: one run held 1.8 GiB
 against 512 MiB by spreading over its processes; a burst of processes pre-faulting at once reached 6.8 GB between
 two samples under gVisor). CPU: the tree's CPU is counted whole, children the kernel reaps by itself included (their
-CPU reaches no one's account in ``/proc``). The groups go with the run, however the run ends. Real bwrap, real
-processes; the test reads the memory group's own peak (``memory.max_usage_in_bytes``) while it exists."""
+CPU reaches no one's account in ``/proc``). Tasks: the tool's processes and threads together are bounded by
+``max_processes`` in a group of the run's own, whatever its uid (``RLIMIT_NPROC`` does not bind host root). The groups
+go with the run, however the run ends. Real bwrap, real processes; the test reads the memory group's own peak
+(``memory.max_usage_in_bytes``) while it exists."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from services.scorer.sandbox import SandboxLimits
-from services.scorer.sandbox.bubblewrap import GROUP_HEADROOM_BYTES, BubblewrapOptions, BubblewrapSandbox
+from services.scorer.sandbox.bubblewrap import (
+    GROUP_HEADROOM_BYTES,
+    TASK_HEADROOM,
+    BubblewrapOptions,
+    BubblewrapSandbox,
+)
 from services.scorer.sandbox.cgroup import RunGroup, RunGroups
 
 _GROUPS = RunGroups.find() if os.geteuid() == 0 else None
@@ -35,19 +44,20 @@ BURST = textwrap.dedent("""
 """)
 
 
-def _recording(sandbox: BubblewrapSandbox) -> list[Path]:
-    """The folders of the memory groups ``sandbox`` makes from now on (each run's cpuacct group, where it has one,
-    is its namesake under ``cpu_parent``)."""
+def _recording(sandbox: BubblewrapSandbox, pids: bool = True) -> list[Path]:
+    """The folders of the memory groups ``sandbox`` makes from now on (each run's cpuacct and pids groups, where it
+    has them, are its namesakes under ``cpu_parent`` and ``pids_parent``; ``pids``: False, it makes no pids group)."""
     made: list[Path] = []
     assert sandbox._groups is not None
 
     class Recorded(RunGroups):
-        def create(self, limit_bytes: int):
-            group = super().create(limit_bytes)
+        def create(self, limit_bytes: int, max_tasks: int | None = None):
+            group = super().create(limit_bytes, max_tasks)
             made.append(group.path)
             return group
 
-    sandbox._groups = Recorded(sandbox._groups.parent, sandbox._groups.cpu_parent)
+    groups = sandbox._groups
+    sandbox._groups = Recorded(groups.parent, groups.cpu_parent, groups.pids_parent if pids else None)
     return made
 
 
@@ -96,10 +106,11 @@ async def test_a_cancelled_run_leaves_no_group():
 
 
 def _gone(sandbox: BubblewrapSandbox, memory_group: Path) -> bool:
-    """Whether a run's memory group and its namesake cpuacct group (where the host has them) are removed."""
+    """Whether a run's memory group and its namesake cpuacct and pids groups (where the host has them) are
+    removed."""
     assert sandbox._groups is not None
-    cpu = sandbox._groups.cpu_parent
-    return not memory_group.exists() and (cpu is None or not (cpu / memory_group.name).exists())
+    others = (sandbox._groups.cpu_parent, sandbox._groups.pids_parent)
+    return not memory_group.exists() and not any(p is not None and (p / memory_group.name).exists() for p in others)
 
 
 #: A parent that ignores SIGCHLD forks 400 workers one after the other, each spending 30 ms of CPU and exiting: the
@@ -131,3 +142,87 @@ async def test_cpu_of_children_the_kernel_reaps_counts_toward_cpu_s():
     assert result.stopped == "cpu" and "CPU time limit" in result.as_observation(), result
     assert "done" not in result.stdout
     assert len(made) == 1 and _gone(sandbox, made[0])
+
+
+#: Starts threads (small stacks: RLIMIT_AS does not stop them) until one is refused or 40 run, and says how many.
+THREADS = textwrap.dedent("""
+    import threading
+    threading.stack_size(1 << 18)
+    started = 0
+    try:
+        for _ in range(40):
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+            started += 1
+    except RuntimeError:
+        pass
+    print("threads", started, flush=True)
+""")
+#: The same, then keeping them until it is killed.
+HOLDING = THREADS + "threading.Event().wait()\n"
+_needs_pids = pytest.mark.skipif(_GROUPS is None or _GROUPS.pids_parent is None,
+                                 reason="needs cgroup v1's pids writable")
+
+
+@_needs_pids
+async def test_the_runs_pids_group_bounds_its_tasks_where_rlimit_nproc_does_not(caplog):
+    # runs as host root (uid 0): the kernel does not enforce RLIMIT_NPROC for it, so the group alone bounds the tool
+    # at max_processes tasks, itself and its threads (7 threads started beside its main one); without the group (the
+    # control), the same run starts all 40
+    caplog.set_level(logging.DEBUG, logger="services.scorer.sandbox.cgroup")
+    options = BubblewrapOptions(max_processes=8, uid=0, gid=0)
+    sandbox = BubblewrapSandbox(options)
+    made = _recording(sandbox)
+    bounded = await sandbox.run(THREADS, SandboxLimits(timeout_s=60.0))
+    assert bounded.stdout.split() == ["threads", "7"] and bounded.exit_code == 0, bounded
+    assert len(made) == 1 and _gone(sandbox, made[0])
+    assert "pids group refused" in caplog.text  # pids.events: the group, not an rlimit, refused the 8th thread
+    control = BubblewrapSandbox(options)
+    made = _recording(control, pids=False)
+    unbounded = await control.run(THREADS, SandboxLimits(timeout_s=60.0))
+    assert unbounded.stdout.split() == ["threads", "40"], unbounded
+    assert len(made) == 1 and _gone(control, made[0])
+
+
+def _outside_the_sandbox(task: str) -> bool:
+    """Whether a task is of the host's pid namespace alone (bwrap's monitor), not of the run's (the tool's)."""
+    status = Path(f"/proc/{task}/status").read_text()
+    return len(next(line for line in status.splitlines() if line.startswith("NSpid:")).split()) == 2
+
+
+@_needs_pids
+async def test_each_run_holds_max_processes_tasks_in_a_pids_group_of_its_own():
+    # two runs at once, each holding as many threads as it can until cancelled: each group is full at once, with the
+    # tool's max_processes tasks and bwrap's monitor (TASK_HEADROOM), and both go with their runs
+    sandbox = BubblewrapSandbox(BubblewrapOptions(max_processes=6))
+    made = _recording(sandbox)
+    assert sandbox._groups is not None and sandbox._groups.pids_parent is not None
+    calls = [asyncio.ensure_future(sandbox.run(HOLDING, SandboxLimits(timeout_s=300.0))) for _ in range(2)]
+    full: dict[Path, list[str]] = {}
+    try:
+        async with asyncio.timeout(60):
+            while len(full) < 2:  # the event: both groups list as many tasks as they may hold (read from outside)
+                for group in (sandbox._groups.pids_parent / path.name for path in made):
+                    with contextlib.suppress(OSError, ValueError):
+                        if len(tasks := (group / "tasks").read_text().split()) == int((group / "pids.max").read_text()):
+                            full[group] = tasks
+                await asyncio.sleep(0.01)
+        for group, tasks in full.items():  # (the tool holds them: the groups stay so until cancelled)
+            assert (group / "pids.max").read_text().strip() == str(6 + TASK_HEADROOM)
+            assert int((group / "pids.current").read_text()) == 6 + TASK_HEADROOM
+            assert len([task for task in tasks if _outside_the_sandbox(task)]) == TASK_HEADROOM, tasks
+    finally:
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+    assert len(made) == 2 and all(_gone(sandbox, path) for path in made)
+
+
+@_needs_pids
+def test_leftover_groups_are_swept_their_pids_group_included():
+    assert _GROUPS is not None
+    group = _GROUPS.create(64 << 20, max_tasks=5)
+    assert group.pids_path is not None and (group.pids_path / "pids.max").read_text().strip() == "5"
+    an_hour_ago = time.time() - 3600  # a scorer that crashed an hour ago left them
+    for folder in group.folders:
+        os.utime(folder, (an_hour_ago, an_hour_ago))
+    assert _GROUPS.sweep() >= len(group.folders) and not any(folder.exists() for folder in group.folders)

@@ -1,9 +1,10 @@
 """Where :meth:`RunGroups.find` looks for the scorer's own cgroups: each v1 hierarchy in the folder named as
-``/proc/self/cgroup`` lists its controllers (``memory``; ``cpuacct`` alone or, as systemd mounts it, ``cpu,cpuacct``).
-Layouts written to a temporary folder: the same files the kernel shows, in other places."""
+``/proc/self/cgroup`` lists its controllers (``memory``; ``cpuacct`` alone or, as systemd mounts it, ``cpu,cpuacct``;
+``pids``). Layouts written to a temporary folder: the same files the kernel shows, in other places."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,54 @@ def test_memory_and_cpuacct_in_one_hierarchy_make_one_group_per_run(tmp_path):
     group = groups.create(1 << 20)  # (on plain folders: the files the kernel would have made are written here)
     assert group.cpu_path == group.path and group.procs == str(group.path / "cgroup.procs")
     assert (group.path / "memory.limit_in_bytes").read_text() == str(1 << 20)
+
+
+def test_the_pids_group_is_found_in_its_hierarchy_its_root_included(tmp_path):
+    # a hierarchy's root group has no pids.max (the kernel shows it in every group below): any group's cgroup.procs
+    proc, root = _layout(tmp_path, "8:pids:/\n4:memory:/scorer\n2:cpuacct:/scorer\n",
+                         {"memory/scorer": "memory.limit_in_bytes", "cpuacct/scorer": "cpuacct.usage",
+                          "pids": "cgroup.procs"})
+    groups = RunGroups.find(proc, root)
+    assert groups == RunGroups(root / "memory/scorer", root / "cpuacct/scorer", root / "pids")
+
+
+def test_without_a_pids_hierarchy_runs_get_no_pids_group(tmp_path):
+    proc, root = _layout(tmp_path, "4:memory:/\n", {"memory": "memory.limit_in_bytes"})
+    groups = RunGroups.find(proc, root)
+    assert groups == RunGroups(root / "memory", None, None)
+    assert groups.create(1 << 20, max_tasks=17).pids_path is None
+
+
+def test_a_runs_pids_group_holds_max_tasks_and_is_joined_after_the_others(tmp_path):
+    proc, root = _layout(tmp_path, "8:pids:/scorer\n4:memory:/scorer\n",
+                         {"memory/scorer": "memory.limit_in_bytes", "pids/scorer": "cgroup.procs"})
+    groups = RunGroups.find(proc, root)
+    group = groups.create(1 << 20, max_tasks=17)
+    assert group.pids_path == root / "pids/scorer" / group.path.name
+    assert (group.pids_path / "pids.max").read_text() == "17"
+    assert group.procs == f"{group.path / 'cgroup.procs'} {group.pids_path / 'cgroup.procs'}"
+    # a gVisor run's: none (its host tasks are its kernel's, not the tool's)
+    assert groups.create(1 << 20).pids_path is None
+    assert [path.name for path in (root / "pids/scorer").glob("fastexp-run-*")] == [group.path.name]
+
+
+def test_pids_and_memory_in_one_hierarchy_make_one_group_per_run(tmp_path):
+    proc, root = _layout(tmp_path, "3:memory,pids:/scorer\n", {"memory,pids/scorer": "memory.limit_in_bytes"})
+    (root / "memory,pids/scorer/cgroup.procs").write_text("")
+    groups = RunGroups.find(proc, root)
+    assert groups == RunGroups(root / "memory,pids/scorer", None, root / "memory,pids/scorer")
+    group = groups.create(1 << 20, max_tasks=17)
+    assert group.pids_path == group.path and group.procs == str(group.path / "cgroup.procs")
+    assert (group.path / "pids.max").read_text() == "17"
+
+
+def test_a_pids_group_that_cannot_be_made_leaves_the_run_its_other_groups(tmp_path, caplog):
+    proc, root = _layout(tmp_path, "4:memory:/\n2:cpuacct:/\n", {"memory": "memory.limit_in_bytes",
+                                                                  "cpuacct": "cpuacct.usage"})
+    found = RunGroups.find(proc, root)
+    assert found is not None
+    groups = RunGroups(found.parent, found.cpu_parent, tmp_path / "no-such-hierarchy")  # its mkdir fails
+    with caplog.at_level(logging.WARNING):
+        group = groups.create(1 << 20, max_tasks=17)
+    assert group.pids_path is None and group.path.is_dir() and group.cpu_path == root / "cpuacct" / group.path.name
+    assert "no pids group for a tool run" in caplog.text

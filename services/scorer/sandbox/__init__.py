@@ -5,7 +5,8 @@
 - :mod:`.gvisor`: each run under a kernel of its own (gVisor's ``runsc``), nothing of the host kernel shared;
 - :mod:`.supervise`: how a local backend watches a run (streams, wall clock, per-run limits);
 - :mod:`.gvisor_usage`: what a gVisor run uses, from its host processes and its kernel's memory file;
-- :mod:`.cgroup`: a memory and a cpuacct cgroup per run where the host lets the scorer make them (both local backends');
+- :mod:`.cgroup`: a memory and a cpuacct cgroup per run where the host lets the scorer make them (both local backends'),
+  and a pids one (bubblewrap's);
 - :mod:`.slots`: the run slots a local backend shares fairly between tenants (experience runs);
 - :mod:`.remote`: a SandboxFusion-compatible HTTP endpoint;
 - :mod:`.settings`: the scorer's ``sandbox:`` block and the backend it builds;

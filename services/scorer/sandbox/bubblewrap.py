@@ -35,7 +35,10 @@ Each run is ``bwrap`` with, for the tool's process tree:
   included): the kernel refuses the memory past it as it is asked for, so what the tree reaches between two
   samples is bounded too (a run it ends there reports ``"memory"``), and, where ``cpuacct`` is writable too, in a
   ``cpuacct`` group whose count of the tree's CPU, children the kernel reaped by itself included, is held against
-  ``cpu_s`` at each sample;
+  ``cpu_s`` at each sample, and, where ``pids`` is writable too, in a ``pids`` group of ``max_processes`` +
+  :data:`TASK_HEADROOM` tasks: the tool's processes and threads together are bounded by ``max_processes`` per run,
+  whatever the uid and the kernel's version (``RLIMIT_NPROC`` is counted per uid in each user namespace since Linux
+  5.14, per uid on the whole host before; :mod:`services.scorer.sandbox.cgroup`);
 - **one unit that ends once**: however the call ends (its result, the timeout, the caller's cancellation: a
   cancelled Step or stream, a step timeout, the scorer stopping), the run's whole tree is killed and reaped before
   the call returns or its cancellation completes, and only then is its ``max_concurrent`` slot free: bwrap's
@@ -121,6 +124,11 @@ class BubblewrapOptions:
 #: What a run's memory group holds beyond ``memory_bytes`` and its tmpfs: bwrap's monitor, page tables, kernel
 #: stacks and the other kernel memory the sampled limit does not see.
 GROUP_HEADROOM_BYTES = 64 * MIB
+#: The tasks of a run's ``pids`` group that are not the tool's (its ``pids.max`` is ``max_processes`` + these): bwrap's
+#: monitor, the one process of the tree outside the sandbox, single-threaded. The join script and ``setpriv`` exec into
+#: it rather than fork, bwrap's child is the tool's first process (``--as-pid-1``: no init of bwrap's inside), and an
+#: unprivileged bwrap forks no helper (tests/integration/test_tool_sandbox_run_groups.py counts them during a run).
+TASK_HEADROOM = 1
 #: Joins the run's groups, whose ``cgroup.procs`` files ``$1`` lists (space-separated, split without globbing; none
 #: where empty), then execs the rest of its arguments; exits 125 where one cannot be joined (the run fails: closed).
 _JOIN_GROUP = 'set -f && for procs in $1; do echo $$ > "$procs" || exit 125; done && shift && exec "$@"'
@@ -184,7 +192,8 @@ class BubblewrapSandbox:
         if self._groups is None:
             return None
         try:
-            return self._groups.create(limits.memory_bytes + self._options.tmpfs_bytes + GROUP_HEADROOM_BYTES)
+            return self._groups.create(limits.memory_bytes + self._options.tmpfs_bytes + GROUP_HEADROOM_BYTES,
+                                       max_tasks=self._options.max_processes + TASK_HEADROOM)
         except OSError as error:  # the sampled limits still hold
             logger.warning("no cgroups for a tool run (%s): its memory and CPU are sampled only", error)
             return None

@@ -1,4 +1,5 @@
-"""A cgroup per tool run, below the scorer's own, where the host lets the scorer write one: memory, and CPU accounting.
+"""A cgroup per tool run, below the scorer's own, where the host lets the scorer write one: memory, CPU accounting
+and, for a bubblewrap run, its tasks.
 
 **Memory.** Sampling a run's memory (:mod:`.usage`, :func:`.gvisor_usage.sandbox_usage`) stops it at the next sample:
 between two, a run's processes can each reach their own address-space limit at once (the eighth review held 6.8 GB
@@ -11,11 +12,19 @@ kernel reaps by itself (its parent ignores ``SIGCHLD``) takes its CPU with it, s
 spent up to ``timeout_s`` x cores against ``cpu_s``. A ``cpuacct`` group counts the CPU every process spends
 while in it, exited ones included (``cpuacct.usage``, nanoseconds), so the run's CPU is read whole at each sample.
 
-Where: cgroup v1's ``memory`` (and ``cpuacct``, where it is mounted too) controllers mounted writable under
-``/sys/fs/cgroup``, the scorer's own group in each writable (a host's root, a privileged container); each run gets a
-child group of the scorer's own in each, so the runs stay inside whatever bounds the scorer (its container's
-group). cgroup v2 is not used: its groups with controllers enabled for children may hold no process, so the scorer
-would first have to move itself into a leaf; hosts with v2 alone keep the sampled limits
+**Tasks.** ``RLIMIT_NPROC`` (``max_processes``) is counted by the kernel per uid in each user namespace (Linux 5.14
+and later; before, per uid on the whole host, shared by concurrent runs of one uid) and not at all for a process
+that is root on the host. A ``pids`` group bounds the tasks, processes and threads alike, of everything in it
+(``pids.max``): the run's whole tree, whatever its uid and the kernel's version; past it ``fork`` and ``clone`` fail
+with ``EAGAIN``, as at ``RLIMIT_NPROC``. Only a bubblewrap run gets one (its ``max_processes`` + the fixed tasks of its
+tree outside the sandbox, :data:`.bubblewrap.TASK_HEADROOM`): a gVisor run's host threads are its Sentry's and
+gofer's, not the tool's, whose processes the Sentry bounds in its own kernel.
+
+Where: cgroup v1's ``memory`` (and ``cpuacct`` and ``pids``, where they are mounted too) controllers mounted
+writable under ``/sys/fs/cgroup``, the scorer's own group in each writable (a host's root, a privileged container);
+each run gets a child group of the scorer's own in each, so the runs stay inside whatever bounds the scorer (its
+container's group). cgroup v2 is not used: its groups with controllers enabled for children may hold no process, so
+the scorer would first have to move itself into a leaf; hosts with v2 alone keep the sampled limits
 (docs/operations/security.md).
 """
 
@@ -34,7 +43,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 #: Where cgroup v1's controllers are mounted, each hierarchy in a folder named as ``/proc/self/cgroup`` lists its
-#: controllers (``memory``, ``cpuacct`` or ``cpu,cpuacct``).
+#: controllers (``memory``, ``cpuacct`` or ``cpu,cpuacct``, ``pids``).
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: A run's group's name: this prefix and a random suffix.
 PREFIX = "fastexp-run-"
@@ -49,28 +58,35 @@ SWEEP_AGE_S = 60.0
 
 @dataclass(frozen=True)
 class RunGroups:
-    """The scorer's own memory group (``parent``) and ``cpuacct`` group (``cpu_parent``; None: not available), below
-    which each run gets one of each (:meth:`create`)."""
+    """The scorer's own memory group (``parent``), ``cpuacct`` group (``cpu_parent``) and ``pids`` group
+    (``pids_parent``; None: not available), below which each run gets one of each (:meth:`create`)."""
 
     parent: Path
     cpu_parent: Path | None = None
+    pids_parent: Path | None = None
 
     @classmethod
     def find(cls, proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> RunGroups | None:
         """The scorer's groups where it may create groups below them (None: cgroup v1's memory controller is not
-        mounted, or its group is not writable; ``cpu_parent`` None: the same for ``cpuacct``)."""
+        mounted, or its group is not writable; ``cpu_parent``, ``pids_parent`` None: the same for ``cpuacct``,
+        ``pids``)."""
         try:
             lines = proc_cgroup.read_text().splitlines()
         except OSError:
             return None
         parent = _writable(lines, "memory", "memory.limit_in_bytes", root)
-        return None if parent is None else cls(parent, _writable(lines, "cpuacct", "cpuacct.usage", root))
+        if parent is None:
+            return None
+        # pids.max is in every group of the hierarchy but its root (where a scorer of a host's root is): any group's
+        # cgroup.procs is probed instead
+        return cls(parent, _writable(lines, "cpuacct", "cpuacct.usage", root),
+                   _writable(lines, "pids", "cgroup.procs", root))
 
     def sweep(self, older_than_s: float = SWEEP_AGE_S) -> int:
         """Remove this scorer's kind of group left empty below the parents for longer than ``older_than_s`` (a
         scorer that crashed, a group :meth:`RunGroup.end` gave up on); returns how many."""
         removed, now = 0, time.time()
-        for parent in (self.parent, self.cpu_parent):
+        for parent in dict.fromkeys((self.parent, self.cpu_parent, self.pids_parent)):
             for path in parent.glob(f"{PREFIX}*") if parent is not None else ():
                 with contextlib.suppress(OSError):
                     if now - path.stat().st_mtime > older_than_s and not (path / "cgroup.procs").read_text().strip():
@@ -80,12 +96,13 @@ class RunGroups:
                         removed += 1
         return removed
 
-    def create(self, limit_bytes: int) -> RunGroup:
+    def create(self, limit_bytes: int, max_tasks: int | None = None) -> RunGroup:
         """New groups for one run: memory of ``limit_bytes`` (kernel memory included) and, where the scorer has
-        one, ``cpuacct``.
+        one, ``cpuacct``, and ``pids`` of ``max_tasks`` (None: no ``pids`` group). Either of the last two that
+        cannot be made is logged and left out: the run has the others.
 
         Raises:
-            OSError: a group could not be made or limited (none is left).
+            OSError: the memory group could not be made or limited (none is left).
         """
         name = f"{PREFIX}{uuid.uuid4().hex}"
         path = self.parent / name
@@ -98,14 +115,37 @@ class RunGroups:
         except OSError:
             RunGroup(path).remove()
             raise
-        if self.cpu_parent is None or self.cpu_parent == self.parent:  # one hierarchy: the memory group counts CPU
-            return RunGroup(path, path if self.cpu_parent is not None else None)
-        try:
-            (self.cpu_parent / name).mkdir()
-        except OSError as error:  # the memory group still holds; the CPU is sampled only
-            logger.warning("no cpuacct group for a tool run (%s): its CPU is sampled only", error)
-            return RunGroup(path)
-        return RunGroup(path, self.cpu_parent / name)
+        made = {self.parent}  # one hierarchy holding several controllers: the run's group there is made once
+        cpu_path = _beside(self.cpu_parent, name, made, "cpuacct", "its CPU is sampled only")
+        pids_path = None if max_tasks is None else _beside(
+            self.pids_parent, name, made, "pids", "its processes are bounded by RLIMIT_NPROC alone",
+            ("pids.max", max_tasks))
+        return RunGroup(path, cpu_path, pids_path)
+
+
+def _beside(parent: Path | None, name: str, made: set[Path], controller: str, otherwise: str,
+            setting: tuple[str, int] | None = None) -> Path | None:
+    """The run's group ``name`` below ``parent`` in ``controller``'s hierarchy, with its ``setting`` (a file and its
+    value) written; the run's group there already where ``made`` holds ``parent`` (a hierarchy of several
+    controllers). None where there is no ``parent``, or the group cannot be made or set (logged: the run goes on
+    without it, ``otherwise``)."""
+    if parent is None:
+        return None
+    path, new = parent / name, parent not in made
+    try:
+        if new:
+            path.mkdir()
+            made.add(parent)
+        if setting is not None:
+            (path / setting[0]).write_text(str(setting[1]))
+    except OSError as error:
+        if new:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+            made.discard(parent)
+        logger.warning("no %s group for a tool run (%s): %s", controller, error, otherwise)
+        return None
+    return path
 
 
 def _writable(lines: list[str], controller: str, probe: str, root: Path) -> Path | None:
@@ -123,16 +163,23 @@ def _writable(lines: list[str], controller: str, probe: str, root: Path) -> Path
 
 @dataclass(frozen=True)
 class RunGroup:
-    """One run's groups: memory (``path``, a cgroup v1 folder) and ``cpuacct`` (``cpu_path``; None: none)."""
+    """One run's groups: memory (``path``, a cgroup v1 folder), ``cpuacct`` (``cpu_path``) and ``pids``
+    (``pids_path``; None: none). Two of them are one folder where their controllers share a hierarchy."""
 
     path: Path
     cpu_path: Path | None = None
+    pids_path: Path | None = None
+
+    @property
+    def folders(self) -> list[Path]:
+        """The run's group folders, each once, memory first."""
+        return [p for p in dict.fromkeys((self.path, self.cpu_path, self.pids_path)) if p is not None]
 
     @property
     def procs(self) -> str:
         """The files a process writes its pid into to join the groups (its children are born in them), separated by
         spaces, memory first."""
-        return " ".join(str(p / "cgroup.procs") for p in dict.fromkeys((self.path, self.cpu_path)) if p is not None)
+        return " ".join(str(p / "cgroup.procs") for p in self.folders)
 
     def cpu_s(self) -> float | None:
         """CPU seconds, user and system, the run's processes spent while in its ``cpuacct`` group, exited ones
@@ -149,6 +196,13 @@ class RunGroup:
             for line in (self.path / "memory.oom_control").read_text().splitlines():
                 if line.startswith("oom_kill "):
                     return int(line.split()[1])
+        return 0
+
+    def tasks_refused(self) -> int:
+        """The forks and clones the ``pids`` group refused at its ``pids.max`` (0: none, or no group)."""
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if self.pids_path is not None:
+                return int((self.pids_path / "pids.events").read_text().split()[1])  # "max N"
         return 0
 
     def pids(self) -> list[int]:
@@ -191,12 +245,13 @@ class RunGroup:
             _kill_in(pid, self.path)
         if pids:
             return False if not last_try else self._give_up("its processes are still exiting")
+        if refused := self.tasks_refused():
+            logger.debug("a run's pids group refused %d forks or clones at its limit: %s", refused, self.path.name)
         with contextlib.suppress(OSError):
             (self.path / "memory.force_empty").write_text("0")
-        for path in (self.path, self.cpu_path):
+        for path in self.folders:
             try:
-                if path is not None:
-                    path.rmdir()
+                path.rmdir()
             except FileNotFoundError:
                 pass
             except OSError as error:
@@ -209,10 +264,9 @@ class RunGroup:
 
     def remove(self) -> None:
         """Remove the groups that are empty (nothing where they are not)."""
-        for path in (self.path, self.cpu_path):
-            if path is not None:
-                with contextlib.suppress(OSError):
-                    path.rmdir()
+        for path in self.folders:
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def _kill_in(pid: int, group: Path) -> None:

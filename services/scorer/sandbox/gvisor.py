@@ -24,7 +24,9 @@ Each run is ``runsc run`` on an OCI bundle written for it (:func:`oci_spec`):
   Sentry's own Go heaps, a few MiB each); and for a root scorer where the host
   lets it, a memory cgroup per run (:mod:`.cgroup`, ``memory_bytes`` + :data:`GROUP_HEADROOM_BYTES`) that the
   kernel enforces between two samples, and a ``cpuacct`` group whose count of the tree's CPU is held against
-  ``cpu_s`` at each sample;
+  ``cpu_s`` at each sample; no ``pids`` group (a bubblewrap run's): the run's host tasks are the Sentry's, its
+  gofer's and runsc's threads, not the tool's, whose processes and threads the Sentry bounds by ``RLIMIT_NPROC`` in
+  the run's own kernel (``max_processes``, per run);
 - one unit that ends once, as under bubblewrap (:class:`~services.scorer.sandbox.tree.RunTree`): however the call
   ends, the whole tree is killed and reaped before it returns, then the run's bundle and runsc's state are removed.
 
@@ -232,7 +234,7 @@ class GvisorSandbox:
         if self._groups is None:
             return None
         try:
-            return self._groups.create(limits.memory_bytes + GROUP_HEADROOM_BYTES)
+            return self._groups.create(limits.memory_bytes + GROUP_HEADROOM_BYTES)  # no pids group (module docs)
         except OSError as error:  # the sampled limits still hold
             logger.warning("no cgroups for a tool run (%s): its memory and CPU are sampled only", error)
             return None
