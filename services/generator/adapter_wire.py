@@ -14,7 +14,6 @@ import zlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from fastexp.types import FLOAT_DTYPES
@@ -25,6 +24,9 @@ from services.common.weights.wire import header_then_chunks
 
 #: The longest ``AdapterHeader.weights_digest`` taken (``sha256:`` and 64 hex digits fit with room).
 MAX_DIGEST_CHARS = 128
+#: ``DType`` values → fastexp's dtype names (``DTYPE_BFLOAT16`` → ``"bfloat16"``), built once: the enum's ``items()``
+#: builds a list on every call, once per tensor otherwise.
+_DTYPE_NAMES = {int(v): n.removeprefix("DTYPE_").lower() for n, v in tensor_pb2.DType.items()}
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,7 @@ class _Assembler:
         field_name = f"tensors[{chunk.name}]"
         if chunk.name in self.tensors:
             raise InvalidRequest(field_name, "sent twice (chunks of a tensor must be consecutive)")
-        names = {int(v): n.removeprefix("DTYPE_").lower() for n, v in tensor_pb2.DType.items()}
-        dtype = names.get(chunk.dtype, f"DType value {chunk.dtype}")
+        dtype = _DTYPE_NAMES.get(chunk.dtype, f"DType value {chunk.dtype}")
         if dtype not in FLOAT_DTYPES:
             raise InvalidRequest(field_name, f"dtype {dtype} is not a floating-point type")
         check_tensor(chunk.name, FLOAT_DTYPES[dtype], tuple(chunk.shape), self.expected)
@@ -113,7 +114,7 @@ class _Assembler:
     def _close(self) -> None:
         if self._name is None:
             return
-        data = b"".join(self._parts)
+        data = bytearray().join(self._parts)  # the tensor's own memory, writable: the one copy of its bytes
         field_name = f"tensors[{self._name}]"
         expected = math.prod(self._shape) * FLOAT_DTYPES[self._dtype].itemsize
         if len(data) != expected:
@@ -121,8 +122,8 @@ class _Assembler:
         if zlib.crc32(data) != self._crc32:
             raise InvalidRequest(field_name, f"CRC-32 {zlib.crc32(data):#010x} of the received bytes != the "
                                  f"sender's {self._crc32:#010x} (corrupted in transit); nothing was applied")
-        raw = np.frombuffer(data, dtype=np.uint8).copy()  # little-endian on the wire; fastexp's hosts are too
-        self.tensors[self._name] = torch.from_numpy(raw).view(FLOAT_DTYPES[self._dtype]).reshape(self._shape)
+        # little-endian on the wire; fastexp's hosts are too
+        self.tensors[self._name] = torch.frombuffer(data, dtype=torch.uint8).view(FLOAT_DTYPES[self._dtype]).reshape(self._shape)
         self.num_bytes += len(data)
         self._name, self._parts = None, []
 

@@ -130,7 +130,8 @@ class VLLMEngine(TokenizerEngine):
         self._live.set()
         self.sleep_state = SleepState()
         self.adapters = AdapterTable()
-        self._workers = WorkerAdapters(engine, self.sleep_state)  # the loads in vLLM's workers
+        # the loads in vLLM's workers (an inline engine's in this process: handed the tensors as they are)
+        self._workers = WorkerAdapters(engine, self.sleep_state, in_process=getattr(engine, "in_process", False))
         self.cpu_threads = CpuThreads(engine) if engine.vllm_config.device_config.device_type == "cpu" else None
 
     @classmethod

@@ -39,8 +39,9 @@ def lora_request(name: str, slot_id: int) -> Any:
 
 
 def packed(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, list[int], bytes]]:
-    """peft name → (dtype name, shape, raw bytes in native byte order): what vLLM's RPC carries to the workers
-    untouched (its encoder rebuilds torch tensors only where a type says so). Inverse: :func:`unpacked`."""
+    """peft name → (dtype name, shape, raw bytes in native byte order): what vLLM's RPC carries to workers in
+    another process untouched (its encoder rebuilds torch tensors only where a type says so). Inverse:
+    :func:`unpacked`."""
     out = {}
     for name, tensor in tensors.items():
         host = tensor.detach().cpu().contiguous()
@@ -48,26 +49,36 @@ def packed(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, list[int
     return out
 
 
-def unpacked(tensors: Mapping[str, tuple[str, list[int], bytes]]) -> dict[str, torch.Tensor]:
-    """The tensors :func:`packed` packed, each owning its memory."""
-    return {name: torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
-            for name, (dtype, shape, data) in tensors.items()}
+def unpacked(tensors: Mapping[str, tuple[str, list[int], bytes] | torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors :func:`packed` packed, each owning its memory; a tensor given as it is (an in-process worker's:
+    :class:`WorkerAdapters`) is kept as it is."""
+    return {name: value if isinstance(value, torch.Tensor) else _unpacked(*value) for name, value in tensors.items()}
+
+
+def _unpacked(dtype: str, shape: list[int], data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
 
 
 class WorkerAdapters:
     """Adapter loads in the workers of one vLLM engine (``AsyncLLM``), added and removed through ``collective_rpc``
     (:class:`~services.generator.vllm_worker.WeightLoaderExtension`). A removal while the engine sleeps waits for
-    :meth:`woke` (vLLM's LoRA weights may be unmapped then: removing zeroes a slot in place). Event loop only."""
+    :meth:`woke` (vLLM's LoRA weights may be unmapped then: removing zeroes a slot in place). Event loop only.
 
-    def __init__(self, engine: Any, sleep_state: SleepState) -> None:
+    ``in_process``: the engine's one worker runs in this process (:class:`~services.generator.vllm_inline.InlineLLM`),
+    where ``collective_rpc`` hands its arguments over as they are: the adapter's tensors go to it as they are (the
+    worker keeps them; nothing else changes them), not :func:`packed` into bytes and rebuilt, two copies of every
+    byte. A worker in another process gets them packed."""
+
+    def __init__(self, engine: Any, sleep_state: SleepState, in_process: bool = False) -> None:
         self._engine = engine
+        self._in_process = in_process
         self._sleep_state = sleep_state
         self._removing: set[asyncio.Task] = set()  # removals running in the background
         self._asleep: list[AdapterSlot] = []  # removals waiting for wake-up
 
     async def add(self, slot: AdapterSlot, tensors: Mapping[str, torch.Tensor], peft_fields: dict) -> None:
         """Build the load ``slot`` in every worker from its (checked) peft-named tensors; raises what vLLM raises."""
-        payload = await asyncio.to_thread(packed, tensors)
+        payload = dict(tensors) if self._in_process else await asyncio.to_thread(packed, tensors)
         await self._engine.collective_rpc("fastexp_load_adapter", args=(slot.name, slot.slot_id, peft_fields, payload))
 
     def retire(self, slot: AdapterSlot) -> asyncio.Task | None:

@@ -49,7 +49,9 @@ class WeightLoaderExtension:
         Args:
             name, slot_id: the adapter's name and its load's id (vLLM's ``lora_int_id``).
             peft_fields: ``LoraConfig`` fields (``r``, ``lora_alpha``, ``target_modules``, ...).
-            tensors: peft name → (dtype, shape, raw bytes): :func:`services.generator.vllm_lora.packed`.
+            tensors: peft name → (dtype, shape, raw bytes): :func:`services.generator.vllm_lora.packed`; or the
+                tensors themselves from a caller in this process, kept as they are (the caller no longer changes
+                them: :class:`services.generator.vllm_lora.WorkerAdapters`).
 
         Returns:
             The number of tensors kept. Raises what vLLM raises building the adapter (nothing is kept then).
@@ -123,10 +125,13 @@ def _lora_model(manager: Any, slot_id: int, peft_fields: dict, tensors: dict) ->
     helper.validate_legal(manager.lora_config)
     model = manager._adapter_manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
-    # copies: vLLM folds the scaling into lora_b in place (LoRALayerWeights.optimize), and the kept tensors must
-    # stay as sent for the next rebuild
+    # vLLM folds a module's scaling into its lora_B in place where the scaling is not 1 (LoRALayerWeights.optimize;
+    # lora_B may be the kept tensor itself, converted to no other dtype), and the kept tensors must stay as sent for
+    # the next rebuild: copies then. With a scaling of 1 everywhere nothing is written to them.
+    folded = helper.vllm_lora_scaling_factor != 1 or helper.rank_pattern or helper.alpha_pattern
     return manager._lora_model_cls.from_lora_tensors(
-        lora_model_id=slot_id, tensors={k: v.clone() for k, v in tensors.items()}, peft_helper=helper, device="cpu",
+        lora_model_id=slot_id, tensors={k: v.clone() for k, v in tensors.items()} if folded else dict(tensors),
+        peft_helper=helper, device="cpu",
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
         weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),

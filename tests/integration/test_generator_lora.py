@@ -4,7 +4,8 @@ Adapters are built here with peft (q_proj/v_proj, A and B drawn from a seeded ge
 model's answers) and loaded from memory under a name. Greedy samples with adapter A, adapter B and none are the
 tokens HF + peft picks with the same adapter, and their log-probs match HF + peft's on those tokens; a new version
 of A changes A only; a bad adapter is refused and the old one keeps serving; more adapters than vLLM's slots
-(``max_loras`` 2, ``max_cpu_loras`` 2) all sample, evicted ones rebuilt from the tensors the engine keeps; an
+(``max_loras`` 2, ``max_cpu_loras`` 2) all sample, evicted ones rebuilt from the tensors the engine keeps (also
+with a scaling of 1, where it keeps them uncopied); an
 unloaded adapter is gone (not listed, refused by name) while another samples as before, and unloading it again is
 no error.
 """
@@ -179,6 +180,18 @@ async def test_more_adapters_than_slots_all_sample(engine, reference):
     # vLLM: loading the third evicted the first from its 2-entry cache; sampling with all three rebuilds the evicted
     records = await asyncio.gather(*(greedy(engine, reference, name) for name in [*names, None]))
     for record, seed in zip(records, (8, 9, 10, None), strict=True):
+        assert_sampled_as(record, reference, seed)
+
+
+async def test_adapters_of_scaling_one_evicted_and_rebuilt_sample_as_peft_does(engine, reference):
+    # alpha = rank: vLLM folds no scaling into lora_B, so the engine keeps the tensors it was given uncopied
+    # (vllm_worker._lora_model); the first, evicted by the third and rebuilt from them, still samples as peft does
+    config = AdapterConfig(rank=CONFIG.rank, alpha=float(CONFIG.rank), target_modules=CONFIG.target_modules)
+    seeds = (21, 22, 23)  # seeds no other test uses: the reference keeps one peft adapter per seed and rank
+    for seed in seeds:
+        await engine.load_adapter(f"unscaled-{seed}", config, make_adapter(reference, seed=seed, config=config))
+    records = await asyncio.gather(*(greedy(engine, reference, f"unscaled-{seed}") for seed in seeds))
+    for record, seed in zip(records, seeds, strict=True):
         assert_sampled_as(record, reference, seed)
 
 
