@@ -1,4 +1,5 @@
-"""A staged update read back whole (one read of its data file), and a blob's digest known before it is written."""
+"""A staged update read back whole (one read of its data file), and a blob's digest known before it is written
+(from its tensors, or from the bytes hashed as they were staged)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import zlib
 import torch
 
 from services.common.weights import ReceivedUpdate, WeightsBlobs, WeightStager, blob_digest, tensor_entries
+from services.common.weights.records import DATA_FILE, MANIFEST
 from services.common.weights.staging import update_tensors
 
 
-def _staged(tensors: dict[str, torch.Tensor], root) -> ReceivedUpdate:
-    stager = WeightStager(root)
+def _staged(tensors: dict[str, torch.Tensor], root, hash_data: bool = False) -> ReceivedUpdate:
+    stager = WeightStager(root, hash_data)
     for name, tensor in tensors.items():
         data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
         stager.add(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), data, zlib.crc32(data))
-    return ReceivedUpdate("policy", "staged", str(stager.folder), stager.finish())
+    return ReceivedUpdate("policy", "staged", str(stager.folder), stager.finish(), data_sha256=stager.data_sha256)
 
 
 def test_a_staged_update_read_whole_equals_its_entries_read_one_by_one_at_any_alignment(tmp_path):
@@ -45,3 +47,20 @@ def test_a_blobs_digest_is_known_before_it_is_written_and_is_the_one_it_is_writt
     assert {e.name: e.load() for e in blobs.open(digest)}.keys() == tensors.keys()
     changed = {**tensors, "lora_A": tensors["lora_A"] + 1}
     assert blob_digest(tensor_entries(changed)) != digest
+
+
+def test_a_digest_from_the_bytes_hashed_as_staged_is_the_blobs_and_a_blob_put_with_it_is_the_same(tmp_path):
+    # an adapter update's bytes are hashed as they arrive: its blob's digest is then the manifest's work alone, and
+    # the blob written with that digest given (its data not hashed again) is byte for byte the one written without
+    tensors = {"a": torch.randn(3).to(torch.bfloat16), "lora_A": torch.randn(16, 64), "lora_B": torch.randn(64, 16)}
+    update = _staged(tensors, tmp_path, hash_data=True)
+    assert _staged(tensors, tmp_path).data_sha256 is None  # hashed only when asked
+    entries = tensor_entries(update_tensors(update))
+    digest = blob_digest(entries, update.data_sha256)
+    assert digest == blob_digest(entries) == blob_digest(tensor_entries(tensors))
+    given, computed = WeightsBlobs(tmp_path / "given"), WeightsBlobs(tmp_path / "computed")
+    assert given.put(entries, digest) == computed.put(entries) == digest
+    for file in (DATA_FILE, MANIFEST):
+        assert (given.path(digest) / file).read_bytes() == (computed.path(digest) / file).read_bytes()
+    changed = {**tensors, "lora_B": tensors["lora_B"] + 1}
+    assert blob_digest(entries, _staged(changed, tmp_path, hash_data=True).data_sha256) != digest

@@ -46,9 +46,10 @@ class WeightsBlobs:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def put(self, entries: Iterable[TensorEntry]) -> str:
+    def put(self, entries: Iterable[TensorEntry], digest: str | None = None) -> str:
         """Write ``entries`` (each tensor loaded once, in order) as a blob; returns its digest ``sha256:<hex>``.
-        Writing a blob that exists already leaves the one there.
+        Writing a blob that exists already leaves the one there. ``digest``: theirs, where the caller computed it
+        already (:func:`blob_digest` of these same entries): not computed again.
 
         Raises:
             OSError: the folder cannot be written (full, read-only).
@@ -56,12 +57,12 @@ class WeightsBlobs:
         temporary = self.root / f".incoming-{uuid.uuid4().hex}"
         temporary.mkdir()
         with metrics.WEIGHTS_BLOB_SECONDS.labels("put").time():
-            return self._put(entries, temporary)
+            return self._put(entries, temporary, digest)
 
-    def _put(self, entries: Iterable[TensorEntry], temporary: Path) -> str:
+    def _put(self, entries: Iterable[TensorEntry], temporary: Path, known: str | None) -> str:
         try:
             with open(temporary / DATA_FILE, "wb") as data:
-                manifest_bytes, digest = _encode(entries, data.write)
+                manifest_bytes, digest = _encode(entries, data.write, known)
                 data.flush()
                 os.fsync(data.fileno())
             (temporary / MANIFEST).write_bytes(manifest_bytes)
@@ -126,25 +127,40 @@ class WeightsBlobs:
         return removed
 
 
-def blob_digest(entries: Iterable[TensorEntry]) -> str:
+def blob_digest(entries: Iterable[TensorEntry], data_sha256: str | None = None) -> str:
     """The digest :meth:`WeightsBlobs.put` gives ``entries`` (each loaded once, in order), computed without
-    writing anything: what names an update's weights on the replicas while its blob is being written."""
-    return _encode(entries, None)[1]
+    writing anything: what names an update's weights on the replicas while its blob is being written.
+    ``data_sha256``: the hex SHA-256 of the entries' bytes in order, where it is known already (hashed as they
+    arrived: ``ReceivedUpdate.data_sha256``); then no tensor is loaded, only the manifest made."""
+    if data_sha256 is None:
+        return _encode(entries, None)[1]
+    manifest, offset = [], 0
+    for entry in entries:
+        manifest.append(_manifest_row(entry, offset))
+        offset += entry.num_bytes
+    return _digest(json.dumps(manifest).encode(), data_sha256)
 
 
-def _encode(entries: Iterable[TensorEntry], write: Callable[[memoryview], object] | None) -> tuple[bytes, str]:
+def _encode(entries: Iterable[TensorEntry], write: Callable[[memoryview], object] | None,
+            known: str | None = None) -> tuple[bytes, str]:
     """The blob of ``entries``: its data (each tensor's bytes in order, handed to ``write``), its manifest's bytes
-    and its digest."""
-    manifest, data_hash, offset = [], hashlib.sha256(), 0
+    and its digest (``known``: given, the data not hashed)."""
+    manifest, data_hash, offset = [], None if known else hashlib.sha256(), 0
     for entry in entries:
         raw = memoryview(entry.load().contiguous().view(-1).view(dtype=torch.uint8).numpy())
         if write is not None:
             write(raw)
-        data_hash.update(raw)
-        manifest.append({"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape), "offset": offset})
+        if data_hash is not None:
+            data_hash.update(raw)
+        manifest.append(_manifest_row(entry, offset))
         offset += raw.nbytes
     manifest_bytes = json.dumps(manifest).encode()
-    return manifest_bytes, _digest(manifest_bytes, data_hash.hexdigest())
+    return manifest_bytes, known or _digest(manifest_bytes, data_hash.hexdigest())
+
+
+def _manifest_row(entry: TensorEntry, offset: int) -> dict:
+    """A tensor's row of a blob's manifest: where its bytes start in the data file."""
+    return {"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape), "offset": offset}
 
 
 def _digest(manifest: bytes, data_hexdigest: str) -> str:

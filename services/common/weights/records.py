@@ -56,6 +56,8 @@ class ReceivedUpdate:
     folder: str  # the staging folder (``staged``) or the named checkpoint folder (``checkpoint``)
     entries: list[TensorEntry]
     policy_version: int | None = None  # the version the sender asked for (None: previous + 1)
+    # the hex SHA-256 of the entries' bytes in order, hashed as they arrived (None: not hashed): their blob's data
+    data_sha256: str | None = None
 
     @property
     def num_bytes(self) -> int:

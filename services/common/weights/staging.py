@@ -14,6 +14,7 @@ forwards it to the generator with :func:`weight_chunks`, and copies it into the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -90,11 +91,13 @@ class WeightStager:
     :meth:`finish`; :meth:`discard` removes the folder (always call it, e.g. in ``finally``). Memory held: one
     chunk. Each tensor's first chunk must carry its CRC-32, checked once its last byte arrived; with a spec, that
     first chunk is checked against the model (:func:`check_entry`) before anything of it is written, and the
-    update's bytes are capped at :func:`max_update_bytes`.
+    update's bytes are capped at :func:`max_update_bytes`. ``hash_data``: also hash the bytes as they arrive
+    (:attr:`data_sha256`, the data half of the digest its blob gets: :func:`~services.common.weights.blobs.blob_digest`).
     """
 
-    def __init__(self, root: str | Path | None = None) -> None:
+    def __init__(self, root: str | Path | None = None, hash_data: bool = False) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="fastexp-weights-", dir=root))
+        self._sha256 = hashlib.sha256() if hash_data else None
         self._file = None  # the data file, opened with the first tensor that checks out
         self._tensors: list[dict] = []
         self._names: set[str] = set()  # every tensor started: a name sent again is found in O(1)
@@ -137,6 +140,13 @@ class WeightStager:
         self._file.write(data)
         self._written += len(data)
         self._crc32 = zlib.crc32(data, self._crc32)
+        if self._sha256 is not None:
+            self._sha256.update(data)
+
+    @property
+    def data_sha256(self) -> str | None:
+        """The hex SHA-256 of every byte staged so far, tensors in order (None: made without ``hash_data``)."""
+        return None if self._sha256 is None else self._sha256.hexdigest()
 
     def _start(self, name: str, dtype: str, shape: tuple[int, ...], crc32: int | None) -> dict:
         """Close the current tensor and open ``name``'s file, once its first chunk checks out."""

@@ -24,19 +24,25 @@ from services.common.weights.staging import WeightStager, checkpoint_entries
 #: Chunks up to this size are staged on the event loop; larger ones in a worker thread. Writing and CRC-ing 256 KiB
 #: takes about as long as one thread hop (~0.1 ms): a LoRA adapter's hundreds of small tensors are not worth it.
 INLINE_CHUNK_BYTES = 256 * 1024
+#: ``DType`` values → fastexp's dtype names (``DTYPE_BFLOAT16`` → ``"bfloat16"``), built once: the enum's ``values()``
+#: builds a list on every call, once per chunk otherwise.
+_DTYPE_NAMES = {int(v): n.removeprefix("DTYPE_").lower() for n, v in tensor_pb2.DType.items()}
 
 
 @contextlib.asynccontextmanager
 async def staged_update(
-    messages: AsyncIterator[generation_pb2.WeightsChunk], staging_dir: str | None, *, bounds: UpdateBounds
+    messages: AsyncIterator[generation_pb2.WeightsChunk], staging_dir: str | None, *, bounds: UpdateBounds,
+    hash_data: bool = False,
 ) -> AsyncIterator[ReceivedUpdate]:
     """Receive an ``UpdateWeights`` stream into a fresh staging folder under ``staging_dir`` (None: the system temp
     folder), checked against ``bounds`` as it arrives; the folder is removed when the block exits, applied or not.
+    ``hash_data``: its bytes hashed as they arrive (``ReceivedUpdate.data_sha256``: a blob's digest without a second
+    read).
 
     Raises:
         InvalidRequest: as :func:`receive_update`.
     """
-    stager = WeightStager(staging_dir)
+    stager = WeightStager(staging_dir, hash_data)
     try:
         yield await receive_update(messages, stager, bounds)
     finally:
@@ -78,7 +84,7 @@ async def receive_update(
         entries = await asyncio.to_thread(checkpoint_entries, folder)
         return ReceivedUpdate(target, "checkpoint", folder, entries, version)
     entries = await asyncio.to_thread(stager.finish, header.num_tensors or None)
-    return ReceivedUpdate(target, "staged", str(stager.folder), entries, version)
+    return ReceivedUpdate(target, "staged", str(stager.folder), entries, version, stager.data_sha256)
 
 
 async def header_then_chunks(
@@ -115,14 +121,15 @@ async def header_then_chunks(
 
 
 async def _stage_chunk(chunk: generation_pb2.TensorChunk, stager: WeightStager) -> None:
-    if chunk.dtype not in tensor_pb2.DType.values():
+    dtype = _DTYPE_NAMES.get(chunk.dtype)  # e.g. "bfloat16"
+    if dtype is None:
         raise InvalidRequest(f"tensor {chunk.name!r}: dtype", f"unknown DType value {chunk.dtype}")
-    dtype = tensor_pb2.DType.Name(chunk.dtype).removeprefix("DTYPE_").lower()  # e.g. "bfloat16"
     crc32 = chunk.crc32 if chunk.HasField("crc32") else None
-    if len(chunk.data) <= INLINE_CHUNK_BYTES:  # a LoRA tensor: the thread hop would cost more than the write
-        stager.add(chunk.name, dtype, tuple(chunk.shape), chunk.data, crc32)
+    data = chunk.data  # upb hands out a new bytes object per access: read it once
+    if len(data) <= INLINE_CHUNK_BYTES:  # a LoRA tensor: the thread hop would cost more than the write
+        stager.add(chunk.name, dtype, tuple(chunk.shape), data, crc32)
     else:
-        await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), chunk.data, crc32)
+        await asyncio.to_thread(stager.add, chunk.name, dtype, tuple(chunk.shape), data, crc32)
 
 
 def entry_chunks(

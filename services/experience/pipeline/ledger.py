@@ -41,18 +41,19 @@ class VersionLedger(Protocol):
         """
         ...
 
-    async def put(self, entries: Sequence[TensorEntry]) -> str | None:
+    async def put(self, entries: Sequence[TensorEntry], digest: str | None = None) -> str | None:
         """Store ``entries`` by reference (before the update they belong to is committed); returns their digest
-        for :meth:`commit` (None: not by reference).
+        for :meth:`commit` (None: not by reference). ``digest``: theirs from :meth:`digest`, not computed again.
 
         Raises:
             NotReady: the weights' folder cannot be written.
         """
         ...
 
-    async def digest(self, entries: Sequence[TensorEntry]) -> str | None:
+    async def digest(self, entries: Sequence[TensorEntry], data_sha256: str | None = None) -> str | None:
         """The digest :meth:`put` would return for ``entries``, computed without storing them (None: not by
-        reference): an update names its weights on the replicas with it while they are stored."""
+        reference): an update names its weights on the replicas with it while they are stored. ``data_sha256``:
+        the hex SHA-256 of their bytes in order where known (hashed as they arrived): not computed again."""
         ...
 
     async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None, *,
@@ -136,10 +137,10 @@ class LocalLedger:
         self._claims[key] = claim.claim_id
         return claim
 
-    async def put(self, entries: Sequence[TensorEntry]) -> str | None:
+    async def put(self, entries: Sequence[TensorEntry], digest: str | None = None) -> str | None:
         return None
 
-    async def digest(self, entries: Sequence[TensorEntry]) -> str | None:
+    async def digest(self, entries: Sequence[TensorEntry], data_sha256: str | None = None) -> str | None:
         return None
 
     async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None, *,

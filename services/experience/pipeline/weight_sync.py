@@ -138,7 +138,8 @@ class WeightSync:
         tensors = await asyncio.to_thread(update_tensors, update)
         check_adapter(name, config, tensors, modules, config.rank)  # every tensor there, finite
         entries = tensor_entries(tensors)  # stored from memory, not read back from the staging folder
-        digest = await self.ledger.digest(entries)  # generator replicas hold it under its blob's digest
+        # generator replicas hold it under its blob's digest (its data hashed as it arrived)
+        digest = await self.ledger.digest(entries, update.data_sha256)
         async with self._applying:
             claim = await claim_update(self.ledger, run_id=name)
             live = await run_to_end(self._apply_adapter(name, config, tensors, entries, digest, update, claim, deadline),
@@ -157,7 +158,7 @@ class WeightSync:
             # the ledger's version when it has one: a run of this name deleted and made again through another
             # replica starts again at 0, whatever this replica's clock of the old run says
             version = next_version(update.policy_version, claim.live.version if self.ledger.by_reference else clock.version)
-            stored = None if digest is None else asyncio.ensure_future(self.ledger.put(entries))
+            stored = None if digest is None else asyncio.ensure_future(self.ledger.put(entries, digest))
             await clock.begin_update()
             try:
                 loaded = await self._generator.load_adapter(name, config, tensors, version, deadline,

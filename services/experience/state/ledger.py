@@ -35,13 +35,15 @@ class StoredLedger:
         return await self._store.transact("claiming a weight update", functools.partial(
             rows.claim_update, now=now, until=now + self._claim_s, target=target, run_id=run_id))
 
-    async def put(self, entries: Sequence[TensorEntry]) -> str:
+    async def put(self, entries: Sequence[TensorEntry], digest: str | None = None) -> str:
         try:
-            return await asyncio.to_thread(self._blobs.put, entries)
+            return await asyncio.to_thread(self._blobs.put, entries, digest)
         except OSError as error:
             raise NotReady(f"the weights folder {self._blobs.root} cannot be written: {error}") from error
 
-    async def digest(self, entries: Sequence[TensorEntry]) -> str:
+    async def digest(self, entries: Sequence[TensorEntry], data_sha256: str | None = None) -> str:
+        if data_sha256 is not None:  # the manifest alone: no tensor is read
+            return blob_digest(entries, data_sha256)
         return await asyncio.to_thread(blob_digest, entries)
 
     async def commit(self, claim: Claim, version: int | None, entries: Sequence[TensorEntry] | None = None, *,

@@ -197,10 +197,10 @@ class AdapterForwards:
     @torch.no_grad()
     def _copy(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy checked peft-named tensors into the LoRA layers of peft name ``key``, in place."""
-        layers = dict(self._base.module.named_modules())
+        layer = self._base.module.get_submodule  # by path: not a walk of every module of the model per update
         for name, tensor in tensors.items():
             module, kind = name.removeprefix(PEFT_PREFIX).removesuffix(".weight").rsplit(".", 1)
-            getattr(layers[module], kind)[key].weight.copy_(tensor)
+            getattr(layer(module), kind)[key].weight.copy_(tensor)
 
     def _delete(self, key: str) -> None:
         """Delete peft's adapter ``key``; the last one unloads the LoRA layers (the module is the base again)."""
