@@ -122,7 +122,7 @@ class _Assembler:
         if zlib.crc32(data) != self._crc32:
             raise InvalidRequest(field_name, f"CRC-32 {zlib.crc32(data):#010x} of the received bytes != the "
                                  f"sender's {self._crc32:#010x} (corrupted in transit); nothing was applied")
-        # little-endian on the wire; fastexp's hosts are too
+        # little-endian on the wire; fastexp's hosts are too (never empty: check_tensor took a shape of rank >= 1)
         self.tensors[self._name] = torch.frombuffer(data, dtype=torch.uint8).view(FLOAT_DTYPES[self._dtype]).reshape(self._shape)
         self.num_bytes += len(data)
         self._name, self._parts = None, []

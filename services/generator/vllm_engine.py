@@ -284,7 +284,8 @@ class VLLMEngine(TokenizerEngine):
         memory (``collective_rpc`` → :meth:`~services.generator.vllm_worker.WeightLoaderExtension.fastexp_load_adapter`)
         without pausing the scheduler. Requests started after it returns use it; those running on an older version
         of ``name`` finish on that one, which is dropped when the last ends. Returns the adapter's version
-        (``version``, or the previous + 1; 1 for a first load).
+        (``version``, or the previous + 1; 1 for a first load). An engine in this process keeps ``tensors``
+        themselves (no copy; evicted builds are rebuilt from them): the caller must not change them afterwards.
 
         Raises:
             InvalidRequest: the adapter fails a check (nothing changes; the previous version keeps serving).

@@ -78,7 +78,8 @@ class WorkerAdapters:
 
     async def add(self, slot: AdapterSlot, tensors: Mapping[str, torch.Tensor], peft_fields: dict) -> None:
         """Build the load ``slot`` in every worker from its (checked) peft-named tensors; raises what vLLM raises."""
-        payload = dict(tensors) if self._in_process else await asyncio.to_thread(packed, tensors)
+        payload = ({k: v.detach().cpu() for k, v in tensors.items()} if self._in_process  # CPU ones: as they are
+                   else await asyncio.to_thread(packed, tensors))
         await self._engine.collective_rpc("fastexp_load_adapter", args=(slot.name, slot.slot_id, peft_fields, payload))
 
     def retire(self, slot: AdapterSlot) -> asyncio.Task | None:

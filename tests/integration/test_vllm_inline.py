@@ -115,3 +115,13 @@ def test_no_earlier_test_ran_vllm_in_this_process():
     import torch
 
     assert torch.set_num_threads.__name__ != "skip_set_num_threads"
+
+
+def test_adapters_loaded_in_process_are_kept_as_sent_and_rebuilt_alike(seen):
+    # a (scaling 1) and b (scaling 2): the worker keeps the tensors it was handed (no bytes copy), vLLM's builds and
+    # rebuilds after eviction leave them as sent (b's scaling is folded into a copy), and each rebuilt adapter
+    # samples what it sampled first; each adapter does change the model's log-probs (the checks are not vacuous)
+    assert seen["adapter_kept_uncopied"] == [True, True]
+    assert seen["adapter_kept_as_sent"] == [True, True]
+    assert seen["adapter_rebuilt_alike"] == [True, True]
+    assert seen["adapter_changes_log_probs"] == [True, True]

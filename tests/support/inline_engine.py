@@ -17,6 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
+
 #: How long a condition may take to hold before the scenario fails (seconds; a loaded CI machine is slow).
 WAIT_S = 120.0
 
@@ -85,6 +87,59 @@ async def _versions(llm: Any, model: str) -> dict[str, Any]:
         return {"version_running": await running, "version_held": held_versions, "version_updated": await update,
                 "version_after": await versions(engine.generate(request("after", 4, 1))),
                 "version_held_at_resume": held_at_resume}
+
+
+async def _adapters(llm: Any, model: str) -> dict[str, Any]:
+    """Through :class:`~services.generator.vllm_engine.VLLMEngine` on this engine (one adapter slot, one built adapter
+    kept by vLLM): adapter a (scaling 1) and b (scaling 2, which vLLM folds into lora_B in place) loaded in process,
+    so the worker is handed their tensors as they are; loading b evicts a, sampling a rebuilds it (evicting b), then
+    b is rebuilt. Observed, for a and b: whether the worker keeps the very tensors loaded (no copy), whether they
+    still hold what was sent after the builds and rebuilds, whether the rebuilt adapter samples what it sampled
+    first (greedy tokens and log-probs), and whether the adapter changes the base's log-probs at all.
+    """
+    from fastexp.sampling import SamplingOptions
+    from services.common.generation import GenerationRequest
+    from services.common.lora import AdapterConfig, expected_tensors, linear_modules
+    from services.common.weights import model_spec
+    from services.generator.engine import ModelDescription
+    from services.generator.vllm_engine import VLLMEngine
+
+    tokenizer = llm.get_tokenizer()
+    engine = VLLMEngine(llm, ModelDescription(model, model, 1024, "vllm", tokenizer.eos_token_id,
+                                              tokenizer.eos_token_id), tokenizer, linear_modules(model_spec(model)))
+    configs = {"a": AdapterConfig(8, 8.0, ("q_proj", "v_proj")), "b": AdapterConfig(8, 16.0, ("q_proj", "v_proj"))}
+    generator = torch.Generator().manual_seed(5)
+    loaded = {name: {k: torch.randn(shape, generator=generator) for k, shape in
+                     expected_tensors(config, engine.lora_modules).items()} for name, config in configs.items()}
+    sent = {name: {k: t.clone() for k, t in tensors.items()} for name, tensors in loaded.items()}
+
+    async def greedy(adapter: str | None) -> tuple[list[int], Any]:
+        sampling = SamplingOptions(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        records = [r async for r in engine.generate(GenerationRequest(f"greedy-{adapter}", ((1, 2, 3, 4, 5),),
+                                                                      sampling, 1), adapter=adapter)]
+        return list(records[0].output_token_ids), torch.from_numpy(records[0].output_log_probs)
+
+    base = await greedy(None)
+    await engine.load_adapter("a", configs["a"], loaded["a"])
+    first = {"a": await greedy("a")}
+    await engine.load_adapter("b", configs["b"], loaded["b"])  # evicts a's build
+    first["b"] = await greedy("b")
+    again = {"a": await greedy("a")}  # rebuilt from the kept tensors, evicting b
+    again["b"] = await greedy("b")  # rebuilt: a scaling folded into its kept tensors would show here
+    kept = [tensors for _, tensors in (await llm.collective_rpc(lambda w: w._fastexp_adapters))[0].values()]
+
+    def uncopied(name: str) -> bool:  # a kept load holds the very memory of the tensors loaded
+        return any(t.keys() == loaded[name].keys() and all(t[k].data_ptr() == loaded[name][k].data_ptr() for k in t)
+                   for t in kept)
+
+    return {
+        "adapter_kept_uncopied": [uncopied(name) for name in configs],
+        "adapter_kept_as_sent": [all(torch.equal(loaded[n][k], sent[n][k]) for k in sent[n]) for n in configs],
+        "adapter_rebuilt_alike": [first[n][0] == again[n][0] and torch.equal(first[n][1], again[n][1])
+                                  for n in configs],
+        "adapter_changes_log_probs": [bool((first[n][1] - base[1]).abs().max() > 1e-3) or first[n][0] != base[0]
+                                      for n in configs],
+    }
 
 
 async def scenarios(llm: Any, model: str) -> dict[str, Any]:
@@ -168,6 +223,9 @@ async def scenarios(llm: Any, model: str) -> dict[str, Any]:
 
     step("a request held by a weight update's pause carries the version of the weights it ran on")
     seen.update(await _versions(llm, model))
+
+    step("adapters loaded in process: kept as they are, rebuilt alike after an eviction")
+    seen.update(await _adapters(llm, model))
 
     # an adapter load that no worker keeps fails inside the step that schedules it (the worker builds it there):
     # running streams, new requests and health all report EngineDeadError
