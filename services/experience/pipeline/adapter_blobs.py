@@ -36,6 +36,8 @@ async def stored_or_put_back(stored: Awaitable[str | None], digest: str, ledger:
     """
     try:
         written = await stored
+        # equal by construction where the digest came from the update's bytes hashed as staged and was given to the
+        # write (WeightsBlobs.put); a blob's bytes are checked against its digest whenever it is read (open)
         if written == digest:
             return
         error: BaseException = NotReady(f"its blob was stored as {written}, not {digest}")

@@ -127,7 +127,9 @@ GROUP_HEADROOM_BYTES = 64 * MIB
 #: The tasks of a run's ``pids`` group that are not the tool's (its ``pids.max`` is ``max_processes`` + these): bwrap's
 #: monitor, the one process of the tree outside the sandbox, single-threaded. The join script and ``setpriv`` exec into
 #: it rather than fork, bwrap's child is the tool's first process (``--as-pid-1``: no init of bwrap's inside), and an
-#: unprivileged bwrap forks no helper (tests/integration/test_tool_sandbox_run_groups.py counts them during a run).
+#: unprivileged bwrap forks no helper (tests/integration/test_tool_sandbox_run_groups.py counts them during a run). A
+#: setuid bwrap (not this project's: it needs unprivileged user namespaces) forks a privileged helper while it sets
+#: up, one task more for that while: with ``max_processes`` 1 it could not start.
 TASK_HEADROOM = 1
 #: Joins the run's groups, whose ``cgroup.procs`` files ``$1`` lists (space-separated, split without globbing; none
 #: where empty), then execs the rest of its arguments; exits 125 where one cannot be joined (the run fails: closed).
