@@ -31,6 +31,7 @@ from services.common.weights import model_spec
 from services.generator.adapters import AdapterSlot, AdapterTable
 from services.generator.cpu_threads import CpuThreads
 from services.generator.engine import ModelDescription, SleepState, TokenizerEngine
+from services.generator.vllm_inline import InlineLLM
 from services.generator.vllm_lora import WorkerAdapters, lora_options, lora_request
 from services.generator.vllm_requests import multi_modal_data, sampled_version, sampling_params, to_record
 
@@ -131,7 +132,7 @@ class VLLMEngine(TokenizerEngine):
         self.sleep_state = SleepState()
         self.adapters = AdapterTable()
         # the loads in vLLM's workers (an inline engine's in this process: handed the tensors as they are)
-        self._workers = WorkerAdapters(engine, self.sleep_state, in_process=getattr(engine, "in_process", False))
+        self._workers = WorkerAdapters(engine, self.sleep_state, in_process=isinstance(engine, InlineLLM))
         self.cpu_threads = CpuThreads(engine) if engine.vllm_config.device_config.device_type == "cpu" else None
 
     @classmethod
@@ -147,7 +148,7 @@ class VLLMEngine(TokenizerEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from services.generator.vllm_inline import InlineLLM, inline_engine
+        from services.generator.vllm_inline import inline_engine
         from services.generator.vllm_plugin import set_busy_loop
 
         set_busy_loop(busy_loop_s if busy_loop_s is not None or torch.cuda.is_available() else 0.0)

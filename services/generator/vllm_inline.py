@@ -64,9 +64,6 @@ class InlineLLM:
     """vLLM's ``LLMEngine`` in this process, stepped by a thread of its own; methods named and behaving as
     ``AsyncLLM``'s (pauses in mode ``wait`` only, no sleep mode)."""
 
-    #: Its one worker runs in this process: :meth:`collective_rpc` hands the arguments over as they are.
-    in_process = True
-
     def __init__(self) -> None:
         self._commands: queue.SimpleQueue[tuple[Callable[[Any], Any], concurrent.futures.Future]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
