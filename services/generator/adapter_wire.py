@@ -17,16 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from fastexp.types import FLOAT_DTYPES
-from fastexp.v1 import generation_pb2, tensor_pb2
+from fastexp.v1 import generation_pb2
 from services.common.errors import InvalidRequest
 from services.common.lora import AdapterConfig, check_config, check_tensor
-from services.common.weights.wire import header_then_chunks
+from services.common.weights.wire import DTYPE_NAMES, header_then_chunks
 
 #: The longest ``AdapterHeader.weights_digest`` taken (``sha256:`` and 64 hex digits fit with room).
 MAX_DIGEST_CHARS = 128
-#: ``DType`` values → fastexp's dtype names (``DTYPE_BFLOAT16`` → ``"bfloat16"``), built once: the enum's ``items()``
-#: builds a list on every call, once per tensor otherwise.
-_DTYPE_NAMES = {int(v): n.removeprefix("DTYPE_").lower() for n, v in tensor_pb2.DType.items()}
 
 
 @dataclass(frozen=True)
@@ -102,7 +99,7 @@ class _Assembler:
         field_name = f"tensors[{chunk.name}]"
         if chunk.name in self.tensors:
             raise InvalidRequest(field_name, "sent twice (chunks of a tensor must be consecutive)")
-        dtype = _DTYPE_NAMES.get(chunk.dtype, f"DType value {chunk.dtype}")
+        dtype = DTYPE_NAMES.get(chunk.dtype, f"DType value {chunk.dtype}")
         if dtype not in FLOAT_DTYPES:
             raise InvalidRequest(field_name, f"dtype {dtype} is not a floating-point type")
         check_tensor(chunk.name, FLOAT_DTYPES[dtype], tuple(chunk.shape), self.expected)
@@ -123,7 +120,8 @@ class _Assembler:
             raise InvalidRequest(field_name, f"CRC-32 {zlib.crc32(data):#010x} of the received bytes != the "
                                  f"sender's {self._crc32:#010x} (corrupted in transit); nothing was applied")
         # little-endian on the wire; fastexp's hosts are too (never empty: check_tensor took a shape of rank >= 1)
-        self.tensors[self._name] = torch.frombuffer(data, dtype=torch.uint8).view(FLOAT_DTYPES[self._dtype]).reshape(self._shape)
+        raw = torch.frombuffer(data, dtype=torch.uint8)  # a view of ``data``, which it keeps alive
+        self.tensors[self._name] = raw.view(FLOAT_DTYPES[self._dtype]).reshape(self._shape)
         self.num_bytes += len(data)
         self._name, self._parts = None, []
 

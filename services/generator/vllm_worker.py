@@ -11,7 +11,8 @@ time, and handed to vLLM's in-place ``reload_weights``, which maps checkpoint na
 Adapters: vLLM 0.32 loads LoRA adapters from folders only (``WorkerLoRAManager._load_adapter`` reads
 ``adapter_config.json`` and ``adapter_model.safetensors``). Here the adapter's tensors arrive in the RPC (as raw
 bytes with dtype and shape: vLLM's RPC encoder rebuilds tensors only where a type says so; from a caller in this
-process, an inline engine's, as the tensors themselves), stay in this worker's memory, and the worker's LoRA manager builds its ``LoRAModel`` from them (``LoRAModel.from_lora_tensors``,
+process, an inline engine's, as the tensors themselves), stay in this worker's memory, and the worker's LoRA manager
+builds its ``LoRAModel`` from them (``LoRAModel.from_lora_tensors``,
 what ``_load_adapter`` does after reading the files; verl's ``TensorLoRARequest`` does the same). No disk round
 trip, and an adapter that vLLM's LRU cache (``max_cpu_loras``) evicted is rebuilt from the kept tensors when a
 request needs it again instead of failing on a missing folder.

@@ -92,7 +92,8 @@ class WeightStager:
     chunk. Each tensor's first chunk must carry its CRC-32, checked once its last byte arrived; with a spec, that
     first chunk is checked against the model (:func:`check_entry`) before anything of it is written, and the
     update's bytes are capped at :func:`max_update_bytes`. ``hash_data``: also hash the bytes as they arrive
-    (:attr:`data_sha256`, the data half of the digest its blob gets: :func:`~services.common.weights.blobs.blob_digest`).
+    (:attr:`data_sha256`, the data half of the digest its blob gets:
+    :func:`~services.common.weights.blobs.blob_digest`).
     """
 
     def __init__(self, root: str | Path | None = None, hash_data: bool = False) -> None:

@@ -25,9 +25,10 @@ from services.common.weights.staging import WeightStager, checkpoint_entries
 #: takes about as long as one thread hop (~0.1 ms), hashing it too (an adapter's: ``hash_data``) about twice that: a
 #: LoRA adapter's hundreds of small tensors are not worth it.
 INLINE_CHUNK_BYTES = 256 * 1024
-#: ``DType`` values → fastexp's dtype names (``DTYPE_BFLOAT16`` → ``"bfloat16"``), built once: the enum's ``values()``
-#: builds a list on every call, once per chunk otherwise.
-_DTYPE_NAMES = {int(v): n.removeprefix("DTYPE_").lower() for n, v in tensor_pb2.DType.items()}
+#: ``DType`` values → fastexp's dtype names (``DTYPE_BFLOAT16`` → ``"bfloat16"``), built once: the enum's
+#: ``values()`` and ``items()`` build a list on every call, once per chunk otherwise (both receivers: weights and
+#: adapters).
+DTYPE_NAMES = {int(v): n.removeprefix("DTYPE_").lower() for n, v in tensor_pb2.DType.items()}
 
 
 @contextlib.asynccontextmanager
@@ -122,7 +123,7 @@ async def header_then_chunks(
 
 
 async def _stage_chunk(chunk: generation_pb2.TensorChunk, stager: WeightStager) -> None:
-    dtype = _DTYPE_NAMES.get(chunk.dtype)  # e.g. "bfloat16"
+    dtype = DTYPE_NAMES.get(chunk.dtype)  # e.g. "bfloat16"
     if dtype is None:
         raise InvalidRequest(f"tensor {chunk.name!r}: dtype", f"unknown DType value {chunk.dtype}")
     crc32 = chunk.crc32 if chunk.HasField("crc32") else None
