@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import textwrap
 import time
 from pathlib import Path
 
@@ -30,18 +29,11 @@ from services.scorer.sandbox.bubblewrap import (
     BubblewrapSandbox,
 )
 from services.scorer.sandbox.cgroup import RunGroup, RunGroups
+from tests.support.sandbox_programs import BURST, REAPED_BY_THE_KERNEL, THREADS
 
 _GROUPS = RunGroups.find() if os.geteuid() == 0 else None
 pytestmark = pytest.mark.skipif(_GROUPS is None, reason="needs a root scorer and cgroup v1's memory controller writable")
 
-BURST = textwrap.dedent("""
-    import mmap, os, time
-    for _ in range(8):
-        if os.fork() == 0:
-            block = mmap.mmap(-1, 200 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-            time.sleep(600)
-    time.sleep(600)
-""")
 
 
 def _recording(sandbox: BubblewrapSandbox, pids: bool = True) -> list[Path]:
@@ -113,25 +105,6 @@ def _gone(sandbox: BubblewrapSandbox, memory_group: Path) -> bool:
     return not memory_group.exists() and not any(p is not None and (p / memory_group.name).exists() for p in others)
 
 
-#: A parent that ignores SIGCHLD forks 400 workers one after the other, each spending 30 ms of CPU and exiting: the
-#: kernel reaps them by itself, so their CPU reaches no process's account in /proc, and a sample 0.1 s apart sees at
-#: most one of them alive (12 s of CPU in all).
-REAPED_BY_THE_KERNEL = textwrap.dedent("""
-    import os, signal, time
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    for _ in range(400):
-        pid = os.fork()
-        if pid == 0:
-            end = time.process_time() + 0.03
-            while time.process_time() < end:
-                pass
-            os._exit(0)
-        try:
-            os.waitpid(pid, 0)  # returns (ECHILD) once the kernel has reaped it
-        except ChildProcessError:
-            pass
-    print("done")
-""")
 
 
 @pytest.mark.skipif(_GROUPS is None or _GROUPS.cpu_parent is None, reason="needs cgroup v1's cpuacct writable")
@@ -144,20 +117,7 @@ async def test_cpu_of_children_the_kernel_reaps_counts_toward_cpu_s():
     assert len(made) == 1 and _gone(sandbox, made[0])
 
 
-#: Starts threads (small stacks: RLIMIT_AS does not stop them) until one is refused or 40 run, and says how many.
-THREADS = textwrap.dedent("""
-    import threading
-    threading.stack_size(1 << 18)
-    started = 0
-    try:
-        for _ in range(40):
-            threading.Thread(target=threading.Event().wait, daemon=True).start()
-            started += 1
-    except RuntimeError:
-        pass
-    print("threads", started, flush=True)
-""")
-#: The same, then keeping them until it is killed.
+#: THREADS, then keeping them until it is killed.
 HOLDING = THREADS + "threading.Event().wait()\n"
 _needs_pids = pytest.mark.skipif(_GROUPS is None or _GROUPS.pids_parent is None,
                                  reason="needs cgroup v1's pids writable")
