@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.scorer.sandbox.cgroup import RunGroups
+from services.scorer.sandbox.cgroup_v2 import UnifiedRunGroups, own_group
 
 
 def _layout(tmp_path: Path, proc_cgroup: str, groups: dict[str, str]) -> tuple[Path, Path]:
@@ -111,3 +112,45 @@ def test_a_pids_group_that_cannot_be_made_leaves_the_run_its_other_groups(tmp_pa
         group = groups.create(1 << 20, max_tasks=17)
     assert group.pids_path is None and group.path.is_dir() and group.cpu_path == root / "cpuacct" / group.path.name
     assert "no pids group for a tool run" in caplog.text
+
+
+_MOUNTS = ("31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+           "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n")
+
+
+@pytest.mark.parametrize(("proc_cgroup", "mount", "expected"), [
+    # a hybrid host (this project's): v2 mounted beside the v1 hierarchies
+    ("4:memory:/x\n0::/\n", "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n",
+     "/sys/fs/cgroup/unified"),
+    # a host of v2 alone, the scorer in a systemd unit
+    ("0::/system.slice/scorer.service\n", "29 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n",
+     "/sys/fs/cgroup/system.slice/scorer.service"),
+    # a container whose mount is rooted at its own group (no cgroup namespace: the path is the host's)
+    ("0::/kubepods/pod1/c1/scorer\n", "900 800 0:26 /kubepods/pod1/c1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+     "/sys/fs/cgroup/scorer"),
+])
+def test_the_unified_group_is_found_below_the_cgroup2_mount_that_holds_it(proc_cgroup, mount, expected):
+    assert own_group(proc_cgroup, _MOUNTS + mount) == Path(expected)
+
+
+@pytest.mark.parametrize(("proc_cgroup", "mount"), [
+    ("4:memory:/x\n", "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"),  # no 0:: line
+    ("0::/\n", ""),  # no cgroup2 mount
+    ("0::/other/pod\n", "900 800 0:26 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"),  # not below it
+    ("0::/my group\n", "29 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"),  # white space
+])
+def test_without_a_mount_holding_the_unified_group_there_is_none(proc_cgroup, mount):
+    assert own_group(proc_cgroup, _MOUNTS + mount) is None
+
+
+def test_a_unified_group_is_limited_by_the_controllers_it_hands_on(tmp_path):
+    # the files the kernel shows in a run's group, where its parent hands memory, pids and hugetlb on
+    groups = UnifiedRunGroups(tmp_path, frozenset({"memory", "pids", "hugetlb"}))
+    assert groups._settings(tmp_path, 100, 9) == [("memory.max", "100"), ("memory.oom.group", "1"),
+                                                  ("pids.max", "9")]
+    for name in ("memory.swap.max", "hugetlb.2MB.max", "hugetlb.1GB.max"):
+        (tmp_path / name).write_text("max\n")
+    assert groups._settings(tmp_path, 100, None) == [("memory.max", "100"), ("memory.oom.group", "1"),
+                                                     ("memory.swap.max", "0"), ("hugetlb.1GB.max", "0"),
+                                                     ("hugetlb.2MB.max", "0")]
+    assert UnifiedRunGroups(tmp_path)._settings(tmp_path, 100, 9) == []  # none handed on: kill and CPU alone

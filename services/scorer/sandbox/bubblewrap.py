@@ -82,7 +82,7 @@ from services.scorer.sandbox.bwrap_args import (
     private_proc,
     root_links,
 )
-from services.scorer.sandbox.cgroup import RunGroup, RunGroups
+from services.scorer.sandbox.run_groups import AnyRunGroup, CgroupVersion, describe, find_run_groups
 from services.scorer.sandbox.seccomp import SeccompUnavailable, filter_program
 from services.scorer.sandbox.slots import FairSlots
 from services.scorer.sandbox.supervise import Watch, collect
@@ -106,7 +106,8 @@ class BubblewrapOptions:
     runtime masks ``/proc``), ``max_concurrent`` runs at once (more wait, each tenant in a queue of its own:
     :mod:`.slots`; ``max_concurrent_per_tenant`` of them for one tenant, ``None``: all), and ``usage_poll_s``, the seconds
     between two samples of a run's tree's CPU time, memory and files (its per-run limits); ``max_files`` the
-    files (inodes) a run's tmpfs may hold."""
+    files (inodes) a run's tmpfs may hold; ``cgroups`` which cgroup hierarchy a run's group is made in
+    (:data:`.run_groups.CgroupVersion`)."""
 
     bwrap: str = "bwrap"
     python: str | None = None
@@ -119,6 +120,7 @@ class BubblewrapOptions:
     usage_poll_s: float = 0.1
     max_files: int = 10_000
     max_concurrent_per_tenant: int | None = None
+    cgroups: CgroupVersion = "auto"
 
 
 #: What a run's memory group holds beyond ``memory_bytes`` and its tmpfs: bwrap's monitor, page tables, kernel
@@ -149,7 +151,7 @@ class BubblewrapSandbox:
         # resolved once, on this process's PATH: runs start with an empty environment, where a bare name that is
         # not in the default path (/bin, /usr/bin) would not be found; start-up and runs use the same program
         self._bwrap = shutil.which(options.bwrap)
-        self._groups = RunGroups.find()  # cgroups per run where the host lets this process make them
+        self._groups = find_run_groups(options.cgroups)  # cgroups per run where the host lets it make them
         if self._groups is not None:
             self._groups.sweep()  # groups a scorer that crashed left
         self.description = f"bubblewrap ({self._bwrap or options.bwrap}; {self._python}; host uid {self._uid or os.geteuid()})"
@@ -169,7 +171,8 @@ class BubblewrapSandbox:
         if not os.access(self._python, os.X_OK):
             raise SandboxUnavailable(f"sandbox.python {self._python!r} is not an executable interpreter")
         version = await _bwrap_version(bwrap)
-        self.description = f"bubblewrap {version} ({self._python}; host uid {self._uid or os.geteuid()})"
+        self.description = (f"bubblewrap {version} ({self._python}; host uid {self._uid or os.geteuid()}; "
+                            f"{describe(self._groups)})")
         await probe(self, 30.0, self._python,
                     "bubblewrap cannot isolate a run here: {error}. Fix: allow unprivileged user namespaces "
                     "(sysctl user.max_user_namespaces > 0 and kernel.unprivileged_userns_clone = 1); in a container, "
@@ -190,7 +193,7 @@ class BubblewrapSandbox:
                 if group is not None:
                     await group.end()
 
-    def _group(self, limits: SandboxLimits) -> RunGroup | None:
+    def _group(self, limits: SandboxLimits) -> AnyRunGroup | None:
         if self._groups is None:
             return None
         try:
@@ -203,7 +206,7 @@ class BubblewrapSandbox:
     async def close(self) -> None:
         return None
 
-    async def _run(self, code: str, limits: SandboxLimits, group: RunGroup | None) -> SandboxResult:
+    async def _run(self, code: str, limits: SandboxLimits, group: AnyRunGroup | None) -> SandboxResult:
         try:
             program = filter_program()
         except SeccompUnavailable as error:  # fail closed: no run without its system-call filter
@@ -244,7 +247,7 @@ class BubblewrapSandbox:
                              exit_code, stopped)
 
     def _command(self, limits: SandboxLimits, source: int, status: int, rules: int, empties: list[int],
-                 group: RunGroup | None = None) -> list[str]:
+                 group: AnyRunGroup | None = None) -> list[str]:
         o = self._options
         command = [
             self._bwrap or o.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",

@@ -23,9 +23,9 @@ gofer's, not the tool's, whose processes the Sentry bounds in its own kernel.
 Where: cgroup v1's ``memory`` (and ``cpuacct`` and ``pids``, where they are mounted too) controllers mounted
 writable under ``/sys/fs/cgroup``, the scorer's own group in each writable (a host's root, a privileged container);
 each run gets a child group of the scorer's own in each, so the runs stay inside whatever bounds the scorer (its
-container's group). cgroup v2 is not used: its groups with controllers enabled for children may hold no process, so
-the scorer would first have to move itself into a leaf; hosts with v2 alone keep the sampled limits
-(docs/operations/security.md).
+container's group). A host whose v1 memory controller is not writable (cgroup v2 alone) gets a group per run in the
+unified hierarchy instead, where the scorer's group there is delegated (:mod:`.cgroup_v2`; the choice:
+:mod:`.run_groups`); elsewhere the sampled limits hold alone (docs/operations/security.md).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,21 +219,7 @@ class RunGroup:
         and a group is removable only once they are gone (the ninth review left groups so). Each is killed again
         until none is listed, then the group is removed; one still busy after ``timeout_s`` is logged and left for
         :meth:`RunGroups.sweep`."""
-        loop = asyncio.get_running_loop()
-        deadline, cancelled = loop.time() + timeout_s, False
-        attempt: asyncio.Future[bool] | None = None
-        while True:
-            try:  # the group goes even when the call is cancelled; the cancel then holds (re-raised below)
-                if attempt is None:
-                    attempt = asyncio.ensure_future(asyncio.to_thread(self._removed, loop.time() > deadline))
-                if await asyncio.shield(attempt):
-                    break
-                attempt = None
-                await asyncio.sleep(END_POLL_S)
-            except asyncio.CancelledError:  # an attempt under way is awaited again, not started twice
-                cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
+        await end_group(self._removed, timeout_s)
 
     def _removed(self, last_try: bool) -> bool:
         """Kill what is listed, then, once nothing is, reclaim what is still charged to the group and remove it;
@@ -242,7 +229,7 @@ class RunGroup:
         (cgroup v1's step before removal), which also drops from the cache what the run alone brought into it."""
         pids = self.pids()
         for pid in pids:
-            _kill_in(pid, self.path)
+            kill_in(pid, self.path)
         if pids:
             return False if not last_try else self._give_up("its processes are still exiting")
         if refused := self.tasks_refused():
@@ -269,15 +256,38 @@ class RunGroup:
                 path.rmdir()
 
 
-def _kill_in(pid: int, group: Path) -> None:
-    """SIGKILL ``pid`` if it is still in ``group`` (through a pidfd: not a process that took its pid since)."""
+async def end_group(removed: Callable[[bool], bool], timeout_s: float = END_TIMEOUT_S) -> None:
+    """Call ``removed`` (in a thread: it writes and reads cgroup files) every :data:`END_POLL_S` until it returns
+    True, passing whether this is the last try (``timeout_s`` past), even while the caller is cancelled: the cancel
+    then holds (re-raised once it is done). A try under way is awaited again, not started twice."""
+    loop = asyncio.get_running_loop()
+    deadline, cancelled = loop.time() + timeout_s, False
+    attempt: asyncio.Future[bool] | None = None
+    while True:
+        try:
+            if attempt is None:
+                attempt = asyncio.ensure_future(asyncio.to_thread(removed, loop.time() > deadline))
+            if await asyncio.shield(attempt):
+                break
+            attempt = None
+            await asyncio.sleep(END_POLL_S)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+def kill_in(pid: int, group: Path, unified: bool = False) -> None:
+    """SIGKILL ``pid`` if it is still in ``group`` (through a pidfd: not a process that took its pid since): its
+    memory group in cgroup v1, its group in the unified hierarchy (cgroup v2) where ``unified``."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
         return
     try:
-        memory = next(line for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if ":memory:" in line)
-        if memory.split(":", 2)[2].rstrip("/").endswith(group.name):
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        line = next(line for line in lines if (line.startswith("0::") if unified else ":memory:" in line))
+        if line.split(":", 2)[2].rstrip("/").endswith(group.name):
             signal.pidfd_send_signal(fd, signal.SIGKILL)
     except (OSError, StopIteration):
         pass

@@ -61,8 +61,8 @@ from services.scorer.sandbox.base import (
     probe,
 )
 from services.scorer.sandbox.bubblewrap import default_python
-from services.scorer.sandbox.cgroup import RunGroup, RunGroups
 from services.scorer.sandbox.gvisor_usage import SentryUsage
+from services.scorer.sandbox.run_groups import AnyRunGroup, CgroupVersion, describe, find_run_groups
 from services.scorer.sandbox.slots import FairSlots
 from services.scorer.sandbox.supervise import Watch, collect
 from services.scorer.sandbox.tree import RunTree, start_run
@@ -102,7 +102,8 @@ class GvisorOptions:
     ``kvm``), the interpreter inside (``None``: as :mod:`.bubblewrap`; it must lie under ``/usr``),
     ``max_processes`` the tool may have (itself included), ``tmpfs_bytes`` of its ``/tmp``, ``max_concurrent``
     runs at once (more wait, each tenant in a queue of its own: :mod:`.slots`; ``max_concurrent_per_tenant`` of
-    them for one tenant, ``None``: all), ``usage_poll_s`` between two samples of a run's use."""
+    them for one tenant, ``None``: all), ``usage_poll_s`` between two samples of a run's use, ``cgroups`` which cgroup
+    hierarchy a run's group is made in (:data:`.run_groups.CgroupVersion`)."""
 
     runsc: str = "runsc"
     platform: str = "ptrace"
@@ -112,6 +113,7 @@ class GvisorOptions:
     max_concurrent: int = 4
     usage_poll_s: float = 0.1
     max_concurrent_per_tenant: int | None = None
+    cgroups: CgroupVersion = "auto"
 
 
 def oci_spec(python: str, rootfs: str, limits: SandboxLimits, options: GvisorOptions,
@@ -186,10 +188,11 @@ class GvisorSandbox:
         self._slots = FairSlots(options.max_concurrent, options.max_concurrent_per_tenant)
         self._home: Path | None = None  # this backend's folder: the root's skeleton and each run's bundle and state
         self._rootless = os.geteuid() != 0
-        self._groups = None if self._rootless else RunGroups.find()  # cgroups per run where it may
+        self._groups = None if self._rootless else find_run_groups(options.cgroups)  # where it may
         if self._groups is not None:
             self._groups.sweep()  # groups a scorer that crashed left
-        self.description = f"gVisor ({self._runsc or options.runsc}, {options.platform}; {self._python})"
+        self.description = (f"gVisor ({self._runsc or options.runsc}, {options.platform}; {self._python}; "
+                            f"{describe(self._groups)})")
 
     async def check(self) -> None:
         """Run the probe in a real gVisor sandbox (see :meth:`run`).
@@ -230,7 +233,7 @@ class GvisorSandbox:
                 finally:  # even when a cancel lands while the group ends
                     shutil.rmtree(run, ignore_errors=True)
 
-    def _group(self, limits: SandboxLimits) -> RunGroup | None:
+    def _group(self, limits: SandboxLimits) -> AnyRunGroup | None:
         if self._groups is None:
             return None
         try:
@@ -256,7 +259,7 @@ class GvisorSandbox:
             (self._home / "root").mkdir()  # and their root, a tmpfs of its own (_command)
         return self._home
 
-    async def _run(self, code: str, limits: SandboxLimits, run: Path, group: RunGroup | None) -> SandboxResult:
+    async def _run(self, code: str, limits: SandboxLimits, run: Path, group: AnyRunGroup | None) -> SandboxResult:
         assert self._home is not None
         source = code.encode(errors="surrogatepass")  # a lone surrogate: invalid UTF-8, which Python reports
         usr = "/usr" if self._rootless else str(self._home / "usr")
@@ -287,7 +290,7 @@ class GvisorSandbox:
         return SandboxResult(cut(stdout, limits.max_output_bytes), cut(stderr[len(STARTED):], limits.max_output_bytes),
                              exit_code, stopped)
 
-    def _command(self, run: Path, group: RunGroup | None) -> list[str]:
+    def _command(self, run: Path, group: AnyRunGroup | None) -> list[str]:
         runsc = [self._runsc or self._options.runsc, *(["--rootless"] if self._rootless else []), "--network=none",
                  "--ignore-cgroups", f"--platform={self._options.platform}", "--root", str(run / "state"),
                  "run", "--bundle", str(run), f"fastexp-{uuid.uuid4().hex}"]

@@ -13,6 +13,7 @@ from services.scorer.sandbox.base import MIB, Sandbox
 from services.scorer.sandbox.bubblewrap import BubblewrapOptions, BubblewrapSandbox
 from services.scorer.sandbox.gvisor import GvisorOptions, GvisorSandbox
 from services.scorer.sandbox.remote import RemoteSandbox
+from services.scorer.sandbox.run_groups import CgroupVersion
 
 
 class SandboxSettings(BaseModel):
@@ -49,6 +50,10 @@ class SandboxSettings(BaseModel):
                                 "tree (CPU seconds, resident memory) against its per-run limits")
     max_files: int = Field(10_000, ge=16, description="files (inodes) a run's /tmp may hold; each costs the kernel "
                            "about 1 KiB that tmpfs_bytes does not count")
+    cgroups: CgroupVersion = Field(
+        "auto", description="bwrap, gvisor: the cgroup hierarchy each run gets a group in (memory, tasks and CPU per "
+        "run; the whole tree killed as one): auto (v1 where its memory controller is writable, else v2 where the "
+        "scorer's group is delegated), v1, v2 or off (sampled limits only); docs/operations/security.md")
     remote_url: str | None = Field(None, description="remote: the endpoint's base URL (POST {url}/run_code)")
     remote_token_file: Path | None = Field(None, description="remote: bearer token file (first line)")
     remote_ca_file: Path | None = Field(None, description="remote: CA bundle verifying an https endpoint")
@@ -82,11 +87,11 @@ def build_sandbox(settings: SandboxSettings) -> Sandbox:
             runsc=settings.runsc, platform=settings.runsc_platform, python=settings.python,
             max_processes=settings.max_processes, tmpfs_bytes=settings.tmpfs_bytes,
             max_concurrent=settings.max_concurrent, usage_poll_s=settings.usage_poll_s,
-            max_concurrent_per_tenant=settings.max_concurrent_per_tenant,
+            max_concurrent_per_tenant=settings.max_concurrent_per_tenant, cgroups=settings.cgroups,
         ))
     return BubblewrapSandbox(BubblewrapOptions(
         bwrap=settings.bwrap, python=settings.python, uid=settings.uid, gid=settings.gid,
         max_processes=settings.max_processes, tmpfs_bytes=settings.tmpfs_bytes, mount_proc=settings.mount_proc,
         max_concurrent=settings.max_concurrent, usage_poll_s=settings.usage_poll_s, max_files=settings.max_files,
-        max_concurrent_per_tenant=settings.max_concurrent_per_tenant,
+        max_concurrent_per_tenant=settings.max_concurrent_per_tenant, cgroups=settings.cgroups,
     ))
