@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import textwrap
 import time
@@ -35,6 +36,10 @@ pytestmark = pytest.mark.skipif(
     reason="needs a root scorer and a cgroup v2 (unified) hierarchy mounted writable")
 
 
+#: Held while a module's groups exist (:func:`delegated`).
+LOCK = "/tmp/fastexp-unified-groups-test.lock"
+
+
 def _procs(group: Path) -> list[str]:
     with contextlib.suppress(OSError):
         return (group / "cgroup.procs").read_text().split()
@@ -45,32 +50,47 @@ def _procs(group: Path) -> list[str]:
 def delegated() -> Iterator[Path]:
     """A group of its own below this process's, holding this process, that has the controllers of
     :data:`CONTROLLERS` this process's group has to hand on (enabled there where they are not yet, and disabled
-    again after: ``hugetlb`` on this project's hosts); everything moves back afterwards."""
+    again after: ``hugetlb`` on this project's hosts); afterwards this process moves back, whatever is left in the
+    group is killed, and the groups go. One such module at a time on a host (a lock): another's ``-hugetlb`` would
+    fail, or pull the controller from under this one's groups."""
     assert _HOME is not None
-    handed = (_HOME / "cgroup.subtree_control").read_text().split()
-    enabled = [c for c in CONTROLLERS if c not in handed and c in (_HOME / "cgroup.controllers").read_text().split()]
-    for controller in list(enabled):
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        handed = (_HOME / "cgroup.subtree_control").read_text().split()
+        enabled = []
         try:
-            (_HOME / "cgroup.subtree_control").write_text(f"+{controller}")
-        except OSError:  # (a group of this process's with processes of its own: v2 lets it hand nothing on)
-            enabled.remove(controller)
-    if "hugetlb" not in (_HOME / "cgroup.subtree_control").read_text().split():
-        for controller in enabled:
-            (_HOME / "cgroup.subtree_control").write_text(f"-{controller}")
-        pytest.skip(f"{_HOME} has no hugetlb controller to hand on")
-    scratch = _HOME / f"fastexp-test-{uuid.uuid4().hex[:12]}"
-    scratch.mkdir()
-    (scratch / "cgroup.procs").write_text(str(os.getpid()))
-    try:
-        yield scratch
-    finally:  # this process and whatever it started meanwhile go back; then the groups go, deepest first
-        for folder, _, _ in sorted(os.walk(scratch), key=lambda walked: -len(walked[0])):
-            for pid in _procs(Path(folder)):
-                with contextlib.suppress(OSError):
-                    (_HOME / "cgroup.procs").write_text(pid)
+            for controller in CONTROLLERS:
+                if controller not in handed and controller in (_HOME / "cgroup.controllers").read_text().split():
+                    with contextlib.suppress(OSError):  # (a group of this process's holding processes: v2 refuses)
+                        (_HOME / "cgroup.subtree_control").write_text(f"+{controller}")
+                        enabled.append(controller)
+            if "hugetlb" not in (_HOME / "cgroup.subtree_control").read_text().split():
+                pytest.skip(f"{_HOME} has no hugetlb controller to hand on")
+            scratch = _HOME / f"fastexp-test-{uuid.uuid4().hex[:12]}"
+            scratch.mkdir()
+            try:
+                (scratch / "cgroup.procs").write_text(str(os.getpid()))
+                yield scratch
+            finally:
+                _dismantle(scratch)
+        finally:
+            for controller in enabled:
+                (_HOME / "cgroup.subtree_control").write_text(f"-{controller}")
+
+
+def _dismantle(scratch: Path) -> None:
+    """Move this process back to its group, kill whatever is left below ``scratch`` (the event: ``populated 0``) and
+    remove the groups, deepest first."""
+    assert _HOME is not None
+    (_HOME / "cgroup.procs").write_text(str(os.getpid()))
+    (scratch / "cgroup.kill").write_text("1")
+    deadline = time.monotonic() + 30
+    while UnifiedRunGroup(scratch).populated() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for folder, _, _ in sorted(os.walk(scratch), key=lambda walked: -walked[0].count("/")):
+        with contextlib.suppress(OSError):
             Path(folder).rmdir()
-        for controller in enabled:
-            (_HOME / "cgroup.subtree_control").write_text(f"-{controller}")
+    assert not scratch.exists(), f"{scratch} could not be removed"
 
 
 def _recording(sandbox: BubblewrapSandbox | GvisorSandbox) -> list[Path]:
@@ -122,15 +142,17 @@ async def test_the_scorers_group_hands_its_controllers_on_from_a_leaf_and_a_canc
 
     made = _recording(sandbox)
     call = asyncio.ensure_future(sandbox.run(DETACHED, SandboxLimits(timeout_s=300.0)))
-    # the event: the whole tree is in the run's group (bwrap's monitor, the tool and its three children)
-    async with asyncio.timeout(60):
-        while not (made and len(_procs(made[0])) >= 2 + 3):
-            await asyncio.sleep(0.01)
-    tree = _procs(made[0])
-    limits = {path.name: path.read_text().strip() for path in made[0].glob("hugetlb.*.max")}
-    assert limits and set(limits.values()) == {"0"}, limits  # no huge page: memory.max would not count it
-    assert made[0].parent == delegated and not (delegated / LEAF / made[0].name).exists()
-    call.cancel()
+    try:
+        # the event: the whole tree is in the run's group (bwrap's monitor, the tool and its three children)
+        async with asyncio.timeout(60):
+            while not (made and len(_procs(made[0])) >= 2 + 3):
+                await asyncio.sleep(0.01)
+        tree = _procs(made[0])
+        limits = {path.name: path.read_text().strip() for path in made[0].glob("hugetlb.*.max")}
+        assert limits and set(limits.values()) == {"0"}, limits  # no huge page: memory.max would not count it
+        assert made[0].parent == delegated and not (delegated / LEAF / made[0].name).exists()
+    finally:
+        call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
     assert not made[0].exists()
@@ -160,7 +182,7 @@ def test_leftover_groups_are_swept_and_live_ones_kept(delegated):
         os.utime(group.path, (an_hour_ago, an_hour_ago))
     (live.path / "cgroup.procs").write_text(str(os.getpid()))
     try:
-        assert groups.sweep() == 1 and not left.path.exists() and live.path.exists()
+        assert groups.sweep() >= 1 and not left.path.exists() and live.path.exists()
     finally:
         (delegated / LEAF / "cgroup.procs").write_text(str(os.getpid()))
         live.remove()
@@ -215,11 +237,13 @@ async def test_a_gvisor_runs_sentry_and_gofer_end_with_its_group(delegated):
             """), SandboxLimits(timeout_s=60.0, cpu_s=30))
             assert result.stdout.strip() == "parent exits", result
         call = asyncio.ensure_future(sandbox.run("import time; time.sleep(600)", SandboxLimits(timeout_s=300.0)))
-        async with asyncio.timeout(60):
-            while not (len(made) == 4 and len(_procs(made[-1])) >= 3):  # the event: runsc, its gofer, Sentry in it
-                await asyncio.sleep(0.01)
-        tree = _procs(made[-1])
-        call.cancel()
+        try:
+            async with asyncio.timeout(60):
+                while not (len(made) == 4 and len(_procs(made[-1])) >= 3):  # the event: runsc, gofer, Sentry in it
+                    await asyncio.sleep(0.01)
+            tree = _procs(made[-1])
+        finally:
+            call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
     finally:

@@ -144,11 +144,11 @@ def test_without_a_mount_holding_the_unified_group_there_is_none(proc_cgroup, mo
 
 
 def test_a_unified_group_is_limited_by_the_controllers_it_hands_on(tmp_path):
-    # the files the kernel shows in a run's group, where its parent hands memory, pids and hugetlb on
+    # the files the kernel shows in a run's group, where its parent hands memory, pids and hugetlb on: before Linux
+    # 4.19 (no memory.oom.group) and without swap accounting (no memory.swap.max), then with both and huge pages
     groups = UnifiedRunGroups(tmp_path, frozenset({"memory", "pids", "hugetlb"}))
-    assert groups._settings(tmp_path, 100, 9) == [("memory.max", "100"), ("memory.oom.group", "1"),
-                                                  ("pids.max", "9")]
-    for name in ("memory.swap.max", "hugetlb.2MB.max", "hugetlb.1GB.max"):
+    assert groups._settings(tmp_path, 100, 9) == [("memory.max", "100"), ("pids.max", "9")]
+    for name in ("memory.oom.group", "memory.swap.max", "hugetlb.2MB.max", "hugetlb.1GB.max"):
         (tmp_path / name).write_text("max\n")
     assert groups._settings(tmp_path, 100, None) == [("memory.max", "100"), ("memory.oom.group", "1"),
                                                      ("memory.swap.max", "0"), ("hugetlb.1GB.max", "0"),

@@ -16,7 +16,8 @@ group with or without the ``cpu`` controller).
   ``memory.events``' ``oom_kill`` says so;
 - ``pids``: ``pids.max`` (the run's tasks, processes and threads, whatever its uid; ``pids.events``' ``max`` counts
   the forks refused);
-- ``hugetlb``: each ``hugetlb.<size>.max`` 0: huge pages are not charged to ``memory.max``, and a run needs none.
+- ``hugetlb``: each ``hugetlb.<size>.max`` 0: huge pages are not charged to ``memory.max`` (unless the hierarchy
+  is mounted with ``memory_hugetlb_accounting``), and a run needs none.
 
 Before a group is removed, what is still charged to it (the page cache of files its run read first) is reclaimed
 (``memory.reclaim``, Linux 5.19 and later), as cgroup v1's ``memory.force_empty`` does (:mod:`.cgroup`): a group
@@ -26,7 +27,9 @@ removed with pages charged stays alive in the kernel, out of sight, holding one 
 itself (the root excepted). Where the scorer's group holds processes (the scorer, a container's init), they move into
 a leaf below it, :data:`LEAF`, before the controllers are enabled, as systemd and container runtimes do with a
 delegated group; each run's group is then a sibling of that leaf. A controller that cannot be enabled is logged and
-left out: its limit stays the sampled one (:mod:`.usage`).
+left out: its limit stays the sampled one (:mod:`.usage`). A scorer in the hierarchy's root group (a root scorer of
+the host, ``sandbox.cgroups: v2`` on a hybrid host) enables the controllers there, for the whole host, moves nothing
+(the root may hold processes) and leaves them enabled when it stops.
 
 Where nothing is delegated (the container's cgroup mounted read-only, as Kubernetes and Docker mount it unless told
 otherwise; a scorer that is neither root nor the group's owner), :meth:`UnifiedRunGroups.find` returns None and the
@@ -54,6 +57,10 @@ logger = logging.getLogger(__name__)
 LEAF = "fastexp-scorer"
 #: The controllers a run's group is limited by where the scorer's group may hand them on (module docs).
 CONTROLLERS = ("memory", "pids", "hugetlb")
+#: Tries at enabling a controller while the group still holds a process (the kernel answers EBUSY), and seconds
+#: between two, growing by this much each time.
+ENABLE_TRIES = 5
+ENABLE_PAUSE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -86,8 +93,8 @@ class UnifiedRunGroups:
         removed, now = 0, time.time()
         for path in self.parent.glob(f"{PREFIX}*"):
             with contextlib.suppress(OSError):
-                if now - path.stat().st_mtime > older_than_s and not UnifiedRunGroup(path).populated():
-                    path.rmdir()
+                if now - path.stat().st_mtime > older_than_s and not (group := UnifiedRunGroup(path)).populated():
+                    group.reclaim_and_remove()
                     removed += 1
         return removed
 
@@ -112,9 +119,9 @@ class UnifiedRunGroups:
     def _settings(self, path: Path, limit_bytes: int, max_tasks: int | None) -> list[tuple[str, str]]:
         settings = []
         if "memory" in self.controllers:
-            settings += [("memory.max", str(limit_bytes)), ("memory.oom.group", "1")]
-            if (path / "memory.swap.max").exists():  # where the kernel accounts swap
-                settings.append(("memory.swap.max", "0"))
+            settings.append(("memory.max", str(limit_bytes)))
+            settings += [(name, value) for name, value in (("memory.oom.group", "1"), ("memory.swap.max", "0"))
+                         if (path / name).exists()]  # Linux 4.19 and later; where the kernel accounts swap
         if "pids" in self.controllers and max_tasks is not None:
             settings.append(("pids.max", str(max_tasks)))
         if "hugetlb" in self.controllers:
@@ -128,7 +135,7 @@ def own_group(proc_cgroup: str, mountinfo: str) -> Path | None:
     container's mount is rooted at its own group). None: no such line or mount, or a path with white space (the run's
     shell joins the group by its path, split on it)."""
     path = next((line[3:] for line in proc_cgroup.splitlines() if line.startswith("0::")), None)
-    if path is None:
+    if path is None or ".." in path.split("/"):  # (a process outside its cgroup namespace's root sees /../…)
         return None
     for line in mountinfo.splitlines():
         fields, _, rest = line.partition(" - ")
@@ -150,36 +157,49 @@ def _enable(group: Path) -> set[str]:
     """Enable each of :data:`CONTROLLERS` that ``group`` has for its children, moving its processes into
     :data:`LEAF` first where it holds some (module docs); those enabled."""
     enabled = set((group / "cgroup.subtree_control").read_text().split())
-    for controller in [c for c in CONTROLLERS if c in (group / "cgroup.controllers").read_text().split()]:
-        if controller in enabled:
-            continue
-        try:
+    wanted = [c for c in CONTROLLERS if c in (group / "cgroup.controllers").read_text().split() and c not in enabled]
+    moved = False
+    for controller in wanted:
+        for attempt in range(ENABLE_TRIES):
             try:
                 (group / "cgroup.subtree_control").write_text(f"+{controller}")
+                enabled.add(controller)
+                break
             except OSError as error:
-                if error.errno != errno.EBUSY:
-                    raise
-                _into_leaf(group)  # no internal processes: the group's own make room, then the write again
-                (group / "cgroup.subtree_control").write_text(f"+{controller}")
-            enabled.add(controller)
-        except OSError as error:
-            logger.warning("cgroup v2: %s cannot be enabled for tool runs' groups in %s (%s): its limit is sampled "
-                           "only", controller, group, error)
+                if error.errno != errno.EBUSY or attempt == ENABLE_TRIES - 1:
+                    logger.warning("cgroup v2: %s cannot be enabled for tool runs' groups in %s (%s): its limit is "
+                                   "sampled only", controller, group, error)
+                    break
+                if not moved:  # no internal processes: the group's own make room, once
+                    _into_leaf(group)
+                    moved = True
+                else:  # a process forked meanwhile, or the kernel's moves not yet settled: moved again after a pause
+                    time.sleep(ENABLE_PAUSE_S * (attempt + 1))
+                    _into_leaf(group)
     return enabled & set(CONTROLLERS)
 
 
 def _into_leaf(group: Path) -> None:
-    """Move every process of ``group`` into its :data:`LEAF` (made where missing); one that exits meanwhile is
-    skipped."""
+    """Move the processes of ``group`` into its :data:`LEAF` (made where missing), again while new ones appear (a
+    fork during the move), up to :data:`ENABLE_TRIES` rounds; one that exits or cannot be moved is skipped (the
+    controllers' writes then fail, logged)."""
     leaf = group / LEAF
     leaf.mkdir(exist_ok=True)
+    tried: set[str] = set()
     moved = 0
-    for pid in (group / "cgroup.procs").read_text().split():
-        with contextlib.suppress(ProcessLookupError):
-            (leaf / "cgroup.procs").write_text(pid)
-            moved += 1
-    logger.info("cgroup v2: %d process(es) of %s moved into %s, so that tool runs' groups can be limited", moved,
-                group, LEAF)
+    for _ in range(ENABLE_TRIES):
+        left = [pid for pid in (group / "cgroup.procs").read_text().split() if pid not in tried]
+        if not left:
+            break
+        for pid in left:
+            tried.add(pid)
+            try:
+                (leaf / "cgroup.procs").write_text(pid)
+                moved += 1
+            except OSError as error:
+                logger.debug("cgroup v2: process %s stays in %s (%s)", pid, group, error)
+    logger.info("cgroup v2: %d process(es) of %s moved into %s, so that tool runs' groups can be limited",
+                moved, group, LEAF)
 
 
 @dataclass(frozen=True)
@@ -234,25 +254,36 @@ class UnifiedRunGroup:
         if not self.path.exists():
             return True
         if self.populated():
-            try:
-                (self.path / "cgroup.kill").write_text("1")
-            except FileNotFoundError:  # before Linux 5.14: each listed process, until none is
+            kill = self.path / "cgroup.kill"
+            if kill.exists():
+                with contextlib.suppress(OSError):  # removed meanwhile: the next try reads it again
+                    kill.write_text("1")
+            else:  # before Linux 5.14: each listed process, until none is
                 for pid in self.pids():
                     kill_in(pid, self.path, unified=True)
-            except OSError:
-                pass  # removed meanwhile, or not ours to kill: the next try reads it again
             return self._give_up("its processes are still exiting") if last_try else False
         if refused := self.tasks_refused():
             logger.debug("a run's group refused %d forks or clones at its pids.max: %s", refused, self.path.name)
-        with contextlib.suppress(OSError, ValueError):  # EAGAIN: less reclaimed than asked; the removal goes on
-            (self.path / "memory.reclaim").write_text((self.path / "memory.current").read_text().strip())
         try:
-            self.path.rmdir()
+            self.reclaim_and_remove()
         except FileNotFoundError:
             pass
         except OSError as error:
             return self._give_up(str(error)) if last_try else False
         return True
+
+    def reclaim_and_remove(self) -> None:
+        """Reclaim what is still charged to the empty group (``memory.reclaim``, where it has the ``memory``
+        controller: module docs), then remove it.
+
+        Raises:
+            OSError: it could not be removed (a process is in it; it is gone already: FileNotFoundError).
+        """
+        reclaim = self.path / "memory.reclaim"
+        if reclaim.exists():
+            with contextlib.suppress(OSError, ValueError):  # EAGAIN: less reclaimed than asked; removed even so
+                reclaim.write_text((self.path / "memory.current").read_text().strip())
+        self.path.rmdir()
 
     def _give_up(self, why: str) -> bool:
         logger.warning("a run's cgroup v2 group could not be removed: %s (%s)", self.path.name, why)
