@@ -109,10 +109,11 @@ async def test_extended_attributes_cannot_be_written():
 
 async def test_host_wide_counters_read_empty_so_no_call_passes_bits_to_the_next():
     # /proc/stat's fork count is the host's: call A forked (secret - count) % 64 times, call B read all 6 bits.
-    # Inside a run every host-wide file reads empty; its own /proc entries, the CPU count and processes work
+    # Inside a run every host-wide file reads empty (/proc/cgroups: the count of groups, the runs' own among them, told
+    # a run how many others were in flight); its own /proc entries, the CPU count and processes work
     code = textwrap.dedent("""
         import multiprocessing, os
-        print([open(f"/proc/{name}").read() for name in ("stat", "loadavg", "meminfo", "sys/fs/file-nr")],
+        print([open(f"/proc/{name}").read() for name in ("stat", "loadavg", "meminfo", "sys/fs/file-nr", "cgroups")],
               os.listdir("/proc/pressure"))
         print(open("/proc/self/status").read().startswith("Name:"), os.cpu_count() >= 1)
         worker = multiprocessing.Process(target=print, args=("forked",))
@@ -120,7 +121,7 @@ async def test_host_wide_counters_read_empty_so_no_call_passes_bits_to_the_next(
         worker.join()
     """)
     result = await BubblewrapSandbox().run(code, SandboxLimits(timeout_s=60.0))
-    assert result.stdout.split("\n")[:3] == ["['', '', '', ''] []", "True True", "forked"], result
+    assert result.stdout.split("\n")[:3] == ["['', '', '', '', ''] []", "True True", "forked"], result
 
 
 async def test_an_endless_output_stops_the_run_at_its_output_limit():

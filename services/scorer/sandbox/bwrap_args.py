@@ -28,11 +28,13 @@ WORKDIR = "/tmp"
 #: (fork 42 times) and a later call read it (the fourth review carried 6 bits a call this way; the fifth, 2 bits through
 #: ``uptime``'s host-wide idle time); each reads empty. ``keys`` lists the keys the reader may view, those of the
 #: scorer's session keyring included (their descriptions, where the scorer is not root): it reads empty too.
+#: ``cgroups`` counts the groups of each hierarchy, the runs' own among them: a run read how many others were in
+#: flight, and when one started or ended (the held-out review of the cgroup v2 groups, 2026-11-27).
 HOST_WIDE_PROC = (
     "stat", "loadavg", "meminfo", "vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "slabinfo", "interrupts",
     "softirqs", "schedstat", "diskstats", "locks", "keys", "key-users", "cmdline", "swaps", "sys/fs/file-nr",
     "sys/fs/inode-nr", "sys/fs/inode-state", "sys/fs/dentry-state", "sys/fs/aio-nr", "sys/kernel/pty/nr",
-    "sys/kernel/random/entropy_avail", "uptime",
+    "sys/kernel/random/entropy_avail", "uptime", "cgroups",
 )
 #: Folders of ``/proc`` likewise (pressure stall figures): each an empty read-only tmpfs.
 HOST_WIDE_PROC_FOLDERS = ("pressure",)
