@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
 
 from services.scorer.sandbox.cgroup import RunGroups
-from services.scorer.sandbox.cgroup_v2 import UnifiedRunGroups, own_group
+from services.scorer.sandbox.cgroup_v2 import UnifiedRunGroups, delegated, own_group
 
 
 def _layout(tmp_path: Path, proc_cgroup: str, groups: dict[str, str]) -> tuple[Path, Path]:
@@ -154,3 +155,18 @@ def test_a_unified_group_is_limited_by_the_controllers_it_hands_on(tmp_path):
                                                      ("memory.swap.max", "0"), ("hugetlb.1GB.max", "0"),
                                                      ("hugetlb.2MB.max", "0")]
     assert UnifiedRunGroups(tmp_path)._settings(tmp_path, 100, 9) == []  # none handed on: kill and CPU alone
+
+
+def test_a_group_is_delegated_where_marked_or_the_root_of_its_cgroup_namespace(tmp_path):
+    group = tmp_path / "group"
+    group.mkdir()
+    assert not delegated(group, namespace_root=False)  # writable to root, nothing says it is the scorer's
+    assert not delegated(group, namespace_root=True)  # seen as / but without cgroup.type: the hierarchy's real root
+    (group / "cgroup.type").write_text("domain\n")
+    assert delegated(group, namespace_root=True)  # a container's own subtree
+    assert not delegated(group, namespace_root=False)
+    try:
+        os.setxattr(group, "user.delegate", b"1")  # as systemd marks a user service's delegated group
+    except OSError as error:
+        pytest.skip(f"this filesystem keeps no user xattrs: {error}")
+    assert delegated(group, namespace_root=False)

@@ -30,8 +30,9 @@ Each run is ``bwrap`` with, for the tool's process tree:
   any, the whole tree is killed (``stopped``: ``"cpu"``, ``"memory"``, ``"files"``); a wall-clock timeout kills it, and
   so does stdout or stderr passing ``max_output_bytes`` (``"output"``: reading and dropping an endless stream would
   cost the scorer CPU that no limit of the run counts); where the host lets the scorer make one (a root scorer,
-  cgroup v1's memory controller writable: :mod:`services.scorer.sandbox.cgroup`), the run's tree is in a **memory
-  cgroup** of its own besides (``memory_bytes`` + ``tmpfs_bytes`` + :data:`GROUP_HEADROOM_BYTES`, kernel memory
+  cgroup v1's memory controller writable: :mod:`services.scorer.sandbox.cgroup`; on a host of cgroup v2, a group
+  delegated to the scorer gives the same per run: :mod:`services.scorer.sandbox.cgroup_v2`), the run's tree is in a
+  **memory cgroup** of its own besides (``memory_bytes`` + ``tmpfs_bytes`` + :data:`GROUP_HEADROOM_BYTES`, kernel memory
   included): the kernel refuses the memory past it as it is asked for, so what the tree reaches between two
   samples is bounded too (a run it ends there reports ``"memory"``), and, where ``cpuacct`` is writable too, in a
   ``cpuacct`` group whose count of the tree's CPU, children the kernel reaped by itself included, is held against

@@ -72,18 +72,24 @@ class UnifiedRunGroups:
     controllers: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
-    def find(cls, proc_cgroup: Path = Path("/proc/self/cgroup"),
-             mountinfo: Path = Path("/proc/self/mountinfo")) -> UnifiedRunGroups | None:
+    def find(cls, proc_cgroup: Path = Path("/proc/self/cgroup"), mountinfo: Path = Path("/proc/self/mountinfo"),
+             delegated_only: bool = False) -> UnifiedRunGroups | None:
         """The scorer's group where the scorer may create groups below it, with :data:`CONTROLLERS` enabled for its
         children where its group has them (moving its processes into :data:`LEAF` where they must make room: module
-        docs). None: no unified hierarchy is mounted, or the scorer's group there is not writable."""
+        docs). None: no unified hierarchy is mounted, the scorer's group there is not writable, or, with
+        ``delegated_only``, not delegated to it (:func:`delegated`)."""
         try:
-            group = own_group(proc_cgroup.read_text(), mountinfo.read_text())
+            text = proc_cgroup.read_text()
+            group = own_group(text, mountinfo.read_text())
         except OSError:
             return None
         if group is not None and group.name == LEAF and _writable(group.parent):
             group = group.parent  # already in its leaf: moved there by an earlier find (another backend, a reload)
         if group is None or not _writable(group):
+            return None
+        if delegated_only and not delegated(group, _unified_path(text) in ("/", f"/{LEAF}")):
+            logger.info("cgroup v2: %s is writable but not delegated to the scorer (no delegate mark, not its "
+                        "container's own): tool runs get no group in it; sandbox.cgroups: v2 uses it anyway", group)
             return None
         return cls(group, frozenset(_enable(group)))
 
@@ -134,7 +140,7 @@ def own_group(proc_cgroup: str, mountinfo: str) -> Path | None:
     (``proc_cgroup``) below a ``cgroup2`` mount of ``/proc/self/mountinfo`` (``mountinfo``) whose root holds it (a
     container's mount is rooted at its own group). None: no such line or mount, or a path with white space (the run's
     shell joins the group by its path, split on it)."""
-    path = next((line[3:] for line in proc_cgroup.splitlines() if line.startswith("0::")), None)
+    path = _unified_path(proc_cgroup)
     if path is None or ".." in path.split("/"):  # (a process outside its cgroup namespace's root sees /../…)
         return None
     for line in mountinfo.splitlines():
@@ -146,6 +152,29 @@ def own_group(proc_cgroup: str, mountinfo: str) -> Path | None:
             group = Path(point) / path[len(root.rstrip("/")):].lstrip("/")
             return None if any(c.isspace() for c in str(group)) else group
     return None
+
+
+def _unified_path(proc_cgroup: str) -> str | None:
+    """The path of ``/proc/self/cgroup``'s ``0::`` line (the unified hierarchy's), as the process's cgroup namespace
+    shows it."""
+    return next((line[3:] for line in proc_cgroup.splitlines() if line.startswith("0::")), None)
+
+
+def delegated(group: Path, namespace_root: bool) -> bool:
+    """Whether ``group`` is the scorer's to divide: marked delegated by systemd (``Delegate=yes`` sets the
+    ``trusted.delegate`` extended attribute on the unit's group, ``user.delegate`` for a user's service), owned by the
+    scorer's non-root user (a delegation to a user hands it the group's folder), or the root of a container's own
+    cgroup namespace (``namespace_root``: the scorer sees its group as ``/``, and the group is not the hierarchy's
+    real root, which has no ``cgroup.type``: the container's runtime gave it the subtree, writable where it mounted it
+    so). A root scorer can write every group, so writing alone does not tell."""
+    for name in ("trusted.delegate", "user.delegate"):
+        with contextlib.suppress(OSError):
+            if os.getxattr(group, name) == b"1":
+                return True
+    with contextlib.suppress(OSError):
+        if os.geteuid() != 0 and group.stat().st_uid == os.geteuid():
+            return True
+    return namespace_root and (group / "cgroup.type").is_file()
 
 
 def _writable(group: Path) -> bool:

@@ -22,7 +22,8 @@ Each run is ``runsc run`` on an OCI bundle written for it (:func:`oci_spec`):
   Sentry's memory file (every page of the tool's processes and of its tmpfs) and the anonymous memory of the host
   processes (the Sentry's own objects: sockets, files, inodes the run made; and runsc's, the gofer's and the
   Sentry's own Go heaps, a few MiB each); and for a root scorer where the host
-  lets it, a memory cgroup per run (:mod:`.cgroup`, ``memory_bytes`` + :data:`GROUP_HEADROOM_BYTES`) that the
+  lets it, a memory cgroup per run (:mod:`.cgroup`, or :mod:`.cgroup_v2` on a host of cgroup v2 that delegates the
+  scorer's group; ``memory_bytes`` + :data:`GROUP_HEADROOM_BYTES`) that the
   kernel enforces between two samples, and a ``cpuacct`` group whose count of the tree's CPU is held against
   ``cpu_s`` at each sample; no ``pids`` group (a bubblewrap run's): the run's host tasks are the Sentry's, its
   gofer's and runsc's threads, not the tool's, whose processes and threads the Sentry bounds by ``RLIMIT_NPROC`` in

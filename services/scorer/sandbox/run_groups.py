@@ -9,8 +9,8 @@ from services.scorer.sandbox.cgroup import RunGroup, RunGroups
 from services.scorer.sandbox.cgroup_v2 import UnifiedRunGroup, UnifiedRunGroups
 
 #: ``auto``: cgroup v1's where its memory controller is writable (a hybrid host's, where v2 has no memory controller),
-#: else v2's where the scorer's group is delegated; ``v1``, ``v2``: that one or none; ``off``: none (the sampled
-#: limits alone).
+#: else v2's where the scorer's group is delegated to it (:func:`.cgroup_v2.delegated`); ``v1``: v1's or none;
+#: ``v2``: v2's wherever the scorer's group is writable, delegated or not; ``off``: none (the sampled limits alone).
 CgroupVersion = Literal["auto", "v1", "v2", "off"]
 #: The groups of the scorer below which runs get theirs, either hierarchy.
 AnyRunGroups = RunGroups | UnifiedRunGroups
@@ -25,7 +25,9 @@ def find_run_groups(version: CgroupVersion = "auto") -> AnyRunGroups | None:
         return None
     if version in ("auto", "v1") and (groups := RunGroups.find()) is not None:
         return groups
-    return UnifiedRunGroups.find() if version in ("auto", "v2") else None
+    if version == "auto":  # a group writable but not delegated (a root scorer's, a unit's without Delegate=yes)
+        return UnifiedRunGroups.find(delegated_only=True)  # is systemd's or another's to divide: not ours
+    return UnifiedRunGroups.find() if version == "v2" else None
 
 
 def describe(groups: AnyRunGroups | None) -> str:

@@ -51,9 +51,10 @@ class SandboxSettings(BaseModel):
     max_files: int = Field(10_000, ge=16, description="files (inodes) a run's /tmp may hold; each costs the kernel "
                            "about 1 KiB that tmpfs_bytes does not count")
     cgroups: CgroupVersion = Field(
-        "auto", description="bwrap, gvisor: the cgroup hierarchy each run gets a group in (memory, tasks and CPU per "
-        "run; the whole tree killed as one): auto (v1 where its memory controller is writable, else v2 where the "
-        "scorer's group is delegated), v1, v2 or off (sampled limits only); docs/operations/security.md")
+        "auto", description="bwrap, gvisor (a root scorer's): the cgroup hierarchy each run gets a group in (memory, "
+        "tasks and CPU per run; the whole tree killed as one): auto (v1 where its memory controller is writable, else "
+        "v2 where the scorer's group is delegated to it), v1, v2 (any writable group) or off (sampled limits only); "
+        "docs/operations/security.md")
     remote_url: str | None = Field(None, description="remote: the endpoint's base URL (POST {url}/run_code)")
     remote_token_file: Path | None = Field(None, description="remote: bearer token file (first line)")
     remote_ca_file: Path | None = Field(None, description="remote: CA bundle verifying an https endpoint")
