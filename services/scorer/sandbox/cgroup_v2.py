@@ -1,6 +1,7 @@
 """A cgroup v2 group per tool run, below the scorer's own in the unified hierarchy, where the host delegates that group
-to the scorer: a systemd unit with ``Delegate=yes``, a container with a cgroup namespace of its own mounted writable
-(a privileged one), a root scorer on a host of cgroup v2 alone.
+to the scorer (:func:`delegated`: a systemd unit with ``Delegate=yes``, a group the scorer's non-root user owns, a
+container with a cgroup namespace of its own mounted writable), or anywhere the scorer may write with
+``sandbox.cgroups: v2``.
 
 **What every such group gives**, whatever controllers the scorer may hand on: the run's whole tree ends as one unit
 (``cgroup.kill``, Linux 5.14 and later: every process of the group at once, forks in flight included; before, each
@@ -28,12 +29,12 @@ itself (the root excepted). Where the scorer's group holds processes (the scorer
 a leaf below it, :data:`LEAF`, before the controllers are enabled, as systemd and container runtimes do with a
 delegated group; each run's group is then a sibling of that leaf. A controller that cannot be enabled is logged and
 left out: its limit stays the sampled one (:mod:`.usage`). A scorer in the hierarchy's root group (a root scorer of
-the host, ``sandbox.cgroups: v2`` on a hybrid host) enables the controllers there, for the whole host, moves nothing
-(the root may hold processes) and leaves them enabled when it stops.
+the host with ``sandbox.cgroups: v2``: ``auto`` does not take the root) enables the controllers there, for the
+whole host, moves nothing (the root may hold processes) and leaves them enabled when it stops.
 
 Where nothing is delegated (the container's cgroup mounted read-only, as Kubernetes and Docker mount it unless told
-otherwise; a scorer that is neither root nor the group's owner), :meth:`UnifiedRunGroups.find` returns None and the
-runs keep the sampled limits (docs/operations/security.md).
+otherwise; a group that is systemd's or another's, even where a root scorer could write it), the runs get no group
+(:meth:`UnifiedRunGroups.find` returns None) and keep the sampled limits (docs/operations/security.md).
 """
 
 from __future__ import annotations
