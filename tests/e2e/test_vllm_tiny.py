@@ -205,18 +205,21 @@ def test_weight_update_inside_the_running_vllm_engine(cluster, tiny_model_path):
         assert stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10).policy_version == 1
     assert len(completions) == 4 and all(c.policy_version == 1 for c in completions)
 
-    def gap(model, completion):
+    def gaps(model, completion):
         prompt, output = list(completion.prompt_token_ids), list(completion.output_token_ids)
         with torch.inference_mode():
             logits = model(input_ids=torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
-        return (torch.tensor(to_numpy(completion.output_log_probs)) - expected).abs().mean().item()
+        return (torch.tensor(to_numpy(completion.output_log_probs)) - expected).abs()
 
-    to_new = sum(gap(updated, c) for c in completions) / 4
-    to_old = sum(gap(original, c) for c in completions) / 4
-    # the bf16 engine against an fp32 forward: near the new weights (bf16 rounding of large perturbed logits;
-    # measured 0.10) and far from the old ones (measured 6.7)
-    assert to_new < 0.25 and to_old > 10 * to_new, (to_new, to_old)
+    to_new = torch.cat([gaps(updated, c) for c in completions])
+    to_old = torch.cat([gaps(original, c) for c in completions])
+    # Per sampled token, the engine's log-prob against an fp32 forward of each weight set. Where the engine runs
+    # bf16 (hosts with native bf16), a few tokens whose perturbed logits nearly tie land up to 3 nats off, so
+    # the mean of 48 tokens swings 0.08-0.30 with the sample; the median does not (15 requests on a bf16 host,
+    # 2026-11-27: median to the new weights 0.04-0.08, to the old 6.5-8.4; 98-100% of tokens nearer the new).
+    assert to_new.median() < 0.25 and to_old.median() > 3.0, (to_new, to_old)
+    assert (to_new < to_old).float().mean() >= 0.9, (to_new, to_old)
 
 
 def test_seeded_requests_larger_than_one_prefill_step_leave_the_engine_alive(cluster):
