@@ -78,6 +78,26 @@ def test_shared_prompt_forward_equals_padded_forward(actor, micro_batch_size):
         assert parts[0].input_ids.shape == (1, 20)
 
 
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_span_attention_matches_the_dense_mask_through_the_model(actor, tiny_model_path, share_prompt):
+    """The loaded actor (SDPA) attends span by span; the same weights on eager attention take the (T, T) mask."""
+    from transformers import AutoModelForCausalLM
+
+    from services.experience.workers.attention import SPAN_ATTENTION
+
+    eager = LogProbModel(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32,
+                                                              attn_implementation="eager").eval())
+    assert actor.module.config._attn_implementation == SPAN_ATTENTION
+    assert eager.module.config._attn_implementation == "eager"  # kept: only SDPA models switch
+    rollout = _group_rollout()
+    parts = chunks(rollout, 6, packed=True, share_prompt=share_prompt)
+    spans, spans_entropy = actor.action_log_probs(parts, True)
+    dense, dense_entropy = eager.action_log_probs(parts, True)
+    mask = rollout.action_mask
+    torch.testing.assert_close(spans[mask], dense[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(spans_entropy[mask], dense_entropy[mask], rtol=0, atol=1e-5)
+
+
 def test_packed_rows_do_not_attend_to_each_other(actor):
     rollout = _rollout()
     alone = actor.action_log_probs(chunks(rollout, 1, packed=True))[0]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fastexp.critic import save_value_model
+from services.experience.workers.attention import use_span_attention
 from services.experience.workers.inputs import ForwardChunk
 from services.experience.workers.logprobs import DTYPES
 
@@ -67,6 +68,7 @@ class ValueModel:
     def __init__(self, backbone: Any, value_head: torch.nn.Linear) -> None:
         self._backbone = backbone
         self._value_head = value_head
+        self._span_attention = use_span_attention(backbone)  # packed chunks attend span by span on SDPA
 
     @property
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -124,7 +126,7 @@ class ValueModel:
         for chunk in chunks:
             last = self._backbone(
                 input_ids=chunk.input_ids.to(device),
-                attention_mask=chunk.model_mask(self._backbone.dtype, device),
+                **chunk.attention_inputs(self._backbone.dtype, device, self._span_attention),
                 position_ids=chunk.position_ids.to(device),
                 use_cache=False,
             ).last_hidden_state

@@ -14,6 +14,10 @@ predict the response tokens. A model runs a :class:`ForwardChunk`, reads its out
   the prompt and causally to itself only, and position ids continuing the prompt's in each response. The prompt
   is computed once per group instead of n times (the prompt is usually most of a GSM8K row). Every response
   token sees exactly the context it has in the other layouts, so outputs agree up to float rounding.
+
+Packed and shared-prompt chunks also carry their spans (:class:`~services.experience.workers.attention.SpanIndex`):
+a model on span attention (:mod:`services.experience.workers.attention`) attends span by span instead of through
+the (T, T) mask, whose blocks are mostly masked out.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from fastexp.types import Rollout, VisionInputs
+from services.experience.workers.attention import SPANS_KWARG, SpanIndex, span_index
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class ForwardChunk:
         action_mask: (rows, A) bool of the chunk's rows;
         vision: the rows' images/videos (padded layout only; None when the rows are text-only). A model given
             them computes its own multimodal positions (Qwen2-VL's M-RoPE) and ignores ``position_ids``.
+        spans: where each position attends, as index tensors (packed and shared-prompt layouts; None padded).
     """
 
     rows: slice
@@ -50,6 +56,7 @@ class ForwardChunk:
     targets: torch.Tensor
     action_mask: torch.Tensor
     vision: VisionInputs | None = None
+    spans: SpanIndex | None = None
 
     @property
     def padded(self) -> bool:
@@ -65,6 +72,13 @@ class ForwardChunk:
         additive = torch.zeros(mask.shape, dtype=dtype)
         additive.masked_fill_(~mask, torch.finfo(dtype).min)
         return additive.to(device)
+
+    def attention_inputs(self, dtype: torch.dtype, device: torch.device | str, span_attention: bool) -> dict:
+        """The forward's attention keyword arguments: the chunk's spans for a model on span attention
+        (:func:`~services.experience.workers.attention.use_span_attention`), else :meth:`model_mask`."""
+        if span_attention and self.spans is not None:
+            return {"attention_mask": None, SPANS_KWARG: self.spans.to(device)}
+        return {"attention_mask": self.model_mask(dtype, device)}
 
     def to_rows(self, outputs: torch.Tensor) -> torch.Tensor:
         """Per-position outputs (b, K) -> (rows, A) float32, 0 where a packed row has no action token."""
@@ -108,12 +122,13 @@ def packed_chunks(rollout: Rollout, micro_batch_size: int) -> Iterator[ForwardCh
     """The Rollout's rows without padding, ``micro_batch_size`` rows per (1, T) packed chunk."""
     for start in range(0, rollout.sequences.shape[0], micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        pieces, positions, hidden_index, targets = [], [], [], []
+        pieces, positions, hidden_index, targets, spans = [], [], [], [], []
         offset = 0
         for row in range(*rows.indices(rollout.sequences.shape[0])):
             real = rollout.sequences[row][rollout.attention_mask[row].bool()]
             response_length = int(rollout.response_length[row])
             prompt_length = real.shape[0] - response_length
+            spans.append((offset, real.shape[0], ()))
             pieces.append(real)
             positions.append(torch.arange(real.shape[0]))
             hidden_index.append(torch.arange(prompt_length - 1, prompt_length - 1 + response_length) + offset)
@@ -127,6 +142,7 @@ def packed_chunks(rollout: Rollout, micro_batch_size: int) -> Iterator[ForwardCh
             hidden_index=torch.cat(hidden_index),
             targets=torch.cat(targets).unsqueeze(0),
             action_mask=rollout.action_mask[rows],
+            spans=span_index(spans),
         )
 
 
@@ -160,10 +176,14 @@ def shared_prompt_chunks(rollout: Rollout, micro_batch_size: int) -> Iterator[Fo
             spans.append((offset, response_length, (prompt_start, prompt_length)))
             offset += response_length
         mask = torch.zeros((offset, offset), dtype=torch.bool)
+        groups: dict[int, tuple[int, int, list[tuple[int, int]]]] = {}
         for begin, length, context in spans:
             mask[begin : begin + length, begin : begin + length] = torch.ones(length, length, dtype=torch.bool).tril()
-            if context is not None:
+            if context is None:
+                groups[begin] = (begin, length, [])
+            else:
                 mask[begin : begin + length, context[0] : context[0] + context[1]] = True
+                groups[context[0]][2].append((begin, length))
         yield ForwardChunk(
             rows=rows,
             input_ids=torch.cat(pieces).unsqueeze(0),
@@ -172,6 +192,7 @@ def shared_prompt_chunks(rollout: Rollout, micro_batch_size: int) -> Iterator[Fo
             hidden_index=torch.cat(hidden_index),
             targets=torch.cat(targets).unsqueeze(0),
             action_mask=rollout.action_mask[rows],
+            spans=span_index(list(groups.values())),
         )
 
 

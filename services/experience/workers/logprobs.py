@@ -10,15 +10,30 @@ from typing import Any
 import torch
 
 from services.common.models import is_vision_language
+from services.experience.workers.attention import use_span_attention
 from services.experience.workers.inputs import ForwardChunk
 from services.experience.workers.vision import VisionTokens
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-#: Positions whose logits are reduced in float32 at a time: the model's logits (K, V) in its own dtype are read in
-#: slices of this many rows instead of one float32 copy of all of them (49,152-token vocabularies: 192 KiB a row).
+#: Positions whose logits are reduced in float32 at a time on an accelerator: the model's logits (K, V) in its own
+#: dtype are read in slices of this many rows instead of one float32 copy of all of them (few kernel launches).
 REDUCTION_POSITIONS = 256
+#: Bytes of float32 logits reduced at a time on a CPU. The reduction reads each slice five times (the float32 copy,
+#: max, exp, sum, gather), so a slice that stays in the cores' L2 caches is read from them, not from memory: on a
+#: 2-core Xeon with 2 MiB of L2 per core, 1,024 positions of a 49,152-token vocabulary took 176 ms in slices of 256
+#: positions (50 MB) and 45-55 ms in slices of 8-24 (`benchmarks/README.md`, 2026-11-27).
+CPU_REDUCTION_BYTES = 4 * 1024**2
+
+
+def reduction_positions(rows: int, vocab_size: int, device: torch.device) -> int:
+    """Positions per row in one float32 reduction slice of logits ``(rows, K, vocab_size)``: a slice of
+    :data:`CPU_REDUCTION_BYTES` on a CPU (at least one position), :data:`REDUCTION_POSITIONS` on an accelerator.
+    Any slicing gives the same numbers: each position's reduction is its own."""
+    if device.type == "cpu":
+        return max(1, CPU_REDUCTION_BYTES // (4 * vocab_size * max(rows, 1)))
+    return REDUCTION_POSITIONS
 
 
 class LogProbModel:
@@ -28,6 +43,8 @@ class LogProbModel:
         self._model = model
         self.vision_tokens = vision_tokens
         self._accepts = frozenset(inspect.signature(model.forward).parameters)
+        # text models on SDPA attend span by span in packed chunks (vision rows are padded: nothing to gain)
+        self._span_attention = vision_tokens is None and use_span_attention(model)
 
     @classmethod
     def load(cls, path: str, *, dtype: str, device: str, device_map: str | None = None) -> LogProbModel:
@@ -66,7 +83,7 @@ class LogProbModel:
         position ids (the model derives its M-RoPE positions from the ids, grids and attention mask)."""
         inputs: dict[str, Any] = {
             "input_ids": chunk.input_ids.to(device),
-            "attention_mask": chunk.model_mask(self._model.dtype, device),
+            **chunk.attention_inputs(self._model.dtype, device, self._span_attention),
             "position_ids": chunk.position_ids.to(device),
             "logits_to_keep": chunk.hidden_index.to(device),
             "use_cache": False,
@@ -106,7 +123,7 @@ class LogProbModel:
         Only the positions that predict response tokens go through the LM head (``logits_to_keep`` with the
         chunk's ``hidden_index``); ``log p = logit[token] - logsumexp(logits)`` and
         ``H = logsumexp(logits) - sum_v softmax(logits)_v * logits_v`` are computed in float32, one slice of
-        :data:`REDUCTION_POSITIONS` positions at a time (the same numbers as all at once: each position's reduction
+        :func:`reduction_positions` positions at a time (the same numbers as all at once: each position's reduction
         is its own).
 
         Shape:
@@ -120,8 +137,9 @@ class LogProbModel:
         for chunk in chunks:
             logits = self._model(**self._inputs(chunk, device)).logits  # (b, K, V), the model's dtype
             targets = chunk.targets.to(logits.device)  # device_map: the last GPU's
-            parts = [_reduce(logits[:, s : s + REDUCTION_POSITIONS], targets[:, s : s + REDUCTION_POSITIONS],
-                             with_entropy) for s in range(0, max(logits.shape[1], 1), REDUCTION_POSITIONS)]
+            step = reduction_positions(logits.shape[0], logits.shape[-1], logits.device)
+            parts = [_reduce(logits[:, s : s + step], targets[:, s : s + step], with_entropy)
+                     for s in range(0, max(logits.shape[1], 1), step)]
             log_probs.append(chunk.to_rows(torch.cat([part[0] for part in parts], dim=1).cpu()))
             if with_entropy:
                 entropies.append(chunk.to_rows(torch.cat([part[1] for part in parts], dim=1).cpu()))
