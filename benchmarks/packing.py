@@ -4,7 +4,9 @@ Figures: ``packed_vs_padded`` = median packed time / median padded time for the 
 forward pass (below 1: packing is faster); ``shared_prompt_vs_padded`` the same for packed rows whose prompt group
 shares one copy of its prompt (:func:`services.experience.workers.inputs.shared_prompt_chunks`); ``packing_padding_fraction`` = share of the padded batch's tokens that are padding;
 ``packing_max_abs_logprob_diff`` = max |packed - padded| log-prob over the action tokens (different kernels,
-so float rounding differs: bf16 on the embedded model; in float32 they agree to ~1e-5). Rows mimic a GSM8K
+so float rounding differs: bf16 on the embedded model; in float32 they agree to ~1e-5); ``span_attention_vs_mask``
+= the shared-prompt forward attending span by span (the service's, :mod:`services.experience.workers.attention`)
+over the same chunks under SDPA with their (T, T) mask, another copy of the model in the same process. Rows mimic a GSM8K
 rollout: groups of ``n`` samples of one prompt, prompt lengths uniform in [40, 160] tokens, response lengths
 long-tailed in [8, max_response] (a quarter of them near the maximum), token ids drawn from the vocabulary.
 """
@@ -21,7 +23,7 @@ from fastexp.types import Rollout
 from services.common.generation import CompletionRecord
 from services.experience.config import PromptSpec
 from services.experience.workers.inputs import chunks
-from services.experience.workers.logprobs import LogProbModel
+from services.experience.workers.logprobs import DTYPES, LogProbModel
 from services.experience.workers.sequences import build_rollout
 
 
@@ -52,7 +54,7 @@ def run(
     dtype: str = "bfloat16",
 ) -> dict:
     """Time the same rows padded and packed through one LogProbModel; returns the figures and the settings."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
     model = LogProbModel.load(model_path, dtype=dtype, device="cpu")
@@ -62,22 +64,28 @@ def run(
     packed_parts = chunks(rollout, micro_batch_size, packed=True)
     shared_parts = chunks(rollout, micro_batch_size, packed=True, share_prompt=True)
 
-    def median_seconds(parts) -> tuple[float, torch.Tensor]:
-        out, _ = model.action_log_probs(parts)  # warm-up
+    def median_seconds(forward: LogProbModel, parts) -> tuple[float, torch.Tensor]:
+        out, _ = forward.action_log_probs(parts)  # warm-up
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            out, _ = model.action_log_probs(parts)
+            out, _ = forward.action_log_probs(parts)
             times.append(time.perf_counter() - started)
         return statistics.median(times), out
 
-    padded_s, padded = median_seconds(padded_parts)
-    packed_s, packed = median_seconds(packed_parts)
-    shared_s, shared = median_seconds(shared_parts)
+    padded_s, padded = median_seconds(model, padded_parts)
+    packed_s, packed = median_seconds(model, packed_parts)
+    shared_s, shared = median_seconds(model, shared_parts)
+    masked = LogProbModel(AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).eval(),
+                          span_attention=False)
+    masked_s, masked_out = median_seconds(masked, shared_parts)
     real_tokens = int(rollout.attention_mask.sum())
     return {
         "packed_vs_padded": packed_s / padded_s,
         "shared_prompt_vs_padded": shared_s / padded_s,
+        "span_attention_vs_mask": shared_s / masked_s,
+        "span_attention_max_abs_logprob_diff": float((shared[mask] - masked_out[mask]).abs().max()),
+        "packing_shared_prompt_mask_s": masked_s,
         "shared_prompt_max_abs_logprob_diff": float((shared[mask] - padded[mask]).abs().max()),
         "packing_padding_fraction": 1.0 - real_tokens / rollout.attention_mask.numel(),
         "packing_max_abs_logprob_diff": float((packed[mask] - padded[mask]).abs().max()),

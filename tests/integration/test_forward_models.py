@@ -181,8 +181,10 @@ def test_packing_benchmark_smoke(tiny_model_path):
     from benchmarks import packing
 
     figures = packing.run(tiny_model_path, rows=4, max_response=12, micro_batch_size=2, repeats=1, dtype="float32")
-    assert {"packed_vs_padded", "packing_padding_fraction", "packing_max_abs_logprob_diff"} <= set(figures)
+    assert {"packed_vs_padded", "packing_padding_fraction", "packing_max_abs_logprob_diff",
+            "span_attention_vs_mask"} <= set(figures)
     assert 0 < figures["packing_padding_fraction"] < 1 and figures["packing_max_abs_logprob_diff"] < 1e-4
+    assert figures["span_attention_max_abs_logprob_diff"] < 1e-4  # float32: the same attention, another order
 
 
 def test_a_device_map_places_the_models_through_accelerate_with_the_same_outputs(tiny_model_path, actor, tmp_path):

@@ -54,17 +54,13 @@ def test_span_attention_equals_sdpa_under_the_chunks_mask(share_prompt, micro_ba
 
 
 def test_the_span_index_of_a_shared_prompt_group():
-    # one group: prompt at 0..2, responses at 3..4 and 5..7; and a lone packed sequence at 8..9
-    index = span_index([(0, 3, [(3, 2), (5, 3)]), (8, 2, [])])
-    assert index.span_index.tolist() == [[0, 1, 2], [8, 9, 0]]
-    assert index.span_rows.tolist() == [0, 1, 2, 3, 4] and index.span_positions.tolist() == [0, 1, 2, 8, 9]
-    assert index.response_index.tolist() == [[3, 4, 0], [5, 6, 7]]
-    assert index.context_index.tolist() == [[0, 1, 2, 3, 4, 0], [0, 1, 2, 5, 6, 7]]
-    assert index.response_rows.tolist() == [0, 1, 3, 4, 5] and index.response_positions.tolist() == [3, 4, 5, 6, 7]
-    # the first response's second token: the prompt, its first token and itself; a padded query: the prompt only
-    assert index.response_mask[0, 0, 1].tolist() == [True, True, True, True, True, False]
-    assert index.response_mask[0, 0, 2].tolist() == [True, True, True, False, False, False]
-    assert index.span_mask[1, 0].tolist() == [[True, False, False], [True, True, False], [False, False, True]]
+    # one group: prompt at 0..2, responses at 3..4, 5..7 and an empty one; and a lone packed sequence at 8..9
+    index = span_index([(0, 3, [(3, 2), (5, 3), (8, 0)]), (8, 2, [])])
+    assert index.spans == ((0, 3), (8, 2))
+    assert index.responses == ((0, 3, 3, 2), (0, 3, 5, 3))  # the empty response attends to nothing
+    # the first response: the whole prompt, then itself causally
+    assert index.masks[0].tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    assert index.masks[1].shape == (3, 6)
 
 
 def test_span_attention_refuses_a_batch_and_dropout():

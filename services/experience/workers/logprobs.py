@@ -39,12 +39,14 @@ def reduction_positions(rows: int, vocab_size: int, device: torch.device) -> int
 class LogProbModel:
     """A frozen causal LM that scores response tokens (the actor replica or the reference model)."""
 
-    def __init__(self, model: Any, vision_tokens: VisionTokens | None = None) -> None:
+    def __init__(self, model: Any, vision_tokens: VisionTokens | None = None, span_attention: bool = True) -> None:
+        """``span_attention``: a text model on SDPA attends span by span in packed chunks
+        (:mod:`services.experience.workers.attention`); False keeps its attention under the (T, T) mask (the
+        benchmarks' baseline). Vision rows are always padded: nothing to gain there."""
         self._model = model
         self.vision_tokens = vision_tokens
         self._accepts = frozenset(inspect.signature(model.forward).parameters)
-        # text models on SDPA attend span by span in packed chunks (vision rows are padded: nothing to gain)
-        self._span_attention = vision_tokens is None and use_span_attention(model)
+        self._span_attention = span_attention and vision_tokens is None and use_span_attention(model)
 
     @classmethod
     def load(cls, path: str, *, dtype: str, device: str, device_map: str | None = None) -> LogProbModel:
