@@ -43,6 +43,7 @@ from services.experience.state.statistics import StoredStatistics
 from services.experience.state.store import StateStore
 from services.experience.state.streams import StoredStreams
 from services.experience.workers.adapters import AdapterForwards
+from services.experience.workers.attention import plain_causal
 from services.experience.workers.critic import ValueModel
 from services.experience.workers.logprobs import LogProbModel
 from services.experience.workers.vision import VisionProcessor
@@ -125,8 +126,12 @@ def _load_policy(settings: ExperienceSettings) -> _Policy:
         critic = ValueModel.load(resolve_model(settings.critic_model), **placement)
     # LoRA runs' adapters go on the actor's module: it holds the base the generator serves
     adapters = AdapterForwards(actor, settings.max_lora_rank) if settings.lora_runs else None
-    models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, settings.forward_share_prompt,
-                           adapters)
+    # the shared-prompt layout's mask knows no sliding window or soft-capping: such models take the packed layout
+    configs = [actor.module.config, reference.module.config] + ([critic.modules["critic"].config] if critic else [])
+    share_prompt = settings.forward_share_prompt and all(plain_causal(config) for config in configs)
+    if settings.forward_share_prompt and not share_prompt:
+        logger.warning("forward_share_prompt off: a model has a sliding window, soft-capping or bidirectional layers")
+    models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, share_prompt, adapters)
     vision = VisionProcessor.load(actor_path)
     tokenizer = vision.tokenizer if vision is not None else AutoTokenizer.from_pretrained(actor_path)
     return _Policy(models, actor_path, tokenizer, vision)

@@ -98,6 +98,39 @@ def test_span_attention_matches_the_dense_mask_through_the_model(actor, tiny_mod
     torch.testing.assert_close(spans_entropy[mask], dense_entropy[mask], rtol=0, atol=1e-5)
 
 
+def test_the_spans_reach_every_layer(actor):
+    """Given spans, the layers attend by them, not by the mask: under an all-allowing mask plus the spans the logits
+    are those of the chunk's own mask; without the spans that mask changes them (so spans that never arrived show)."""
+    chunk = chunks(_group_rollout(), 6, packed=True, share_prompt=True)[0]
+    model, dtype = actor.module, actor.module.dtype
+    inputs = {"input_ids": chunk.input_ids, "position_ids": chunk.position_ids, "use_cache": False}
+    allow_all = torch.zeros(chunk.attention_mask.shape, dtype=dtype)
+    with torch.inference_mode():
+        right = model(**inputs, attention_mask=chunk.model_mask(dtype, "cpu")).logits
+        by_spans = model(**inputs, attention_mask=allow_all, fastexp_spans=chunk.spans).logits
+        wrong = model(**inputs, attention_mask=allow_all).logits
+    torch.testing.assert_close(by_spans, right, rtol=0, atol=1e-5)
+    assert (wrong - right).abs().max() > 1e-2
+
+
+def test_a_sliding_window_model_keeps_sdpa():
+    """Span attention reproduces plain causal attention only: a Mistral with a sliding window (shorter than the
+    rows) stays on SDPA, and its packed rows, windowed by transformers, equal its padded ones."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from services.experience.workers.attention import plain_causal
+
+    config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=4,
+                           attn_implementation="sdpa")
+    forward = LogProbModel(MistralForCausalLM(config).eval())
+    assert forward.module.config._attn_implementation == "sdpa" and not plain_causal(config)
+    rollout = _group_rollout()
+    packed = forward.action_log_probs(chunks(rollout, 6, packed=True))[0]
+    padded = forward.action_log_probs(chunks(rollout, 6, packed=False))[0]
+    torch.testing.assert_close(packed[rollout.action_mask], padded[rollout.action_mask], rtol=0, atol=1e-5)
+
+
 def test_packed_rows_do_not_attend_to_each_other(actor):
     rollout = _rollout()
     alone = actor.action_log_probs(chunks(rollout, 1, packed=True))[0]

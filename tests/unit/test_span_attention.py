@@ -71,3 +71,6 @@ def test_span_attention_refuses_a_batch_and_dropout():
         span_attention(torch.nn.Module(), query, key, key, None, **{SPANS_KWARG: chunk.spans})
     with pytest.raises(ValueError, match="no dropout"):
         span_attention(torch.nn.Module(), query[:1], key[:1], key[:1], None, dropout=0.1, **{SPANS_KWARG: chunk.spans})
+    with pytest.raises(ValueError, match="sliding_window"):
+        span_attention(torch.nn.Module(), query[:1], key[:1], key[:1], None, sliding_window=4,
+                       **{SPANS_KWARG: chunk.spans})

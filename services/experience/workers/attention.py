@@ -51,8 +51,10 @@ class SpanIndex:
     responses: tuple[tuple[int, int, int, int], ...]
     masks: tuple[torch.Tensor, ...]
 
-    def to(self, device: torch.device | str) -> SpanIndex:
-        return SpanIndex(self.spans, self.responses, tuple(mask.to(device) for mask in self.masks))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SpanIndex:
+        """The masks on ``device`` (accelerate's per-layer hooks call this with ``non_blocking``)."""
+        return SpanIndex(self.spans, self.responses,
+                         tuple(mask.to(device, non_blocking=non_blocking) for mask in self.masks))
 
 
 def span_index(spans: Sequence[tuple[int, int, Sequence[tuple[int, int]]]]) -> SpanIndex:
@@ -99,7 +101,8 @@ def span_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     without it, transformers' ``sdpa_attention_forward``.
 
     Raises:
-        ValueError: spans given with a batch of more than one row, or with dropout.
+        ValueError: spans given with a batch of more than one row, with dropout, or to a layer with a sliding window,
+            logit soft-capping or attention sinks (:func:`use_span_attention` leaves such models on SDPA).
     """
     spans: SpanIndex | None = kwargs.pop(SPANS_KWARG, None)
     if spans is None:
@@ -109,6 +112,9 @@ def span_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
                                       **kwargs)
     if query.shape[0] != 1 or dropout:
         raise ValueError("span attention takes one packed row and no dropout")
+    unsupported = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(f"span attention does not apply {', '.join(unsupported)}")
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # (T, H, d)
     query, key, value = query[0], key[0], value[0]  # (H, T, d), (H_kv, T, d)
     for start, length in spans.spans:
@@ -123,9 +129,20 @@ def span_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return out.unsqueeze(0), None
 
 
+def plain_causal(config: Any) -> bool:
+    """Whether every layer of ``config``'s model attends causally to all earlier positions, unscaled: no sliding
+    window (Mistral, Qwen2 with ``use_sliding_window``, Gemma's local layers, Phi-3), no logit soft-capping
+    (Gemma 2), no bidirectional attention. Span attention and the shared-prompt layout's mask reproduce only that."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    return (getattr(config, "is_causal", True) and not getattr(config, "sliding_window", None)
+            and not getattr(config, "attn_logit_softcapping", None)
+            and all(kind == "full_attention" for kind in layer_types))
+
+
 def use_span_attention(model: Any) -> bool:
     """Switch ``model`` from transformers' ``sdpa`` to :func:`span_attention` where it selects its attention through
-    transformers' ``AttentionInterface``; models on another implementation (eager, flash-attention) keep theirs.
+    transformers' ``AttentionInterface`` and every layer attends plainly causally (:func:`plain_causal`); models on
+    another implementation (eager, flash-attention) or with windows, soft-capping or bidirectional layers keep theirs.
 
     Returns:
         Whether ``model`` now runs span attention (its packed chunks then take :data:`SPANS_KWARG`).
@@ -135,6 +152,8 @@ def use_span_attention(model: Any) -> bool:
 
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) not in ("sdpa", SPAN_ATTENTION):
+        return False
+    if not plain_causal(config):
         return False
     AttentionInterface.register(SPAN_ATTENTION, span_attention)
     AttentionMaskInterface.register(SPAN_ATTENTION, sdpa_mask)  # calls without spans build SDPA's masks

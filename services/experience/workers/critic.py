@@ -68,7 +68,8 @@ class ValueModel:
     def __init__(self, backbone: Any, value_head: torch.nn.Linear) -> None:
         self._backbone = backbone
         self._value_head = value_head
-        self._span_attention = use_span_attention(backbone)  # packed chunks attend span by span on SDPA
+        # packed chunks attend span by span on SDPA, on the CPU (as LogProbModel)
+        self._span_attention = backbone.device.type == "cpu" and use_span_attention(backbone)
 
     @property
     def modules(self) -> dict[str, torch.nn.Module]:

@@ -74,11 +74,13 @@ class ForwardChunk:
         return additive.to(device)
 
     def attention_inputs(self, dtype: torch.dtype, device: torch.device | str, span_attention: bool) -> dict:
-        """The forward's attention keyword arguments: the chunk's spans for a model on span attention
-        (:func:`~services.experience.workers.attention.use_span_attention`), else :meth:`model_mask`."""
+        """The forward's attention keyword arguments: :meth:`model_mask`, and the chunk's spans for a model on span
+        attention (:func:`~services.experience.workers.attention.use_span_attention`). The mask goes along anyway, so
+        a layer the spans do not reach (a model that drops unknown keywords) attends under the right mask."""
+        inputs = {"attention_mask": self.model_mask(dtype, device)}
         if span_attention and self.spans is not None:
-            return {"attention_mask": None, SPANS_KWARG: self.spans.to(device)}
-        return {"attention_mask": self.model_mask(dtype, device)}
+            inputs[SPANS_KWARG] = self.spans.to(device)
+        return inputs
 
     def to_rows(self, outputs: torch.Tensor) -> torch.Tensor:
         """Per-position outputs (b, K) -> (rows, A) float32, 0 where a packed row has no action token."""

@@ -40,13 +40,15 @@ class LogProbModel:
     """A frozen causal LM that scores response tokens (the actor replica or the reference model)."""
 
     def __init__(self, model: Any, vision_tokens: VisionTokens | None = None, span_attention: bool = True) -> None:
-        """``span_attention``: a text model on SDPA attends span by span in packed chunks
-        (:mod:`services.experience.workers.attention`); False keeps its attention under the (T, T) mask (the
-        benchmarks' baseline). Vision rows are always padded: nothing to gain there."""
+        """``span_attention``: a text model on SDPA on the CPU attends span by span in packed chunks
+        (:mod:`services.experience.workers.attention`, measured there); False keeps its attention under the (T, T)
+        mask (the benchmarks' baseline). Vision rows are always padded: nothing to gain there. On GPUs the
+        per-span calls are unmeasured against SDPA's masked kernels, so models there keep the mask."""
         self._model = model
         self.vision_tokens = vision_tokens
         self._accepts = frozenset(inspect.signature(model.forward).parameters)
-        self._span_attention = span_attention and vision_tokens is None and use_span_attention(model)
+        self._span_attention = (span_attention and vision_tokens is None and model.device.type == "cpu"
+                                and use_span_attention(model))
 
     @classmethod
     def load(cls, path: str, *, dtype: str, device: str, device_map: str | None = None) -> LogProbModel:
