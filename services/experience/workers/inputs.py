@@ -45,7 +45,8 @@ class ForwardChunk:
         action_mask: (rows, A) bool of the chunk's rows;
         vision: the rows' images/videos (padded layout only; None when the rows are text-only). A model given
             them computes its own multimodal positions (Qwen2-VL's M-RoPE) and ignores ``position_ids``.
-        spans: where each position attends, as index tensors (packed and shared-prompt layouts; None padded).
+        spans: where each position attends: its spans and responses, with a mask per response (packed and
+            shared-prompt layouts; None padded).
     """
 
     rows: slice
