@@ -131,6 +131,26 @@ def test_a_sliding_window_model_keeps_sdpa():
     torch.testing.assert_close(packed[rollout.action_mask], padded[rollout.action_mask], rtol=0, atol=1e-5)
 
 
+def test_the_service_shares_prompts_only_for_plainly_causal_models(tiny_model_path, tmp_path, caplog):
+    """The shared-prompt layout's mask has no sliding window: the service turns prompt sharing off, and says so,
+    when a model has one; the tiny Llama keeps it."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    from services.experience.server import _load_policy
+    from services.experience.settings import ExperienceSettings
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=4)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    plain = _load_policy(ExperienceSettings(actor_model=tiny_model_path, reference_model=tiny_model_path))
+    assert plain.models.share_prompt
+    windowed = _load_policy(ExperienceSettings(actor_model=tiny_model_path, reference_model=str(tmp_path)))
+    assert not windowed.models.share_prompt
+    assert "forward_share_prompt off" in caplog.text
+
+
 def test_packed_rows_do_not_attend_to_each_other(actor):
     rollout = _rollout()
     alone = actor.action_log_probs(chunks(rollout, 1, packed=True))[0]
