@@ -197,3 +197,40 @@ def test_cpu_lora_ops_multiply_decode_batches_in_float32_and_larger_ones_in_the_
     torch.testing.assert_close(product.float(), exact, rtol=1.6e-2, atol=1e-2)
     if dtype == torch.float32:
         torch.testing.assert_close(product, exact)
+
+
+@pytest.mark.parametrize(("ids", "prefill", "dtype"), [
+    ((7,) * 8, False, torch.float32),  # a decode step of one LoRA run: one group over all rows
+    ((7, 0, 5, 7, 9, 0, 5, 7), False, torch.float32),  # mixed: three adapters, base rows (no delta), last slot used
+    ((5,) * 20 + (0,) * 10 + (7,) * 10, True, torch.bfloat16),  # a prefill of three requests, in bfloat16
+])
+def test_the_grouped_punica_wrapper_applies_each_tokens_adapter_through_vllms_own_metadata(ids, prefill, dtype):
+    """vLLM's real CPU wrapper, changed in place as a worker's is at start, given vLLM's own mapping: every token gets
+    scale * B A x of its adapter (its LoRA id's slot), a token of the base model (id 0) none, also while another
+    adapter holds the last slot (vLLM's own ops read -1 as that slot)."""
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from services.generator.vllm_cpu_lora import SlotGroupedLinear, group_rows_per_forward
+
+    wrapper = PunicaWrapperCPU(64, 8, "cpu")
+    assert group_rows_per_forward([wrapper, object()]) == 1 and isinstance(wrapper, SlotGroupedLinear)
+    assert group_rows_per_forward([wrapper]) == 0
+    slots = [5, None, 7, 9]  # lora_index_to_id: adapter id per slot
+    wrapper.update_metadata(LoRAMapping(ids, ids, is_prefill=prefill), slots, max_loras=4, vocab_size=32)
+    g = torch.Generator().manual_seed(3)
+    sizes, rank, d_in = (6, 3, 3), 2, 5  # q, k, v output slices of a merged projection
+    a = tuple(torch.randn(4, 1, rank, d_in, generator=g).to(dtype) for _ in sizes)
+    b = tuple(torch.randn(4, 1, size, rank, generator=g).to(dtype) for size in sizes)
+    x = torch.randn(len(ids), d_in, generator=g).to(dtype)
+    y = torch.ones(len(ids), sum(sizes), dtype=dtype)
+    wrapper.add_lora_linear(y, x, a, b, 0.5, sizes)
+    for row, lora_id in enumerate(ids):
+        if lora_id == 0:
+            torch.testing.assert_close(y[row], torch.ones(sum(sizes), dtype=dtype))
+            continue
+        slot = slots.index(lora_id)
+        delta = torch.cat([0.5 * b[i][slot, 0].float() @ (a[i][slot, 0].float() @ x[row].float())
+                           for i in range(len(sizes))])
+        tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(y[row].float(), 1 + delta, **tolerance)
