@@ -24,7 +24,8 @@ projection took 77 us in bfloat16 with the zero check, 22 us so.
 The wrapper's linear layers then group rows once per forward, not once per op (:class:`SlotGroupedLinear`): vLLM's
 CPU wrapper sends every op through its prefill path, which re-expands the slots per token for each one. With an
 adapter on SmolLM2's q, k, v and o, 8 x 64 sampled tokens took 7.4 s in process before, 5.2 s so (the base model's
-batches: 4.5 s, 3.8 s). Remove both with vLLM's fix.
+batches: 4.5 s, 3.8 s). vLLM's fix of the -1 rows (the PR above) would retire the ops' first reason, not the
+per-op expansion the wrapper avoids.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class SlotGroupedLinear(PunicaWrapperCPU):
     per-sequence slots to per-token ones (``repeat_interleave``) each time: 240 times a decode step for an adapter on
     SmolLM2's q, k, v and o projections, a fifth of the step's CPU time (benchmarks/README.md, "LoRA rows grouped
     once per forward"). Here each op is :func:`grouped_product` on the forward's groups, with the arithmetic of the
-    ops above. A call whose rows differ from the forward's tokens (none in vLLM 0.32) takes the wrapper's own path.
+    ops above. A call whose rows differ from the forward's tokens (a multimodal tower's per-modality run, padded
+    rows) takes the wrapper's own path, which the ops above serve as before.
     """
 
     __slots__ = ()  # a live wrapper changes class: no fields of its own (its attributes go to the base's __dict__)

@@ -234,3 +234,34 @@ def test_the_grouped_punica_wrapper_applies_each_tokens_adapter_through_vllms_ow
                            for i in range(len(sizes))])
         tolerance = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
         torch.testing.assert_close(y[row].float(), 1 + delta, **tolerance)
+
+
+def test_the_grouped_wrapper_keeps_offsets_replacement_and_falls_back_for_other_row_counts():
+    """``add_expand`` from ``offset_start`` with ``add_inputs`` False writes the deltas there (zeros on base rows) and
+    leaves the columns before it; a call whose rows are not the forward's tokens takes the wrapper's own path and
+    gives the same numbers."""
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from services.generator.vllm_cpu_lora import group_rows_per_forward, patch_cpu_lora_ops
+
+    patch_cpu_lora_ops()  # the wrapper's own path as a worker runs it
+    wrapper = PunicaWrapperCPU(64, 8, "cpu")
+    group_rows_per_forward([wrapper])
+    ids, slots = (7, 0, 7, 5), [5, None, 7, None]
+    wrapper.update_metadata(LoRAMapping(ids, ids, is_prefill=False), slots, max_loras=4, vocab_size=32)
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(4, 1, 2, 5, generator=g), torch.randn(4, 1, 3, 2, generator=g)
+    h = torch.randn(4, 2, generator=g)
+    y = torch.full((4, 6), 9.0)
+    wrapper.add_expand(y, (h,), (b,), (3,), offset_start=2, add_inputs=False)
+    for row, lora_id in enumerate(ids):
+        delta = torch.zeros(3) if lora_id == 0 else b[slots.index(lora_id), 0] @ h[row]
+        torch.testing.assert_close(y[row], torch.cat([torch.full((2,), 9.0), delta, torch.full((1,), 9.0)]))
+    x = torch.randn(6, 5, generator=g)  # 6 rows against the mapping's 4: vLLM's path (rows past the mapping: none)
+    shrunk = torch.full((6, 2), 7.0)
+    wrapper.add_shrink((shrunk,), x, (a,), 0.5)
+    for row in range(6):
+        lora_id = ids[row] if row < 4 else 0
+        expected = torch.zeros(2) if lora_id == 0 else 0.5 * a[slots.index(lora_id), 0] @ x[row]
+        torch.testing.assert_close(shrunk[row], expected)
