@@ -70,7 +70,7 @@ from fastexp.status import (
 )
 from fastexp.types import Experience, Target
 from fastexp.v1 import experience_pb2, experience_pb2_grpc, generation_pb2, generation_pb2_grpc
-from fastexp.weights import TENSOR_BATCHES, server_features, weight_chunks
+from fastexp.weights import TENSOR_BATCHES, ServerInfo, server_info, weight_chunks
 from fastexp.wire import experience_from_pb
 
 SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].full_name
@@ -111,7 +111,7 @@ class ExperienceClient:
         self._stub = experience_pb2_grpc.ExperienceServiceStub(self._channel)
         self._timeout_s = timeout_s
         self._stream_retry = stream_retry
-        self._features: frozenset[str] | None = None  # the server's (GetServerInfo), asked before the first update
+        self._server: ServerInfo | None = None  # GetServerInfo's, asked before an update until its dtype is known
         #: ``fastexp-*`` trailing metadata of the last stream as ints, summed over its opens, e.g.
         #: ``dropped-groups``, ``generation-rounds`` (dynamic sampling drops after the last batch are only counted
         #: here), and ``resumes``: how often it was resumed.
@@ -195,13 +195,13 @@ class ExperienceClient:
         checkpoint_dir: str | None = None,
         chunk_bytes: int = 4 * 1024 * 1024,
         timeout_s: float = 600.0,
-        run_id: str | None = None,
+        run_id: str | None = None, in_policy_dtype: bool = True,
     ) -> generation_pb2.UpdateWeightsResponse:
         """Replace the policy's (generator and actor replica) or the critic's weights; returns once they are live.
 
         Args:
-            tensors: ``(name, tensor)`` pairs in checkpoint names, e.g. ``model.state_dict().items()`` or the
-                tensors a step changed; in ``chunk_bytes`` pieces (small ones several per message), own float dtype.
+            tensors: ``(name, tensor)`` pairs in checkpoint names, e.g. ``model.state_dict().items()`` or the tensors a
+                step changed; in ``chunk_bytes`` pieces (small ones several per message), own float dtype (see below).
             target: ``"policy"`` or ``"critic"`` (names as :func:`save_value_model` writes them).
             checkpoint_dir: instead of tensors, a safetensors folder both services can read (shared storage).
             run_id: the run (:meth:`create_run`) the update is for; only its owner or an admin token may make it.
@@ -211,6 +211,9 @@ class ExperienceClient:
                 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: (rank, in_features);
                 ``...lora_B.weight``: (out_features, rank)), every module of the run's ``target_modules``; it is
                 loaded on every generator replica and the service's forwards, as the run's next version.
+            in_policy_dtype: policy tensors wider than the type the policy is served in (``ServerInfo.policy_dtype``)
+                travel in it: float32 to bfloat16 halves the bytes, the same full update served; a LoRA adapter is
+                then held so by the service's forwards too (as by the generators). False: each tensor's own type.
 
         Returns:
             The response: ``policy_version`` (every experience sampled after a policy update carries it; a LoRA
@@ -223,13 +226,12 @@ class ExperienceClient:
                 DEADLINE_EXCEEDED; with ``run_id``: NOT_FOUND, PERMISSION_DENIED naming ``run_id``;
                 FAILED_PRECONDITION for a base-model update while LoRA runs exist (it would change their base).
         """
-        if self._features is None:  # small tensors several per message where the server takes it
-            self._features = server_features(self._stub, min(timeout_s, 30.0))
-        batch = TENSOR_BATCHES in self._features
-        return self._stub.UpdateWeights(
-            weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target, batch=batch),
-            timeout=timeout_s, metadata=((RUN_ID_KEY, run_id),) if run_id else None,
-        )
+        if self._server is None or not self._server.policy_dtype:  # asked again until the fleet was reached
+            self._server = server_info(self._stub, min(timeout_s, 30.0))
+        wire_dtype = self._server.policy_dtype if in_policy_dtype and target == "policy" else ""
+        chunks = weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target,
+                               batch=TENSOR_BATCHES in self._server.features, wire_dtype=wire_dtype)
+        return self._stub.UpdateWeights(chunks, timeout=timeout_s, metadata=((RUN_ID_KEY, run_id),) if run_id else None)
 
     def create_run(
         self,
@@ -366,10 +368,8 @@ def update_generator_weights(
     options = [("grpc.max_send_message_length", chunk_bytes + (1 << 20))]
     with client_channel(generator_address, options, tls, token) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        response = stub.UpdateWeights(
-            weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir), timeout=timeout_s,
-        )
-    return response.policy_version
+        chunks = weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir)
+        return stub.UpdateWeights(chunks, timeout=timeout_s).policy_version
 
 
 def sleep_generator(generator_address: str, level: int = 1, *, timeout_s: float = 600.0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -27,11 +28,12 @@ TARGETS: dict[int, Target] = {
 def weight_chunks(
     tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = 4 * 1024 * 1024,
     checkpoint_dir: str | None = None, target: Target = "policy", num_tensors: int | None = None,
-    policy_version: int | None = None, batch: bool = False,
+    policy_version: int | None = None, batch: bool = False, wire_dtype: str = "",
 ) -> Iterator[generation_pb2.WeightsChunk]:
     """The ``UpdateWeights`` messages for named tensors (checkpoint/HF names), ``chunk_bytes`` of data each.
 
-    Tensors are sent in their own floating dtype (the receiver casts to the model's), one at a time, so the
+    Tensors are sent in their own floating dtype (the receiver casts to the model's), or in ``wire_dtype``
+    ("bfloat16", "float16", "float32"; "": their own) where theirs is wider (:func:`narrowed`), one at a time, so the
     sender holds one CPU copy of one tensor; each tensor's first chunk carries the CRC-32 (``zlib.crc32``) of its
     bytes, which the receiver checks before applying anything. With ``checkpoint_dir`` only the header is sent.
     ``num_tensors`` (when ``tensors`` is a lazy iterator) is announced in the header; otherwise ``tensors`` is
@@ -57,7 +59,17 @@ def weight_chunks(
             policy_version=policy_version,
         )
     )
+    narrow = FLOAT_DTYPES[wire_dtype] if wire_dtype else None
+    tensors = ((name, narrowed(tensor, narrow)) for name, tensor in tensors) if narrow is not None else tensors
     yield from tensor_messages(generation_pb2.WeightsChunk, tensors, chunk_bytes=chunk_bytes, batch=batch)
+
+
+def narrowed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` cast to ``dtype`` where that has fewer bits (float32 -> bfloat16: rounded to nearest, ties to
+    even, as the receiver's own cast of a full update), else ``tensor`` itself (and where ``dtype`` is None)."""
+    if dtype is not None and tensor.is_floating_point() and dtype.itemsize < tensor.element_size():
+        return tensor.to(dtype)
+    return tensor
 
 
 def tensor_messages(
@@ -107,16 +119,27 @@ def _tensor_chunks(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterato
                "data": data[start : start + chunk_bytes].tobytes(), "crc32": crc32 if start == 0 else None}
 
 
-def server_features(stub: experience_pb2_grpc.ExperienceServiceStub, timeout_s: float) -> frozenset[str]:
-    """What an experience server takes beyond the contract's first version (``GetServerInfo``, e.g.
-    :data:`TENSOR_BATCHES`); none from a server older than that call (UNIMPLEMENTED).
+@dataclass(frozen=True)
+class ServerInfo:
+    """What an experience server said of itself (``GetServerInfo``): ``features`` it takes beyond the contract's
+    first version (e.g. :data:`TENSOR_BATCHES`); ``policy_dtype``: the type its policy is served in ("bfloat16",
+    ...; "" unknown)."""
+
+    features: frozenset[str] = frozenset()
+    policy_dtype: str = ""
+
+
+def server_info(stub: experience_pb2_grpc.ExperienceServiceStub, timeout_s: float) -> ServerInfo:
+    """The experience server's :class:`ServerInfo`; an empty one from a server older than that call
+    (UNIMPLEMENTED). A ``policy_dtype`` outside :data:`~fastexp.types.FLOAT_DTYPES` is read as unknown.
 
     Raises:
         grpc.RpcError: any other failure (UNAVAILABLE, UNAUTHENTICATED, DEADLINE_EXCEEDED).
     """
     try:
-        return frozenset(stub.GetServerInfo(experience_pb2.GetServerInfoRequest(), timeout=timeout_s).features)
+        info = stub.GetServerInfo(experience_pb2.GetServerInfoRequest(), timeout=timeout_s)
     except grpc.RpcError as error:
         if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-            return frozenset()
+            return ServerInfo()
         raise
+    return ServerInfo(frozenset(info.features), info.policy_dtype if info.policy_dtype in FLOAT_DTYPES else "")

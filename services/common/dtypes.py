@@ -51,3 +51,9 @@ def _cpu_flags() -> set[str]:
         if key.strip() in ("flags", "Features"):
             return set(value.split())
     return set()
+
+
+def agreed_dtype(*dtypes: str) -> str:
+    """The one floating-point type ``dtypes`` ("bfloat16", ...) all name; "" where they differ or one is unknown
+    (""): what a deployment reports as the type its policy is served in (``ServerInfo.policy_dtype``)."""
+    return dtypes[0] if dtypes and "" not in dtypes and len(set(dtypes)) == 1 else ""

@@ -104,6 +104,7 @@ class _Policy:
     path: str  # the actor replica's folder
     tokenizer: Any
     vision: VisionProcessor | None  # None for a text-only policy
+    dtype: str  # the forwards' floating-point type ("bfloat16", "float32", ...)
 
     @property
     def pad_token_id(self) -> int:
@@ -134,7 +135,7 @@ def _load_policy(settings: ExperienceSettings) -> _Policy:
     models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, share_prompt, adapters)
     vision = VisionProcessor.load(actor_path)
     tokenizer = vision.tokenizer if vision is not None else AutoTokenizer.from_pretrained(actor_path)
-    return _Policy(models, actor_path, tokenizer, vision)
+    return _Policy(models, actor_path, tokenizer, vision, dtype)
 
 
 def _on_generator_reached(maker: ExperienceMaker, policy: _Policy):
@@ -288,6 +289,7 @@ async def start_experience(settings: ExperienceSettings) -> ExperienceService:
         settings.weights_staging_dir, settings.max_concurrent_streams, vision=policy.vision,
         media_limits=settings.media_limits(), checkpoint_roots=tuple(settings.checkpoint_roots),
         streams=streams, drain_margin_s=settings.drain_margin_s, ready_wait_s=settings.ready_wait_s,
+        policy_dtype=policy.dtype,
     )
     RUN_METRICS.add(servicer)
     running = await start_service(

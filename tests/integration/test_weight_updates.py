@@ -250,17 +250,20 @@ class _OlderExperienceServer(experience_pb2_grpc.ExperienceServiceServicer):
     """An experience server of the contract's first version (no GetServerInfo: UNIMPLEMENTED), or one listing
     ``features``; it records the kinds of the UpdateWeights messages it gets."""
 
-    def __init__(self, features: tuple[str, ...] | None) -> None:
-        self.features, self.kinds = features, []
+    def __init__(self, features: tuple[str, ...] | None, policy_dtype: str = "") -> None:
+        self.features, self.policy_dtype, self.kinds, self.dtypes, self.asked = features, policy_dtype, [], [], 0
 
     def UpdateWeights(self, request_iterator, context):  # noqa: N802 - gRPC method name
-        self.kinds = [message.WhichOneof("kind") for message in request_iterator]
+        messages = list(request_iterator)
+        self.kinds = [message.WhichOneof("kind") for message in messages]
+        self.dtypes = [tensor_pb2.DType.Name(m.tensor.dtype) for m in messages if m.WhichOneof("kind") == "tensor"]
         return generation_pb2.UpdateWeightsResponse(policy_version=1)
 
     def GetServerInfo(self, request, context):  # noqa: N802 - gRPC method name
+        self.asked += 1
         if self.features is None:
             return super().GetServerInfo(request, context)  # the generated base: UNIMPLEMENTED
-        return experience_pb2.ServerInfo(features=list(self.features))
+        return experience_pb2.ServerInfo(features=list(self.features), policy_dtype=self.policy_dtype)
 
 
 @pytest.mark.parametrize(("features", "batched"), [(None, False), ((), False), (("tensor-batches",), True)])
@@ -282,3 +285,30 @@ def test_the_sdk_batches_small_tensors_only_for_a_server_that_lists_the_feature(
         server.stop(0)
     assert servicer.kinds[0] == "header"
     assert set(servicer.kinds[1:]) == ({"tensors"} if batched else {"tensor"}), servicer.kinds
+
+
+def test_the_sdk_sends_policy_tensors_in_the_policy_type_the_server_says_and_asks_again_while_it_says_none():
+    from concurrent import futures
+
+    from fastexp import ExperienceClient
+
+    servicer = _OlderExperienceServer((), policy_dtype="")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    experience_pb2_grpc.add_ExperienceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    tensors = [("w", torch.ones(4)), ("h", torch.ones(2, dtype=torch.float16)), ("d", torch.ones(2, dtype=torch.float64))]
+    try:
+        with ExperienceClient(f"127.0.0.1:{port}") as client:
+            client.update_weights(tensors)  # no type said (its generator not reached yet): each tensor's own
+            assert servicer.dtypes == ["DTYPE_FLOAT32", "DTYPE_FLOAT16", "DTYPE_FLOAT64"]
+            servicer.policy_dtype = "bfloat16"
+            client.update_weights(tensors)  # asked again: wider ones narrowed, float16 (as wide) left as it is
+            assert servicer.dtypes == ["DTYPE_BFLOAT16", "DTYPE_FLOAT16", "DTYPE_BFLOAT16"]
+            client.update_weights(tensors, target="critic")  # the critic's own type is not the policy's
+            assert servicer.dtypes == ["DTYPE_FLOAT32", "DTYPE_FLOAT16", "DTYPE_FLOAT64"]
+            client.update_weights(tensors, in_policy_dtype=False)
+            assert servicer.dtypes == ["DTYPE_FLOAT32", "DTYPE_FLOAT16", "DTYPE_FLOAT64"]
+            assert servicer.asked == 2  # once said, kept for the channel
+    finally:
+        server.stop(0)

@@ -27,6 +27,7 @@ from fastexp.weights import TENSOR_BATCHES
 from fastexp.wire import experience_to_pb
 from services.common import metrics
 from services.common.deadlines import Deadline
+from services.common.dtypes import agreed_dtype
 from services.common.errors import FailedPrecondition, InvalidRequest, NotReady, Overloaded
 from services.common.identity import Caller, current_caller
 from services.common.logs import bind_request_id, current_request_id
@@ -171,6 +172,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         streams: StreamRecords,
         drain_margin_s: float = 5.0,
         ready_wait_s: float = 10.0,
+        policy_dtype: str = "",
     ) -> None:
         self._maker = maker
         self._stream_records = streams
@@ -186,6 +188,7 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
         self._tokenizer = tokenizer
         self._limits = limits
         self._readiness = readiness
+        self._policy_dtype = policy_dtype  # the actor replica's ("bfloat16", ...), agreed with the fleet's
         self._ready_wait_s = ready_wait_s
         self._weights_staging_dir = weights_staging_dir
         # weight updates in progress (each LoRA run's id, "" for the base model) and deleted LoRA runs whose
@@ -354,7 +357,12 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
     async def GetServerInfo(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> experience_pb2.ServerInfo:
-        return experience_pb2.ServerInfo(features=[TENSOR_BATCHES])
+        try:
+            generator_dtype = self._readiness.require_ready().dtype
+        except NotReady:  # said once the fleet is reached; the SDK asks again while it is ""
+            generator_dtype = ""
+        return experience_pb2.ServerInfo(features=[TENSOR_BATCHES],
+                                         policy_dtype=agreed_dtype(self._policy_dtype, generator_dtype))
 
     async def OffloadModels(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.OffloadModelsRequest, context: grpc.aio.ServicerContext

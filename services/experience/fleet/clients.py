@@ -167,7 +167,7 @@ class GeneratorClient:
             policy_version=info.policy_version, multimodal=info.multimodal, max_lora_rank=info.max_lora_rank,
             adapters={adapter.name: adapter.version for adapter in info.adapters},
             adapter_digests={adapter.name: adapter.weights_digest for adapter in info.adapters},
-            max_cpu_threads=info.max_cpu_threads if CPU_THREADS in info.features else 0,
+            max_cpu_threads=info.max_cpu_threads if CPU_THREADS in info.features else 0, dtype=info.dtype,
         )
 
     async def set_cpu_threads(self, threads: int, timeout_s: float) -> int:

@@ -112,15 +112,18 @@ class GeneratorFleet:
         await self.members.close()
 
     async def model_info(self, timeout_s: float) -> GeneratorInfo:
-        """The fleet's model info (a serving replica's, at the fleet's version); the readiness probe.
+        """The fleet's model info (a serving replica's, at the fleet's version, with the ``dtype`` every replica
+        reached reports, "" where they differ); the readiness probe.
 
         Raises:
             NotReady: no replica serves at the fleet's version; the message lists each replica's state.
         """
+        dtypes = {replica.info.dtype for replica in self.replicas if replica.info is not None}
         for replica in self.replicas:
             if self.members.routable(replica) and replica.info is not None:
                 assert self.version is not None
-                return dataclasses.replace(replica.info, policy_version=self.version)
+                return dataclasses.replace(replica.info, policy_version=self.version,
+                                           dtype=dtypes.pop() if len(dtypes) == 1 else "")
         raise NotReady(f"no generator replica serves: {self.members.describe()}")
 
     async def generate(

@@ -55,7 +55,8 @@ class GeneratorInfo:
     weights it samples with now; ``max_lora_rank``: the highest LoRA rank it takes (0: no adapters);
     ``adapters``: the adapters it holds, name → live version; ``adapter_digests``: name → the digest their load
     named ("": none); ``max_cpu_threads``: the cores a CPU engine's threads may be set to (``SetCpuThreads``; 0:
-    not adjustable).
+    not adjustable); ``dtype``: the floating-point type its model runs in ("bfloat16", ...; "" unknown: an older
+    generator, or a fleet whose replicas differ).
     """
 
     model_name: str
@@ -67,6 +68,7 @@ class GeneratorInfo:
     adapters: Mapping[str, int] = field(default_factory=dict)
     adapter_digests: Mapping[str, str] = field(default_factory=dict)
     max_cpu_threads: int = 0
+    dtype: str = ""
 
 
 class GeneratorProbe(Protocol):
