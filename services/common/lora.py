@@ -79,7 +79,7 @@ def expected_tensors(config: AdapterConfig, modules: Mapping[str, tuple[int, int
 
 def check_adapter(
     name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], modules: Mapping[str, tuple[int, int]],
-    max_rank: int,
+    max_rank: int, *, values: bool = True,
 ) -> dict[str, tuple[int, int]]:
     """Check a whole adapter before an engine applies any of it.
 
@@ -88,6 +88,8 @@ def check_adapter(
         tensors: peft-named tensors (see the module docstring), every one the config produces on this model,
             each of floating dtype, the expected shape and finite.
         modules: the base's linear layers (:func:`linear_modules`).
+        values: also scan every value for NaN and infinity (False: the caller scanned these very tensors already;
+            names, shapes and dtypes are checked either way).
 
     Returns:
         The modules the adapter adapts: name → ``(out_features, in_features)``.
@@ -99,7 +101,7 @@ def check_adapter(
     expected = check_config(name, config, modules, max_rank)
     for tensor_name, tensor in tensors.items():
         check_tensor(tensor_name, tensor.dtype, tuple(tensor.shape), expected)
-        if not all_finite(tensor):
+        if values and not all_finite(tensor):
             raise InvalidRequest(f"tensors[{tensor_name}]", "holds NaN or infinite values")
     missing = sorted(set(expected) - set(tensors))
     if missing:

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
+import pytest
 import torch
 
 from services.common.weights import ReceivedUpdate, WeightsBlobs, WeightStager, blob_digest, tensor_entries
@@ -12,19 +14,23 @@ from services.common.weights.records import DATA_FILE, MANIFEST
 from services.common.weights.staging import update_tensors
 
 
-def _staged(tensors: dict[str, torch.Tensor], root, hash_data: bool = False) -> ReceivedUpdate:
-    stager = WeightStager(root, hash_data)
+def _staged(tensors: dict[str, torch.Tensor], root, hash_data: bool = False, in_memory: bool = False) -> ReceivedUpdate:
+    stager = WeightStager(root, hash_data, in_memory)
     for name, tensor in tensors.items():
         data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
         stager.add(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), data, zlib.crc32(data))
-    return ReceivedUpdate("policy", "staged", str(stager.folder), stager.finish(), data_sha256=stager.data_sha256)
+    return ReceivedUpdate("policy", stager.kind, str(stager.folder or ""), stager.finish(),
+                          data_sha256=stager.data_sha256)
 
 
-def test_a_staged_update_read_whole_equals_its_entries_read_one_by_one_at_any_alignment(tmp_path):
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_a_staged_update_read_whole_equals_its_entries_read_one_by_one_at_any_alignment(tmp_path, in_memory):
     # a bf16 tensor of 3 values leaves the next float32 tensor at an offset of 6 bytes: not a float32 boundary
     tensors = {"a": torch.randn(3).to(torch.bfloat16), "b": torch.randn(2, 5), "c": torch.randn(4).half(),
                "d": torch.randn(1, 3, dtype=torch.float64), "e": torch.empty(0, 2)}
-    update = _staged(tensors, tmp_path)
+    update = _staged(tensors, tmp_path, in_memory=in_memory)
+    assert update.kind == ("memory" if in_memory else "staged")
+    assert list(tmp_path.iterdir()) == ([] if in_memory else [Path(update.folder)])  # in memory: nothing on disk
     whole = update_tensors(update)
     assert list(whole) == list(tensors) == [entry.name for entry in update.entries]  # in order
     for entry in update.entries:
@@ -49,11 +55,12 @@ def test_a_blobs_digest_is_known_before_it_is_written_and_is_the_one_it_is_writt
     assert blob_digest(tensor_entries(changed)) != digest
 
 
-def test_a_digest_from_the_bytes_hashed_as_staged_is_the_blobs_and_a_blob_put_with_it_is_the_same(tmp_path):
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_a_digest_from_the_bytes_hashed_as_staged_is_the_blobs_and_a_blob_put_with_it_is_the_same(tmp_path, in_memory):
     # an adapter update's bytes are hashed as they arrive: its blob's digest is then the manifest's work alone, and
     # the blob written with that digest given (its data not hashed again) is byte for byte the one written without
     tensors = {"a": torch.randn(3).to(torch.bfloat16), "lora_A": torch.randn(16, 64), "lora_B": torch.randn(64, 16)}
-    update = _staged(tensors, tmp_path, hash_data=True)
+    update = _staged(tensors, tmp_path, hash_data=True, in_memory=in_memory)
     assert _staged(tensors, tmp_path).data_sha256 is None  # hashed only when asked
     entries = tensor_entries(update_tensors(update))
     digest = blob_digest(entries, update.data_sha256)

@@ -21,7 +21,7 @@ MANIFEST = "manifest.json"
 #: The staging folder's one data file: every tensor's bytes, one after the other (offsets in the manifest).
 DATA_FILE = "tensors.bin"
 
-UpdateKind = Literal["staged", "checkpoint"]
+UpdateKind = Literal["staged", "checkpoint", "memory"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ReceivedUpdate:
 
     target: Target
     kind: UpdateKind
-    folder: str  # the staging folder (``staged``) or the named checkpoint folder (``checkpoint``)
+    folder: str  # the staging folder (``staged``), the named checkpoint folder (``checkpoint``); "" (``memory``)
     entries: list[TensorEntry]
     policy_version: int | None = None  # the version the sender asked for (None: previous + 1)
     # the hex SHA-256 of the entries' bytes in order, hashed as they arrived (None: not hashed): their blob's data

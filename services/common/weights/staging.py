@@ -35,6 +35,7 @@ from services.common.weights.records import (
     ReceivedUpdate,
     TensorEntry,
     TensorSpec,
+    UpdateKind,
 )
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
@@ -93,13 +94,17 @@ class WeightStager:
     first chunk is checked against the model (:func:`check_entry`) before anything of it is written, and the
     update's bytes are capped at :func:`max_update_bytes`. ``hash_data``: also hash the bytes as they arrive
     (:attr:`data_sha256`, the data half of the digest its blob gets:
-    :func:`~services.common.weights.blobs.blob_digest`).
+    :func:`~services.common.weights.blobs.blob_digest`). ``in_memory``: the data is held in memory instead, its
+    tensors views of it (:attr:`kind` ``"memory"``; no folder): for an update read whole anyway and bounded by a
+    small spec, a LoRA adapter's (staging a rank-16 adapter's 420 tensors on disk and reading them back took 3x as
+    long as receiving them in memory here).
     """
 
-    def __init__(self, root: str | Path | None = None, hash_data: bool = False) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="fastexp-weights-", dir=root))
+    def __init__(self, root: str | Path | None = None, hash_data: bool = False, in_memory: bool = False) -> None:
+        self.folder = None if in_memory else Path(tempfile.mkdtemp(prefix="fastexp-weights-", dir=root))
         self._sha256 = hashlib.sha256() if hash_data else None
         self._file = None  # the data file, opened with the first tensor that checks out
+        self._buffer = bytearray() if in_memory else None  # the data, in memory
         self._tensors: list[dict] = []
         self._names: set[str] = set()  # every tensor started: a name sent again is found in O(1)
         self._spec: Mapping[str, TensorSpec] | None = None
@@ -138,7 +143,10 @@ class WeightStager:
         self._total += len(data)
         if self._max_bytes is not None and self._total > self._max_bytes:
             raise InvalidRequest(field, f"the update passes {self._max_bytes} bytes, the model's size")
-        self._file.write(data)
+        if self._buffer is not None:
+            self._buffer += data
+        else:
+            self._file.write(data)
         self._written += len(data)
         self._crc32 = zlib.crc32(data, self._crc32)
         if self._sha256 is not None:
@@ -160,7 +168,7 @@ class WeightStager:
         if self._spec is not None:
             check_entry(name, dtype, shape, self._spec)
         current = {"name": name, "dtype": dtype, "shape": list(shape), "offset": self._total}
-        if self._file is None:
+        if self._file is None and self._buffer is None:
             self._file = open(self.folder / DATA_FILE, "wb")  # noqa: SIM115 - closed in finish() or discard()
         self._tensors.append(current)
         self._names.add(name)
@@ -192,16 +200,40 @@ class WeightStager:
         self._close_current()
         if num_tensors is not None and num_tensors != len(self._tensors):
             raise InvalidRequest("header.num_tensors", f"{num_tensors} announced, {len(self._tensors)} arrived")
+        if self._buffer is not None:
+            return _memory_entries(self._buffer, self._tensors)
         if self._file is not None:
             self._file.close()
         (self.folder / MANIFEST).write_text(json.dumps(self._tensors))
         return staged_entries(self.folder)
 
+    @property
+    def kind(self) -> UpdateKind:
+        """``"staged"`` (a folder on disk) or ``"memory"``."""
+        return "staged" if self._buffer is None else "memory"
+
     def discard(self) -> None:
-        """Remove the staging folder."""
+        """Remove the staging folder (in memory: nothing to remove; the tensors keep the data alive)."""
         if self._file is not None:
             self._file.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _memory_entries(data: bytearray, tensors: list[dict]) -> list[TensorEntry]:
+    """The entries of an update held in memory: each a view of ``data`` at its offset (a copy where the offset is
+    not aligned to its dtype)."""
+    entries = []
+    for tensor in tensors:
+        dtype, shape, offset = FLOAT_DTYPES[tensor["dtype"]], tuple(tensor["shape"]), tensor["offset"]
+        count = math.prod(shape) * dtype.itemsize
+        if not count:
+            view = torch.empty(shape, dtype=dtype)
+        else:
+            raw = torch.frombuffer(data, dtype=torch.uint8, count=count, offset=offset)
+            view = (raw if offset % dtype.itemsize == 0 else raw.clone()).view(dtype).reshape(shape)
+        entries.append(TensorEntry(tensor["name"], tensor["dtype"], shape, lambda view=view: view))
+    return entries
 
 
 def staged_entries(folder: str | Path) -> list[TensorEntry]:

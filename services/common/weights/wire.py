@@ -34,17 +34,17 @@ DTYPE_NAMES = {int(v): n.removeprefix("DTYPE_").lower() for n, v in tensor_pb2.D
 @contextlib.asynccontextmanager
 async def staged_update(
     messages: AsyncIterator[generation_pb2.WeightsChunk], staging_dir: str | None, *, bounds: UpdateBounds,
-    hash_data: bool = False,
+    hash_data: bool = False, in_memory: bool = False,
 ) -> AsyncIterator[ReceivedUpdate]:
     """Receive an ``UpdateWeights`` stream into a fresh staging folder under ``staging_dir`` (None: the system temp
     folder), checked against ``bounds`` as it arrives; the folder is removed when the block exits, applied or not.
     ``hash_data``: its bytes hashed as they arrive (``ReceivedUpdate.data_sha256``: a blob's digest without a second
-    read).
+    read). ``in_memory``: held in memory, not staged (kind ``"memory"``; :class:`WeightStager`).
 
     Raises:
         InvalidRequest: as :func:`receive_update`.
     """
-    stager = WeightStager(staging_dir, hash_data)
+    stager = WeightStager(staging_dir, hash_data, in_memory)
     try:
         yield await receive_update(messages, stager, bounds)
     finally:
@@ -86,7 +86,7 @@ async def receive_update(
         entries = await asyncio.to_thread(checkpoint_entries, folder)
         return ReceivedUpdate(target, "checkpoint", folder, entries, version)
     entries = await asyncio.to_thread(stager.finish, header.num_tensors or None)
-    return ReceivedUpdate(target, "staged", str(stager.folder), entries, version, stager.data_sha256)
+    return ReceivedUpdate(target, stager.kind, str(stager.folder or ""), entries, version, stager.data_sha256)
 
 
 async def header_then_chunks(

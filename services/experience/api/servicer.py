@@ -323,8 +323,8 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
             if run is not None and run.lora is not None:
                 config = adapter_config(run.lora)
                 bounds = UpdateBounds(functools.partial(self._adapter_spec, config))
-                async with staged_update(request_iterator, self._weights_staging_dir, bounds=bounds,
-                                         hash_data=True) as update:  # its blob's digest as it arrives
+                async with staged_update(request_iterator, self._weights_staging_dir, bounds=bounds, hash_data=True,
+                                         in_memory=True) as update:  # in memory, its blob's digest as it arrives
                     version = await run_to_end(self._maker.update_adapter(run.run_id, config, update, deadline),
                                                f"run {run.run_id}'s adapter update")
             else:

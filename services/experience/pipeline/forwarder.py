@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -122,16 +123,19 @@ class Forwarder:
         return self._require_adapters().adapters()[name].config
 
     async def load_adapter(self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor],
-                           version: int) -> None:
-        """Load a checked LoRA run's adapter at ``version`` between forward passes (not cancelled half-way).
+                           version: int, values_checked: bool = False) -> None:
+        """Load a LoRA run's adapter at ``version`` between forward passes (not cancelled half-way);
+        ``values_checked``: the caller ran :func:`~services.common.lora.check_adapter` on these very tensors (their
+        values are not scanned again).
 
         Raises:
             InvalidRequest: :func:`~services.common.lora.check_adapter`'s (the previous version stays).
         """
         adapters = self._require_adapters()
+        load = functools.partial(adapters.load, name, config, tensors, version, values_checked=values_checked)
         async with self._lock:
             self._weights_epoch += 1
-            await run_to_end(asyncio.to_thread(adapters.load, name, config, tensors, version), f"run {name}'s adapter load")
+            await run_to_end(asyncio.to_thread(load), f"run {name}'s adapter load")
 
     async def remove_adapter(self, name: str) -> bool:
         """Delete a LoRA run's adapter between forward passes; returns whether it was loaded."""

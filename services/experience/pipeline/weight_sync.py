@@ -169,7 +169,7 @@ class WeightSync:
                                              claim.live, Deadline.from_remaining(self._sync_timeout_s),
                                              functools.partial(self._forwarder.adapter_tensors, name) if mine else None)
                 live = loaded
-                await self._forwarder.load_adapter(name, config, tensors, live)
+                await self._forwarder.load_adapter(name, config, tensors, live, values_checked=True)
             finally:
                 await clock.end_update(live)
         finally:

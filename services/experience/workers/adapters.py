@@ -98,15 +98,17 @@ class AdapterForwards:
         """The loaded adapters by name."""
         return dict(self._loaded)
 
-    def load(self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int) -> LoadedAdapter:
+    def load(self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int, *,
+             values_checked: bool = False) -> LoadedAdapter:
         """Load ``name`` at ``version``, replacing its tensors in place when it is loaded with the same config
         (otherwise a new set of LoRA layers, the old one deleted after). Nothing is applied unless the whole adapter
-        passes :func:`check_adapter`. Tensors are cast to the LoRA layers' dtype.
+        passes :func:`check_adapter` (its scan for NaN and infinity skipped where ``values_checked``: the caller ran
+        it on these tensors). Tensors are cast to the LoRA layers' dtype.
 
         Raises:
             InvalidRequest: :func:`check_adapter`'s (the adapter named before is unchanged).
         """
-        targets_ = check_adapter(name, config, tensors, self._modules, self._max_rank)
+        targets_ = check_adapter(name, config, tensors, self._modules, self._max_rank, values=not values_checked)
         old = self._loaded.get(name)
         if old is not None and old.config == config:
             self._copy(self._keys[name], tensors)
