@@ -16,7 +16,8 @@ Figures (ratios taken here, in this run; every update through one client, as a t
 ``runs_adapter_vs_full_update_s`` (the median of run a's adapter updates after its first, the trainer's call to the
 service's answer once every replica and the forwards have it, against the median of the same calls with
 every tensor of the base model in the dtype a trainer here trains and sends it in (``dtype: auto``: bfloat16 where the
-CPU has it natively, float32 where not; the adapter is float32, peft's), sent before the LoRA runs exist; target <=
+CPU has it natively, float32 where not; the adapter is float32, peft's, sent as the SDK sends it by default: in the
+type the deployment serves the policy in, ``ServerInfo.policy_dtype``), sent before the LoRA runs exist; target <=
 0.05) and ``runs_adapter_vs_full_update_bytes``; ``runs_adapter_vs_stored_full_update_s`` against the model as stored
 (bfloat16 for SmolLM2) whatever the host, the figure before 2026-11-26;
 ``runs_adapter_qv_vs_full_update_s``, the same for a third run's adapter of that rank on ``q_proj``/``v_proj`` only

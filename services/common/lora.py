@@ -17,10 +17,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from services.common.errors import InvalidRequest
+from services.common.weights.checks import all_finite
 from services.common.weights.records import TensorSpec
 
 PEFT_PREFIX = "base_model.model."
@@ -108,26 +108,6 @@ def check_adapter(
         raise InvalidRequest(f"tensors[{missing[0]}]", f"missing: target_modules {list(config.target_modules)} "
                              f"adapt this module ({len(missing)} of {len(expected)} tensors absent)")
     return targets(modules, config.target_modules)
-
-
-#: The exponent bits of the 16-bit floats numpy has no type for: all of them set is an infinity or a NaN (IEEE 754
-#: binary16; bfloat16, whose exponent is float32's).
-_EXPONENT_BITS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (any shape) holds no NaN and no infinity. A CPU tensor of float32, float64 or a 16-bit
-    float is checked by numpy on its memory as it is (a rank-16 adapter on every projection of SmolLM2, 420 float32
-    tensors: 6 ms here against 30 ms for ``torch.isfinite(t).all()`` per tensor); any other, by torch."""
-    if tensor.device.type != "cpu" or tensor.requires_grad or tensor.layout != torch.strided:
-        return bool(torch.isfinite(tensor).all())
-    mask = _EXPONENT_BITS.get(tensor.dtype)
-    if mask is not None:
-        bits = tensor.view(torch.int16).numpy()  # the same strides: no copy
-        return not bool(np.any((bits & np.int16(mask)) == np.int16(mask)))
-    if tensor.dtype in (torch.float32, torch.float64):
-        return bool(np.isfinite(tensor.numpy()).all())
-    return bool(torch.isfinite(tensor).all())
 
 
 def check_config(

@@ -3,8 +3,9 @@ MBs: no staging on disk) and checks them as they arrive (the sender's side:
 :func:`services.common.weights.wire.adapter_chunks`).
 
 The receiver checks the header's name and config first, each tensor's name, dtype and shape on its first chunk
-(before its bytes are held), and each tensor's CRC-32 once its last byte arrived; the engine then checks the whole
-adapter again (:func:`services.common.lora.check_adapter`: nothing missing, finite values) before applying it.
+(before its bytes are held), and each tensor's CRC-32 and values (no NaN, no infinity) once its last byte arrived,
+while the next ones are still on their way; the engine then checks the whole adapter again
+(:func:`services.common.lora.check_adapter`: nothing missing; its values not scanned twice) before applying it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastexp.types import FLOAT_DTYPES
 from fastexp.v1 import generation_pb2
 from services.common.errors import InvalidRequest
 from services.common.lora import AdapterConfig, check_config, check_tensor
+from services.common.weights.checks import all_finite
 from services.common.weights.wire import DTYPE_NAMES, header_then_chunks
 
 #: The longest ``AdapterHeader.weights_digest`` taken (``sha256:`` and 64 hex digits fit with room).
@@ -47,8 +49,8 @@ async def receive_adapter(
         InvalidRequest: no header first or a second one, an empty message or an unknown kind; a bad name or config (``adapter``, ``config.rank``, ...)
             or a ``header.weights_digest`` over 128 characters;
             a tensor that is not one the config produces, or of the wrong dtype or shape, sent twice, split over
-            non-consecutive chunks, short or long, or failing its CRC-32 (``tensors[<name>]``); a count other than
-            ``header.num_tensors``.
+            non-consecutive chunks, short or long, failing its CRC-32 or holding NaN or infinite values
+            (``tensors[<name>]``); a count other than ``header.num_tensors``.
     """
     taken: list[tuple[generation_pb2.AdapterHeader, AdapterConfig, _Assembler]] = []
 
@@ -121,7 +123,10 @@ class _Assembler:
                                  f"sender's {self._crc32:#010x} (corrupted in transit); nothing was applied")
         # little-endian on the wire; fastexp's hosts are too (never empty: check_tensor took a shape of rank >= 1)
         raw = torch.frombuffer(data, dtype=torch.uint8)  # a view of ``data``, which it keeps alive
-        self.tensors[self._name] = raw.view(FLOAT_DTYPES[self._dtype]).reshape(self._shape)
+        tensor = raw.view(FLOAT_DTYPES[self._dtype]).reshape(self._shape)
+        if not all_finite(tensor):
+            raise InvalidRequest(field_name, "holds NaN or infinite values")
+        self.tensors[self._name] = tensor
         self.num_bytes += len(data)
         self._name, self._parts = None, []
 

@@ -101,10 +101,12 @@ class GenerationEngine(Protocol):
         ...
 
     async def load_adapter(
-        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None, *,
+        values_checked: bool = False,
     ) -> int:
         """Add LoRA adapter ``name`` over the base model, or replace its weights, from peft-named tensors in memory
-        (:mod:`services.generator.adapters`), checked whole before anything is applied. Requests started after it
+        (:mod:`services.generator.adapters`), checked whole before anything is applied (``values_checked``: the
+        caller scanned these very tensors for NaN and infinity; not scanned again). Requests started after it
         returns use it. Returns the adapter's version: ``version``, or the previous + 1 (1 for a first load).
 
         Raises:

@@ -273,9 +273,11 @@ class HFEngine(TokenizerEngine):
             return self._policy_version
 
     async def load_adapter(
-        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None, *,
+        values_checked: bool = False,
     ) -> int:
-        """Check the adapter (:func:`~services.common.lora.check_adapter`), then add it to the model's peft
+        """Check the adapter (:func:`~services.common.lora.check_adapter`; its values not scanned again where
+        ``values_checked``), then add it to the model's peft
         layers between ``generate`` chunks. Requests started after it returns use it; those running on an older
         version finish on that one, which is removed after the last. Returns the adapter's version (``version``,
         or the previous + 1; 1 for a first load).
@@ -286,7 +288,7 @@ class HFEngine(TokenizerEngine):
         """
         if not self.max_lora_rank:
             raise FailedPrecondition("this engine takes no LoRA adapters (max_loras 0)")
-        check_adapter(name, config, tensors, self.lora_modules, self.max_lora_rank)
+        check_adapter(name, config, tensors, self.lora_modules, self.max_lora_rank, values=not values_checked)
         slot = self.adapters.next_slot(name, config, version)
         await asyncio.to_thread(self._add_adapter, slot, tensors)
         self._retired.extend(self.adapters.publish(slot))

@@ -196,7 +196,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return version
 
     async def _load_adapter(self, received: ReceivedAdapter) -> int:
-        version = await self._engine.load_adapter(received.name, received.config, received.tensors, received.version)
+        version = await self._engine.load_adapter(received.name, received.config, received.tensors, received.version,
+                                                  values_checked=True)  # scanned as they arrived
         self._adapter_digests[received.name] = received.weights_digest
         return version
 

@@ -279,9 +279,11 @@ class VLLMEngine(TokenizerEngine):
         return self._policy_version
 
     async def load_adapter(
-        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None
+        self, name: str, config: AdapterConfig, tensors: Mapping[str, torch.Tensor], version: int | None = None, *,
+        values_checked: bool = False,
     ) -> int:
-        """Check the adapter (:func:`~services.common.lora.check_adapter`), then load it in every worker from
+        """Check the adapter (:func:`~services.common.lora.check_adapter`; its values not scanned again where
+        ``values_checked``), then load it in every worker from
         memory (``collective_rpc`` → :meth:`~services.generator.vllm_worker.WeightLoaderExtension.fastexp_load_adapter`)
         without pausing the scheduler. Requests started after it returns use it; those running on an older version
         of ``name`` finish on that one, which is dropped when the last ends. Returns the adapter's version
@@ -297,7 +299,7 @@ class VLLMEngine(TokenizerEngine):
             raise FailedPrecondition("the engine was started without LoRA adapters (max_loras 0)")
         if not self.lora_modules:
             raise FailedPrecondition("the served model has no safetensors files to check adapters against")
-        check_adapter(name, config, tensors, self.lora_modules, self.max_lora_rank)
+        check_adapter(name, config, tensors, self.lora_modules, self.max_lora_rank, values=not values_checked)
         slot = self.adapters.next_slot(name, config, version)
         await self._workers.add(slot, tensors, config.peft_fields())
         for retired in self.adapters.publish(slot):

@@ -37,9 +37,9 @@ class AdapterLoads:
         self._load = engine.load_adapter
         engine.load_adapter = self.load_adapter
 
-    async def load_adapter(self, name, config, tensors, version=None):
+    async def load_adapter(self, name, config, tensors, version=None, **options):
         self.loads.append({key: tensor.clone() for key, tensor in tensors.items()})
-        return await self._load(name, config, tensors, version)
+        return await self._load(name, config, tensors, version, **options)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,8 @@ async def stack(tiny_model_path):
         actor_model=tiny_model_path, reference_model=tiny_model_path, dtype="bfloat16")
     service = await start_experience(settings)
     await service.wait_ready(120)
-    yield {"address": f"127.0.0.1:{service.running.port}", "engine": engine, "loads": loads}
+    yield {"address": f"127.0.0.1:{service.running.port}", "engine": engine, "loads": loads,
+           "generator": f"127.0.0.1:{generator.port}"}
     await service.running.stop(1)
     await service.close()
     await scorer.stop(1)
@@ -81,6 +82,22 @@ def _float32_bytes(tensors) -> int:
     return sum(tensor.numel() * 4 for _, tensor in tensors)
 
 
+def _adapter(tiny_model_path: str, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """A rank-4 q/v adapter on the tiny model, peft-named, float32, every value N(0, 0.01) (not representable in
+    bfloat16: rounding shows)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".lora_" in name:
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=noise))
+    return sorted(get_peft_model_state_dict(model).items())
+
+
 def test_the_policy_type_is_said_only_where_every_holder_agrees():
     assert agreed_dtype("bfloat16", "bfloat16") == "bfloat16"
     assert agreed_dtype("bfloat16", "float32") == ""  # a float32 generator: float32 tensors travel as they are
@@ -97,19 +114,9 @@ async def test_the_service_says_the_type_its_policy_is_served_in(stack):
 
 
 async def test_a_float32_adapter_travels_in_the_policy_type_unless_the_trainer_says_otherwise(stack, tiny_model_path):
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
-
     run = await _call(stack, "create_run", "dtype-lora", lora_rank=4, target_modules=["q_proj", "v_proj"])
     try:
-        base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
-        noise = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if ".lora_" in name:  # not representable in bfloat16: rounding shows
-                    parameter.copy_(0.1 * torch.randn(parameter.shape, generator=noise))
-        adapter = sorted(get_peft_model_state_dict(model).items())
+        adapter = _adapter(tiny_model_path, seed=3)
         assert all(tensor.dtype == torch.float32 for _, tensor in adapter)
         loads = stack["loads"].loads
         loads.clear()
@@ -153,3 +160,43 @@ async def test_a_full_update_in_the_policy_type_leaves_the_weights_a_float32_one
         if name in live:
             assert torch.equal(live[name], after_narrow[name]), name
             assert torch.equal(live[name], tensor.to(torch.bfloat16)), name
+
+
+async def test_an_adapter_holding_nan_is_refused_naming_the_tensor_by_either_receiver_and_nothing_changes(
+    stack, tiny_model_path
+):
+    from fastexp.errors import InvalidRequest
+    from fastexp.v1 import generation_pb2_grpc
+    from services.common.lora import AdapterConfig
+    from services.common.weights.wire import adapter_chunks
+
+    adapter = _adapter(tiny_model_path, seed=5)
+    bad_name = adapter[len(adapter) // 2][0]  # neither the first tensor nor the last
+    poisoned = [(name, tensor.clone()) for name, tensor in adapter]
+    poisoned[len(adapter) // 2][1][0, 1] = float("nan")
+    run = await _call(stack, "create_run", "nan-lora", lora_rank=4, target_modules=["q_proj", "v_proj"])
+    try:
+        assert (await _call(stack, "update_weights", adapter, run_id=run.run_id)).policy_version == 1
+        loads = len(stack["loads"].loads)
+        with pytest.raises(InvalidRequest, match="holds NaN or infinite values") as refused:
+            await _call(stack, "update_weights", poisoned, run_id=run.run_id)
+        assert refused.value.field == f"tensors[{bad_name}]"
+        assert (await _call(stack, "get_run", run.run_id)).policy_version == 1  # version 1 still live
+        assert len(stack["loads"].loads) == loads  # the generator was never handed it
+
+        config = AdapterConfig(4, 4.0, ("q_proj", "v_proj"))  # straight to the generator, as a trainer might
+        async with grpc.aio.insecure_channel(stack["generator"]) as channel:
+            call = generation_pb2_grpc.GenerationServiceStub(channel).LoadAdapter(
+                _aiter(adapter_chunks("direct", config, dict(poisoned), batch=True)), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as direct:
+                await call
+        assert direct.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert direct.value.details().startswith(f"tensors[{bad_name}]: holds NaN or infinite values")
+        assert "direct" not in stack["engine"].adapters.live() and len(stack["loads"].loads) == loads
+    finally:
+        await _call(stack, "delete_run", run.run_id)
+
+
+async def _aiter(items):
+    for item in items:
+        yield item

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.errors import InvalidRequest
 from services.common.weights import ReceivedUpdate, WeightsBlobs, WeightStager, blob_digest, tensor_entries
 from services.common.weights.records import DATA_FILE, MANIFEST
 from services.common.weights.staging import update_tensors
@@ -20,7 +21,7 @@ def _staged(tensors: dict[str, torch.Tensor], root, hash_data: bool = False, in_
         data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
         stager.add(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), data, zlib.crc32(data))
     return ReceivedUpdate("policy", stager.kind, str(stager.folder or ""), stager.finish(),
-                          data_sha256=stager.data_sha256)
+                          data_sha256=stager.data_sha256, values_checked=stager.values_checked)
 
 
 @pytest.mark.parametrize("in_memory", [False, True])
@@ -71,3 +72,21 @@ def test_a_digest_from_the_bytes_hashed_as_staged_is_the_blobs_and_a_blob_put_wi
         assert (given.path(digest) / file).read_bytes() == (computed.path(digest) / file).read_bytes()
     changed = {**tensors, "lora_B": tensors["lora_B"] + 1}
     assert blob_digest(entries, _staged(changed, tmp_path, hash_data=True).data_sha256) != digest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_update_in_memory_refuses_a_tensor_with_nan_or_infinity_naming_it_as_it_arrives(tmp_path, dtype):
+    # a bf16 tensor of 3 values first: the next one starts off its dtype's alignment
+    good = {"a": torch.randn(3).to(torch.bfloat16), "b": torch.randn(2, 5).to(dtype)}
+    assert _staged(good, tmp_path, in_memory=True).values_checked
+    assert not _staged(good, tmp_path).values_checked  # on disk: the receiver's caller scans
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        tensors = {**good, "b": good["b"].clone()}
+        tensors["b"][1, 3] = bad
+        stager = WeightStager(tmp_path, in_memory=True)
+        for name, tensor in tensors.items():
+            data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+            stager.add(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), data, zlib.crc32(data))
+        with pytest.raises(InvalidRequest, match="holds NaN or infinite values") as refused:
+            stager.finish()
+        assert refused.value.field == "tensors[b]"

@@ -58,6 +58,7 @@ class ReceivedUpdate:
     policy_version: int | None = None  # the version the sender asked for (None: previous + 1)
     # the hex SHA-256 of the entries' bytes in order, hashed as they arrived (None: not hashed): their blob's data
     data_sha256: str | None = None
+    values_checked: bool = False  # every tensor's values scanned for NaN and infinity as it arrived
 
     @property
     def num_bytes(self) -> int:

@@ -28,7 +28,7 @@ import torch
 
 from fastexp.types import FLOAT_DTYPES
 from services.common.errors import InvalidRequest
-from services.common.weights.checks import check_entry, max_update_bytes
+from services.common.weights.checks import all_finite, check_entry, max_update_bytes
 from services.common.weights.records import (
     DATA_FILE,
     MANIFEST,
@@ -95,9 +95,10 @@ class WeightStager:
     update's bytes are capped at :func:`max_update_bytes`. ``hash_data``: also hash the bytes as they arrive
     (:attr:`data_sha256`, the data half of the digest its blob gets:
     :func:`~services.common.weights.blobs.blob_digest`). ``in_memory``: the data is held in memory instead, its
-    tensors views of it (:attr:`kind` ``"memory"``; no folder): for an update read whole anyway and bounded by a
-    small spec, a LoRA adapter's (staging a rank-16 adapter's 420 tensors on disk and reading them back took 3x as
-    long as receiving them in memory here).
+    tensors views of it (:attr:`kind` ``"memory"``; no folder), and each tensor's values are scanned for NaN and
+    infinity once its CRC-32 checks out, while the next ones are on their way (:attr:`values_checked`): for an
+    update read whole anyway and bounded by a small spec, a LoRA adapter's (staging a rank-16 adapter's 420 tensors
+    on disk and reading them back took 3x as long as receiving them in memory here).
     """
 
     def __init__(self, root: str | Path | None = None, hash_data: bool = False, in_memory: bool = False) -> None:
@@ -190,6 +191,8 @@ class WeightStager:
                 field, f"CRC-32 {self._crc32:#010x} of the received bytes != the sender's {self._expected_crc32:#010x} "
                 "(corrupted in transit); nothing was applied",
             )
+        if self._buffer is not None and expected and not _finite_at(self._buffer, current):
+            raise InvalidRequest(field, "holds NaN or infinite values")
 
     def finish(self, num_tensors: int | None = None) -> list[TensorEntry]:
         """Close the last tensor, write the manifest, and return the staged tensors.
@@ -208,6 +211,11 @@ class WeightStager:
         return staged_entries(self.folder)
 
     @property
+    def values_checked(self) -> bool:
+        """Whether every tensor's values were scanned for NaN and infinity as it arrived (in memory)."""
+        return self._buffer is not None
+
+    @property
     def kind(self) -> UpdateKind:
         """``"staged"`` (a folder on disk) or ``"memory"``."""
         return "staged" if self._buffer is None else "memory"
@@ -218,6 +226,15 @@ class WeightStager:
             self._file.close()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _finite_at(data: bytearray, tensor: dict) -> bool:
+    """Whether ``tensor``'s bytes in ``data`` (manifest row: dtype, shape, offset) hold no NaN and no infinity. The
+    view is dropped before returning: ``data`` grows again afterwards, which a live view of it would forbid."""
+    dtype = FLOAT_DTYPES[tensor["dtype"]]
+    raw = torch.frombuffer(data, dtype=torch.uint8, count=math.prod(tensor["shape"]) * dtype.itemsize,
+                           offset=tensor["offset"])
+    return all_finite((raw if tensor["offset"] % dtype.itemsize == 0 else raw.clone()).view(dtype))
 
 
 def _memory_entries(data: bytearray, tensors: list[dict]) -> list[TensorEntry]:

@@ -86,7 +86,8 @@ async def receive_update(
         entries = await asyncio.to_thread(checkpoint_entries, folder)
         return ReceivedUpdate(target, "checkpoint", folder, entries, version)
     entries = await asyncio.to_thread(stager.finish, header.num_tensors or None)
-    return ReceivedUpdate(target, stager.kind, str(stager.folder or ""), entries, version, stager.data_sha256)
+    return ReceivedUpdate(target, stager.kind, str(stager.folder or ""), entries, version, stager.data_sha256,
+                          stager.values_checked)
 
 
 async def header_then_chunks(

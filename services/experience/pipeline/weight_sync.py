@@ -136,7 +136,7 @@ class WeightSync:
         modules = self._forwarder.adapter_modules()
         check_update(update.entries, self.adapter_spec(config))
         tensors = await asyncio.to_thread(update_tensors, update)
-        check_adapter(name, config, tensors, modules, config.rank)  # every tensor there, finite
+        check_adapter(name, config, tensors, modules, config.rank, values=not update.values_checked)  # all there
         entries = tensor_entries(tensors)  # stored from memory, not read back from the staging folder
         # generator replicas hold it under its blob's digest (its data hashed as it arrived)
         digest = await self.ledger.digest(entries, update.data_sha256)
