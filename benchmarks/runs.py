@@ -14,7 +14,8 @@ adapter, B ~ N(0, 0.01), through ``update_weights(..., run_id=)`` before streami
 
 Figures (ratios taken here, in this run; every update through one client, as a trainer keeps one across its steps):
 ``runs_adapter_vs_full_update_s`` (the median of run a's adapter updates after its first, the trainer's call to the
-service's answer once every replica and the forwards have it, against the median of the same calls with
+service's answer once every replica and the forwards have it, against the median of the same calls, after a first
+one untimed, with
 every tensor of the base model in the dtype a trainer here trains and sends it in (``dtype: auto``: bfloat16 where the
 CPU has it natively, float32 where not; the adapter is float32, peft's, sent as the SDK sends it by default: in the
 type the deployment serves the policy in, ``ServerInfo.policy_dtype``), sent before the LoRA runs exist; target <=
@@ -89,6 +90,9 @@ def run(model: str, workload: RunsWorkload, log_dir: Path) -> dict:
     with _services(model, workload.backend, log_dir / "runs-throughput", None) as address, \
             ExperienceClient(address) as client:
         stored = load_file(str(Path(model) / "model.safetensors"))
+        # a first full update untimed, as run a's first adapter is: the first ones after start ran 1.5-2x slower
+        # than the steady state (4.5, 3.3, then 2.3 s here), which a trainer's every step sees
+        client.update_weights([(k, v.to(precision)) for k, v in stored.items()])
         full = [_timed_update(client, [(k, v.to(precision)) for k, v in stored.items()]) for _ in range(FULL_UPDATES)]
         stored_s, stored_bytes = _timed_update(client, list(stored.items()))
         _create_runs(client, config, adapters)
