@@ -77,9 +77,8 @@ SERVICE_NAME = experience_pb2.DESCRIPTOR.services_by_name["ExperienceService"].f
 
 __all__ = [
     "AgentOptions", "DEFAULT_SAMPLING", "Experience", "ExperienceClient", "RequestOptions", "Run", "RunLimits", "Sampling",
-    "StreamResumesExhausted", "StreamRetry", "build_request",
-    "encode_image", "invalid_prompt_indices", "save_value_model", "undelivered_prompt_indices", "unpack_experience",
-    "update_generator_weights", "weight_chunks",
+    "StreamResumesExhausted", "StreamRetry", "build_request", "encode_image", "invalid_prompt_indices",
+    "save_value_model", "undelivered_prompt_indices", "unpack_experience", "update_generator_weights", "weight_chunks",
 ]
 
 class ExperienceClient:
@@ -111,7 +110,7 @@ class ExperienceClient:
         self._stub = experience_pb2_grpc.ExperienceServiceStub(self._channel)
         self._timeout_s = timeout_s
         self._stream_retry = stream_retry
-        self._server: ServerInfo | None = None  # GetServerInfo's, asked before an update until its dtype is known
+        self._server: ServerInfo | None = None  # GetServerInfo's: features once, the policy type per policy update
         #: ``fastexp-*`` trailing metadata of the last stream as ints, summed over its opens, e.g.
         #: ``dropped-groups``, ``generation-rounds`` (dynamic sampling drops after the last batch are only counted
         #: here), and ``resumes``: how often it was resumed.
@@ -211,9 +210,9 @@ class ExperienceClient:
                 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: (rank, in_features);
                 ``...lora_B.weight``: (out_features, rank)), every module of the run's ``target_modules``; it is
                 loaded on every generator replica and the service's forwards, as the run's next version.
-            in_policy_dtype: policy tensors wider than the type the policy is served in (``ServerInfo.policy_dtype``)
-                travel in it: float32 to bfloat16 halves the bytes, the same full update served; a LoRA adapter is
-                then held so by the service's forwards too (as by the generators). False: each tensor's own type.
+            in_policy_dtype: policy tensors wider than the type the policy is served in (``ServerInfo.policy_dtype``,
+                asked before each such update) travel in it where that is bfloat16 or float32 (:func:`narrowed`):
+                half the bytes, the same full update served; a LoRA adapter is then held so everywhere.
 
         Returns:
             The response: ``policy_version`` (every experience sampled after a policy update carries it; a LoRA
@@ -226,11 +225,12 @@ class ExperienceClient:
                 DEADLINE_EXCEEDED; with ``run_id``: NOT_FOUND, PERMISSION_DENIED naming ``run_id``;
                 FAILED_PRECONDITION for a base-model update while LoRA runs exist (it would change their base).
         """
-        if self._server is None or not self._server.policy_dtype:  # asked again until the fleet was reached
+        narrow = in_policy_dtype and target == "policy" and not checkpoint_dir
+        if self._server is None or narrow:  # the type now (a redeployed service may serve another)
             self._server = server_info(self._stub, min(timeout_s, 30.0))
-        wire_dtype = self._server.policy_dtype if in_policy_dtype and target == "policy" else ""
         chunks = weight_chunks(tensors, chunk_bytes=chunk_bytes, checkpoint_dir=checkpoint_dir, target=target,
-                               batch=TENSOR_BATCHES in self._server.features, wire_dtype=wire_dtype)
+                               batch=TENSOR_BATCHES in self._server.features,
+                               wire_dtype=self._server.policy_dtype if narrow else "")
         return self._stub.UpdateWeights(chunks, timeout=timeout_s, metadata=((RUN_ID_KEY, run_id),) if run_id else None)
 
     def create_run(

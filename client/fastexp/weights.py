@@ -43,10 +43,13 @@ def weight_chunks(
     in chunks as before; only for a receiver that lists the feature ``"tensor-batches"``.
 
     Raises:
-        ValueError: a tensor is not floating point; ``chunk_bytes`` < 1.
+        ValueError: a tensor is not floating point; ``chunk_bytes`` < 1; an unknown ``wire_dtype``.
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    if wire_dtype and wire_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"wire_dtype must be one of {sorted(FLOAT_DTYPES)} or empty, got {wire_dtype!r}")
+    narrow = FLOAT_DTYPES[wire_dtype] if wire_dtype else None
     if checkpoint_dir:
         tensors, num_tensors = (), 0
     elif num_tensors is None:
@@ -59,16 +62,18 @@ def weight_chunks(
             policy_version=policy_version,
         )
     )
-    narrow = FLOAT_DTYPES[wire_dtype] if wire_dtype else None
     tensors = ((name, narrowed(tensor, narrow)) for name, tensor in tensors) if narrow is not None else tensors
     yield from tensor_messages(generation_pb2.WeightsChunk, tensors, chunk_bytes=chunk_bytes, batch=batch)
 
 
 def narrowed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``tensor`` cast to ``dtype`` where that has fewer bits (float32 -> bfloat16: rounded to nearest, ties to
-    even, as the receiver's own cast of a full update), else ``tensor`` itself (and where ``dtype`` is None)."""
-    if dtype is not None and tensor.is_floating_point() and dtype.itemsize < tensor.element_size():
-        return tensor.to(dtype)
+    """``tensor`` cast to ``dtype`` where that has fewer bits and float32's range, bfloat16 or float32 (float32 ->
+    bfloat16: rounded to nearest, ties to even, as the receiver's own cast of a full update), else ``tensor`` itself:
+    never to float16, whose range would turn a trainer's finite values into infinities (nor where ``dtype`` is None).
+    """
+    wide = tensor.is_floating_point() and dtype is not None and dtype.itemsize < tensor.element_size()
+    if wide and dtype in (torch.bfloat16, torch.float32):
+        return tensor.detach().to(dtype)
     return tensor
 
 

@@ -16,7 +16,7 @@ from fastexp.security import ClientTLS
 from fastexp.v1 import experience_pb2, experience_pb2_grpc
 from services.common import metrics
 from services.common.channels import open_channel
-from services.common.dtypes import resolve_dtype
+from services.common.dtypes import agreed_dtype, resolve_dtype
 from services.common.errors import NotReady
 from services.common.models import resolve_model
 from services.common.security import read_tokens
@@ -104,7 +104,7 @@ class _Policy:
     path: str  # the actor replica's folder
     tokenizer: Any
     vision: VisionProcessor | None  # None for a text-only policy
-    dtype: str  # the forwards' floating-point type ("bfloat16", "float32", ...)
+    dtype: str  # the one floating-point type of every actor tensor ("bfloat16", ...; "" where some differ)
 
     @property
     def pad_token_id(self) -> int:
@@ -135,7 +135,11 @@ def _load_policy(settings: ExperienceSettings) -> _Policy:
     models = ForwardModels(actor, reference, critic, settings.forward_micro_batch_size, share_prompt, adapters)
     vision = VisionProcessor.load(actor_path)
     tokenizer = vision.tokenizer if vision is not None else AutoTokenizer.from_pretrained(actor_path)
-    return _Policy(models, actor_path, tokenizer, vision, dtype)
+    # a model may keep some tensors in float32 under a bf16 setting (transformers' _keep_in_fp32_modules): a sender
+    # narrowing to one type would round those, so the service says a type only where every tensor has it
+    held = agreed_dtype(*sorted({str(t.dtype).removeprefix("torch.") for t in actor.tensors().values()
+                                 if t.is_floating_point()}))
+    return _Policy(models, actor_path, tokenizer, vision, held)
 
 
 def _on_generator_reached(maker: ExperienceMaker, policy: _Policy):

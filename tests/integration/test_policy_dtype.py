@@ -58,7 +58,7 @@ async def stack(tiny_model_path):
     service = await start_experience(settings)
     await service.wait_ready(120)
     yield {"address": f"127.0.0.1:{service.running.port}", "engine": engine, "loads": loads,
-           "generator": f"127.0.0.1:{generator.port}"}
+           "generator": f"127.0.0.1:{generator.port}", "settings": settings}
     await service.running.stop(1)
     await service.close()
     await scorer.stop(1)
@@ -105,12 +105,24 @@ def test_the_policy_type_is_said_only_where_every_holder_agrees():
     assert agreed_dtype() == ""
 
 
-async def test_the_service_says_the_type_its_policy_is_served_in(stack):
-    async with grpc.aio.insecure_channel(stack["address"]) as channel:
-        info = await experience_pb2_grpc.ExperienceServiceStub(channel).GetServerInfo(
+async def _server_info(address: str) -> experience_pb2.ServerInfo:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await experience_pb2_grpc.ExperienceServiceStub(channel).GetServerInfo(
             experience_pb2.GetServerInfoRequest(), timeout=30)
+
+
+async def test_the_service_says_the_type_its_policy_is_served_in_only_where_its_actor_and_generators_agree(stack):
+    info = await _server_info(stack["address"])
     assert info.policy_dtype == "bfloat16"
     assert "tensor-batches" in info.features
+    # a second experience service whose actor runs in float32 over the same bf16 generator: no type to say
+    other = await start_experience(stack["settings"].model_copy(update={"dtype": "float32"}))
+    try:
+        await other.wait_ready(120)
+        assert (await _server_info(f"127.0.0.1:{other.running.port}")).policy_dtype == ""
+    finally:
+        await other.running.stop(1)
+        await other.close()
 
 
 async def test_a_float32_adapter_travels_in_the_policy_type_unless_the_trainer_says_otherwise(stack, tiny_model_path):
@@ -156,10 +168,13 @@ async def test_a_full_update_in_the_policy_type_leaves_the_weights_a_float32_one
     wide = await _call(stack, "update_weights", tensors, in_policy_dtype=False)
     assert wide.num_bytes == _float32_bytes(tensors)
     assert wide.policy_version == narrow.policy_version + 1
+    compared = 0
     for name, tensor in tensors:
-        if name in live:
+        if name in live:  # lm_head.weight is the tied embedding's, named once
             assert torch.equal(live[name], after_narrow[name]), name
             assert torch.equal(live[name], tensor.to(torch.bfloat16)), name
+            compared += 1
+    assert compared == len(tensors)
 
 
 async def test_an_adapter_holding_nan_is_refused_naming_the_tensor_by_either_receiver_and_nothing_changes(

@@ -287,7 +287,7 @@ def test_the_sdk_batches_small_tensors_only_for_a_server_that_lists_the_feature(
     assert set(servicer.kinds[1:]) == ({"tensors"} if batched else {"tensor"}), servicer.kinds
 
 
-def test_the_sdk_sends_policy_tensors_in_the_policy_type_the_server_says_and_asks_again_while_it_says_none():
+def test_the_sdk_sends_policy_tensors_in_the_policy_type_the_server_says_now():
     from concurrent import futures
 
     from fastexp import ExperienceClient
@@ -309,6 +309,9 @@ def test_the_sdk_sends_policy_tensors_in_the_policy_type_the_server_says_and_ask
             assert servicer.dtypes == ["DTYPE_FLOAT32", "DTYPE_FLOAT16", "DTYPE_FLOAT64"]
             client.update_weights(tensors, in_policy_dtype=False)
             assert servicer.dtypes == ["DTYPE_FLOAT32", "DTYPE_FLOAT16", "DTYPE_FLOAT64"]
-            assert servicer.asked == 2  # once said, kept for the channel
+            assert servicer.asked == 2  # neither of those two asked: they narrow nothing
+            servicer.policy_dtype = "float16"  # redeployed: asked again, and never narrowed to float16's range
+            client.update_weights(tensors)
+            assert servicer.dtypes == ["DTYPE_FLOAT32", "DTYPE_FLOAT16", "DTYPE_FLOAT64"] and servicer.asked == 3
     finally:
         server.stop(0)

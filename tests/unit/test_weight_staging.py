@@ -81,12 +81,12 @@ def test_an_update_in_memory_refuses_a_tensor_with_nan_or_infinity_naming_it_as_
     assert _staged(good, tmp_path, in_memory=True).values_checked
     assert not _staged(good, tmp_path).values_checked  # on disk: the receiver's caller scans
     for bad in (float("nan"), float("inf"), float("-inf")):
-        tensors = {**good, "b": good["b"].clone()}
+        tensors = {**good, "b": good["b"].clone(), "c": torch.randn(4)}
         tensors["b"][1, 3] = bad
         stager = WeightStager(tmp_path, in_memory=True)
-        for name, tensor in tensors.items():
-            data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
-            stager.add(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), data, zlib.crc32(data))
         with pytest.raises(InvalidRequest, match="holds NaN or infinite values") as refused:
-            stager.finish()
-        assert refused.value.field == "tensors[b]"
+            for name, tensor in tensors.items():
+                data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+                stager.add(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), data,
+                           zlib.crc32(data))
+        assert refused.value.field == "tensors[b]" and name == "c"  # refused as c began, before its bytes

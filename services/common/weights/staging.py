@@ -90,7 +90,7 @@ class WeightStager:
 
     Call :meth:`expect` with the model's spec once the target is known, :meth:`add` per chunk, then
     :meth:`finish`; :meth:`discard` removes the folder (always call it, e.g. in ``finally``). Memory held: one
-    chunk. Each tensor's first chunk must carry its CRC-32, checked once its last byte arrived; with a spec, that
+    chunk (on disk; in memory, see below). Each tensor's first chunk must carry its CRC-32, checked once its last byte arrived; with a spec, that
     first chunk is checked against the model (:func:`check_entry`) before anything of it is written, and the
     update's bytes are capped at :func:`max_update_bytes`. ``hash_data``: also hash the bytes as they arrive
     (:attr:`data_sha256`, the data half of the digest its blob gets:
@@ -229,28 +229,26 @@ class WeightStager:
 
 
 def _finite_at(data: bytearray, tensor: dict) -> bool:
-    """Whether ``tensor``'s bytes in ``data`` (manifest row: dtype, shape, offset) hold no NaN and no infinity. The
-    view is dropped before returning: ``data`` grows again afterwards, which a live view of it would forbid."""
-    dtype = FLOAT_DTYPES[tensor["dtype"]]
-    raw = torch.frombuffer(data, dtype=torch.uint8, count=math.prod(tensor["shape"]) * dtype.itemsize,
-                           offset=tensor["offset"])
-    return all_finite((raw if tensor["offset"] % dtype.itemsize == 0 else raw.clone()).view(dtype))
+    """Whether ``tensor``'s bytes in ``data`` (manifest row: dtype, shape, offset) hold no NaN and no infinity."""
+    return all_finite(_view(data, tensor))
+
+
+def _view(data: bytearray, tensor: dict) -> torch.Tensor:
+    """``tensor``'s bytes in ``data`` as a tensor of its dtype and shape: a view (a copy where the offset is not
+    aligned to its dtype). Made through numpy, whose view holds ``data``'s buffer: while one lives, growing ``data``
+    raises BufferError instead of moving the bytes under it."""
+    dtype, shape, offset = FLOAT_DTYPES[tensor["dtype"]], tuple(tensor["shape"]), tensor["offset"]
+    count = math.prod(shape) * dtype.itemsize
+    if not count:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, count=count, offset=offset))
+    return (raw if offset % dtype.itemsize == 0 else raw.clone()).view(dtype).reshape(shape)
 
 
 def _memory_entries(data: bytearray, tensors: list[dict]) -> list[TensorEntry]:
-    """The entries of an update held in memory: each a view of ``data`` at its offset (a copy where the offset is
-    not aligned to its dtype)."""
-    entries = []
-    for tensor in tensors:
-        dtype, shape, offset = FLOAT_DTYPES[tensor["dtype"]], tuple(tensor["shape"]), tensor["offset"]
-        count = math.prod(shape) * dtype.itemsize
-        if not count:
-            view = torch.empty(shape, dtype=dtype)
-        else:
-            raw = torch.frombuffer(data, dtype=torch.uint8, count=count, offset=offset)
-            view = (raw if offset % dtype.itemsize == 0 else raw.clone()).view(dtype).reshape(shape)
-        entries.append(TensorEntry(tensor["name"], tensor["dtype"], shape, lambda view=view: view))
-    return entries
+    """The entries of an update held in memory, each :func:`_view` of ``data`` at its offset."""
+    views = [(tensor, _view(data, tensor)) for tensor in tensors]
+    return [TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), lambda view=view: view) for t, view in views]
 
 
 def staged_entries(folder: str | Path) -> list[TensorEntry]:
@@ -273,7 +271,8 @@ def staged_entries(folder: str | Path) -> list[TensorEntry]:
 
 def update_tensors(update: ReceivedUpdate) -> dict[str, torch.Tensor]:
     """A received update's tensors in memory, by name, in order (for updates small enough to hold whole, such as an
-    adapter's): a staged one from a single read of its data file, each tensor a view of that buffer where its
+    adapter's): one received in memory (kind ``"memory"``) as its views; a staged one from a single read of its data
+    file, each tensor a view of that buffer where its
     offset is aligned to its dtype (a copy where not); a checkpoint's read one by one."""
     if update.kind != "staged":
         return {entry.name: entry.load() for entry in update.entries}

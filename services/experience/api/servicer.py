@@ -145,6 +145,11 @@ class Readiness(Protocol):
         """Within ``wait_s`` seconds of readiness; raises NotReady as :meth:`require_ready` after that."""
         ...
 
+    @property
+    def generator_info(self) -> GeneratorInfo | None:
+        """The generator fleet's last model info (None before it was first reached)."""
+        ...
+
 
 class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServicer):
     """``fastexp.v1.ExperienceService`` over an :class:`ExperienceMaker` and the service's ``runs``
@@ -357,10 +362,8 @@ class ExperienceServicer(RunMethods, experience_pb2_grpc.ExperienceServiceServic
     async def GetServerInfo(  # noqa: N802 - gRPC method name
         self, request: experience_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> experience_pb2.ServerInfo:
-        try:
-            generator_dtype = self._readiness.require_ready().dtype
-        except NotReady:  # said once the fleet is reached; the SDK asks again while it is ""
-            generator_dtype = ""
+        info = self._readiness.generator_info  # None before the fleet was reached: no type said yet
+        generator_dtype = info.dtype if info is not None else ""
         return experience_pb2.ServerInfo(features=[TENSOR_BATCHES],
                                          policy_dtype=agreed_dtype(self._policy_dtype, generator_dtype))
 

@@ -113,12 +113,12 @@ class GeneratorFleet:
 
     async def model_info(self, timeout_s: float) -> GeneratorInfo:
         """The fleet's model info (a serving replica's, at the fleet's version, with the ``dtype`` every replica
-        reached reports, "" where they differ); the readiness probe.
+        reports, "" where they differ or one was never reached); the readiness probe.
 
         Raises:
             NotReady: no replica serves at the fleet's version; the message lists each replica's state.
         """
-        dtypes = {replica.info.dtype for replica in self.replicas if replica.info is not None}
+        dtypes = {replica.info.dtype if replica.info is not None else "" for replica in self.replicas}
         for replica in self.replicas:
             if self.members.routable(replica) and replica.info is not None:
                 assert self.version is not None
