@@ -32,8 +32,9 @@ def weight_chunks(
 ) -> Iterator[generation_pb2.WeightsChunk]:
     """The ``UpdateWeights`` messages for named tensors (checkpoint/HF names), ``chunk_bytes`` of data each.
 
-    Tensors are sent in their own floating dtype (the receiver casts to the model's), or in ``wire_dtype``
-    ("bfloat16", "float16", "float32"; "": their own) where theirs is wider (:func:`narrowed`), one at a time, so the
+    Tensors are sent in their own floating dtype (the receiver casts to the model's), or in ``wire_dtype`` (a
+    :data:`~fastexp.types.FLOAT_DTYPES` name; "": their own) where theirs is wider and ``wire_dtype`` is bfloat16 or
+    float32 (:func:`narrowed`), one at a time, so the
     sender holds one CPU copy of one tensor; each tensor's first chunk carries the CRC-32 (``zlib.crc32``) of its
     bytes, which the receiver checks before applying anything. With ``checkpoint_dir`` only the header is sent.
     ``num_tensors`` (when ``tensors`` is a lazy iterator) is announced in the header; otherwise ``tensors`` is

@@ -90,8 +90,8 @@ class WeightStager:
 
     Call :meth:`expect` with the model's spec once the target is known, :meth:`add` per chunk, then
     :meth:`finish`; :meth:`discard` removes the folder (always call it, e.g. in ``finally``). Memory held: one
-    chunk (on disk; in memory, see below). Each tensor's first chunk must carry its CRC-32, checked once its last byte arrived; with a spec, that
-    first chunk is checked against the model (:func:`check_entry`) before anything of it is written, and the
+    chunk (on disk; in memory, see below). Each tensor's first chunk must carry its CRC-32, checked once its last
+    byte arrived; with a spec, that first chunk is checked against the model (:func:`check_entry`) before anything of it is written, and the
     update's bytes are capped at :func:`max_update_bytes`. ``hash_data``: also hash the bytes as they arrive
     (:attr:`data_sha256`, the data half of the digest its blob gets:
     :func:`~services.common.weights.blobs.blob_digest`). ``in_memory``: the data is held in memory instead, its
